@@ -1,0 +1,83 @@
+"""Engine and model configuration (plain dataclasses: the engine knows nothing of OmegaConf)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+METHODS = ("ar", "esp", "pld", "stand", "lade")
+TREES = ("static", "dynamic")
+EXPANSIONS = ("top1", "frontier")
+MASK_INITS = ("mean", "last_k", "sample", "offset")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+ATTN_IMPLS = ("sdpa", "eager")
+
+
+@dataclass
+class ModelConfig:
+    # Local path, hub id, or "tiny-random-<arch>" (llama | qwen2 | qwen3 | mistral) for offline demos/tests.
+    name_or_path: str = "tiny-random-llama"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    device: str = "auto"  # cpu | cuda | cuda:N | auto
+    attn_implementation: str = "sdpa"  # sdpa | eager (flash_attention_2 cannot take tree masks)
+    trust_remote_code: bool = False
+    revision: Optional[str] = None
+    seed: int = 0  # seed of tiny-random weights
+
+
+@dataclass
+class EngineConfig:
+    method: str = "esp"  # ar | esp | pld | stand | lade
+    # Tokens fed per decode pass per sequence: (k+1) * (1 + num draft nodes) for ESP.
+    block_complexity: int = 30
+    num_masks: int = 1  # k: mask tokens per input token (ESP)
+    tree: str = "dynamic"  # static | dynamic
+    # Static branch list [K_1..K_k]; empty = derived from block_complexity (see tree_shapes.static_branches).
+    branches: list[int] = field(default_factory=list)
+    expansion: str = "top1"  # dynamic trees: top1 (paper, Appendix D) | frontier (literal Algorithm 1)
+    prune: bool = True  # replace a candidate equal to its parent's token by the next best
+    mask_init: str = "mean"  # mean | last_k | sample | offset
+    mask_init_last_k: int = 1  # last_k: mean of the last n prompt embeddings
+    mask_init_offset: float = 5.0  # offset: mu + c * sigma of the embedding table
+    ema_lambda: float = 0.1  # mask EMA toward each committed token's embedding; 0 freezes it
+    probe_prefill: bool = True  # append the k masks to the prefill so the first decode pass has a tree
+    # Prompt lookup (pld)
+    pld_max_ngram: int = 3
+    pld_min_ngram: int = 1
+    pld_depth: int = 10
+    # Batching
+    max_batch_size: int = 8
+    prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
+    seed: int = 0  # base seed for requests that carry none
+
+    def validate(self) -> None:
+        """Raise ValueError with a one-line, actionable message on a bad setting."""
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if self.method not in METHODS:
+            bad(f"engine.method={self.method!r} is unknown; choose one of {', '.join(METHODS)}")
+        if self.tree not in TREES:
+            bad(f"engine.tree={self.tree!r} is unknown; choose static or dynamic")
+        if self.expansion not in EXPANSIONS:
+            bad(f"engine.expansion={self.expansion!r} is unknown; choose top1 or frontier")
+        if self.mask_init not in MASK_INITS:
+            bad(f"engine.mask_init={self.mask_init!r} is unknown; choose one of {', '.join(MASK_INITS)}")
+        if self.method == "esp" and not 1 <= self.num_masks <= 8:
+            bad(f"engine.num_masks={self.num_masks} must be between 1 and 8")
+        if self.method != "ar" and self.block_complexity < 2:
+            bad(f"engine.block_complexity={self.block_complexity} must be >= 2 for speculative methods")
+        if self.method == "esp" and self.block_complexity < 2 * (self.num_masks + 1):
+            bad(
+                f"engine.block_complexity={self.block_complexity} leaves no draft node with "
+                f"num_masks={self.num_masks}; use at least {2 * (self.num_masks + 1)}"
+            )
+        if not 0.0 <= self.ema_lambda <= 1.0:
+            bad(f"engine.ema_lambda={self.ema_lambda} must be in [0, 1]")
+        if self.max_batch_size < 1:
+            bad(f"engine.max_batch_size={self.max_batch_size} must be >= 1")
+        if not 1 <= self.pld_min_ngram <= self.pld_max_ngram:
+            bad("engine.pld_min_ngram must be >= 1 and <= engine.pld_max_ngram")
+        if self.pld_depth < 1:
+            bad(f"engine.pld_depth={self.pld_depth} must be >= 1")
+        if any(b < 1 for b in self.branches):
+            bad(f"engine.branches={list(self.branches)} must be positive integers")

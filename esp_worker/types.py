@@ -1,0 +1,111 @@
+"""Requests, outputs and per-request statistics: the engine's public contract."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+FINISH_REASONS = ("stop", "length", "context")
+
+
+@dataclass
+class GenerationParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 = off
+    seed: Optional[int] = None  # per-request sampling seed; None derives one from the engine seed and id
+    stop_token_ids: Sequence[int] = ()  # extra stop ids, on top of the model's EOS ids
+    stop_strings: Sequence[str] = ()
+    ignore_eos: bool = False
+
+    def problem(self) -> Optional[str]:
+        """One-line description of what is invalid, or None."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            return f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1"
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            return f"temperature={self.temperature!r} must be a number >= 0"
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            return f"top_p={self.top_p!r} must be in (0, 1]"
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            return f"top_k={self.top_k!r} must be an integer >= 0"
+        if self.seed is not None and not isinstance(self.seed, int):
+            return f"seed={self.seed!r} must be an integer"
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            return f"stop_token_ids={list(self.stop_token_ids)!r} must be non-negative integers"
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            return f"stop_strings={list(self.stop_strings)!r} must be non-empty strings"
+        return None
+
+
+@dataclass
+class Request:
+    """One generation request. Give `prompt_ids` (already tokenized) or `prompt` (tokenized as
+    `tokenizer(prompt)` does, special tokens included)."""
+
+    id: str
+    prompt: Optional[str] = None
+    prompt_ids: Optional[list[int]] = None
+    params: GenerationParams = field(default_factory=GenerationParams)
+
+
+@dataclass
+class RequestStats:
+    """Counters only; ratios are derived properties. Counters merge by addition.
+
+    decode pass: a forward pass after prefill. Each pass commits accepted drafts + 1 bonus token.
+    tau = tokens committed by decode passes / decode passes (prefill's first token is NOT counted).
+    """
+
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_decode_passes: int = 0
+    num_decode_tokens: int = 0  # tokens committed by decode passes (= generated - 1 when prefill gave one)
+    num_drafted_tokens: int = 0  # valid draft nodes fed to the model
+    num_accepted_drafts: int = 0
+    # [depth] passes whose accepted path reached depth d+1
+    accepted_per_depth: list[int] = field(default_factory=list)
+    # [n] passes that committed n tokens (index 0 unused unless truncated to nothing)
+    committed_histogram: list[int] = field(default_factory=list)
+    # block size (tokens fed per sequence) -> passes
+    block_size_histogram: dict[int, int] = field(default_factory=dict)
+    time_s: float = 0.0
+
+    @property
+    def tau(self) -> Optional[float]:
+        return self.num_decode_tokens / self.num_decode_passes if self.num_decode_passes else None
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        return self.num_accepted_drafts / self.num_drafted_tokens if self.num_drafted_tokens else None
+
+    def merge(self, other: "RequestStats") -> "RequestStats":
+        def add_lists(a: list[int], b: list[int]) -> list[int]:
+            n = max(len(a), len(b))
+            return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+        hist = dict(self.block_size_histogram)
+        for k, v in other.block_size_histogram.items():
+            hist[k] = hist.get(k, 0) + v
+        return RequestStats(
+            num_prompt_tokens=self.num_prompt_tokens + other.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens + other.num_generated_tokens,
+            num_decode_passes=self.num_decode_passes + other.num_decode_passes,
+            num_decode_tokens=self.num_decode_tokens + other.num_decode_tokens,
+            num_drafted_tokens=self.num_drafted_tokens + other.num_drafted_tokens,
+            num_accepted_drafts=self.num_accepted_drafts + other.num_accepted_drafts,
+            accepted_per_depth=add_lists(self.accepted_per_depth, other.accepted_per_depth),
+            committed_histogram=add_lists(self.committed_histogram, other.committed_histogram),
+            block_size_histogram=hist,
+            time_s=self.time_s + other.time_s,
+        )
+
+
+@dataclass
+class RequestOutput:
+    id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str]  # stop | length | context; None when error is set
+    stats: RequestStats
+    error: Optional[str] = None
