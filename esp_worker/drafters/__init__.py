@@ -1,0 +1,49 @@
+"""Drafters: propose draft trees behind one interface (see base.Drafter)."""
+from __future__ import annotations
+
+from ..config import EngineConfig
+from ..model_io import ModelRunner
+from .base import Block, Drafter, PlainDrafter, RowsView
+
+
+def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
+    """The drafter for `cfg.method`, sized by the block complexity."""
+    if cfg.method == "ar":
+        return PlainDrafter()
+    if cfg.method == "pld":
+        from .pld import PromptLookupDrafter
+
+        return PromptLookupDrafter(cfg.pld_max_ngram, cfg.pld_min_ngram, min(cfg.pld_depth, cfg.block_complexity - 1))
+    if cfg.method == "esp":
+        from .esp import ESPDrafter
+
+        d = ESPDrafter(
+            embed=runner.embed_ids,
+            logits=runner.logits,
+            embedding_table=runner.embed.weight.detach(),
+            num_masks=cfg.num_masks,
+            block_complexity=cfg.block_complexity,
+            tree=cfg.tree,
+            branches=list(cfg.branches),
+            expansion=cfg.expansion,
+            prune=cfg.prune,
+            mask_init=cfg.mask_init,
+            mask_init_last_k=cfg.mask_init_last_k,
+            mask_init_offset=cfg.mask_init_offset,
+            ema_lambda=cfg.ema_lambda,
+            probe_prefill=cfg.probe_prefill,
+        )
+        d.set_model_dtype(runner.dtype)
+        return d
+    if cfg.method == "stand":
+        from .stand import StandDrafter
+
+        return StandDrafter.from_config(cfg, runner)
+    if cfg.method == "lade":
+        from .lade import LookaheadDrafter
+
+        return LookaheadDrafter.from_config(cfg, runner)
+    raise ValueError(f"engine.method={cfg.method!r} is unknown")
+
+
+__all__ = ["Block", "Drafter", "PlainDrafter", "RowsView", "make_drafter"]

@@ -1,0 +1,100 @@
+"""The drafter interface: propose a draft tree (+ auxiliary inputs such as ESP's mask tokens), observe.
+
+A drafter keeps its per-row state as tensors in `view.state` ([B, ...] each); the engine selects and
+appends rows of that dict together with its own row tensors, so drafters never see batch bookkeeping.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..tree import BlockLayout, DraftTree, block_layout
+
+
+@dataclass
+class Block:
+    """What one decode pass feeds per row: tree slots then `aux` inputs, Q = T + A tokens."""
+
+    tree: DraftTree
+    layout: BlockLayout  # visible [B|1, Q, Q], rel_pos [B|1, Q]
+    # [B, A, D] input embeddings placed after the tree slots (ESP: T * k mask tokens); None when A = 0
+    aux_embeds: Optional[torch.Tensor]
+    max_depth: int  # deepest node in any row's tree
+
+
+@dataclass
+class RowsView:
+    """Read access to the batch rows a drafter works on, plus its own mutable state."""
+
+    # [B, C] prompt + committed tokens (root included), valid up to hist_len
+    hist: torch.Tensor
+    # [B]
+    hist_len: torch.Tensor
+    # [B]
+    prompt_len: torch.Tensor
+    # per-row seeds (for drafters that draw random numbers)
+    seeds: list[int]
+    # drafter-owned per-row tensors, [B, ...] each
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def root(self) -> torch.Tensor:
+        # [B] last committed token
+        return self.hist.gather(1, (self.hist_len - 1)[:, None]).squeeze(1)
+
+
+class Drafter(ABC):
+    """Base class. Subclasses implement `propose`; ESP-like drafters also use masks (`num_masks` > 0)."""
+
+    name: str = "base"
+    num_masks: int = 0  # auxiliary mask inputs owned by each tree slot (their hidden states come back)
+
+    def __init__(self) -> None:
+        self._layouts: dict[tuple, BlockLayout] = {}
+
+    def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
+        """Initialise state for new rows (prompt only in view.hist). Return prefill aux embeds [R, A, D] or None."""
+        return None
+
+    @abstractmethod
+    def propose(self, view: RowsView) -> Block:
+        ...
+
+    def observe(
+        self,
+        view: RowsView,
+        aux_hidden: Optional[torch.Tensor],  # [B, k, D] hidden of the masks owned by the last accepted slot
+        committed: torch.Tensor,  # [B, S] tokens committed this pass
+        num_committed: torch.Tensor,  # [B]
+        slot_logits: Optional[torch.Tensor] = None,  # [B, T, V] logits at tree slots (None after prefill)
+        path_slots: Optional[torch.Tensor] = None,  # [B, S] tree slots on the accepted path
+    ) -> None:
+        """Learn from a pass (or the prefill). Default: nothing."""
+
+    def layout_for(self, tree: DraftTree) -> BlockLayout:
+        """Block layout; computed once per static shape and reused (the paper's "efficient" path)."""
+        if tree.static_key is None:
+            return block_layout(tree.parents, self.num_masks)
+        key = (tree.static_key, self.num_masks, tree.tokens.device)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = block_layout(tree.parents[:1], self.num_masks)
+            self._layouts[key] = lay
+        return lay
+
+    def block(self, tree: DraftTree, aux_embeds: Optional[torch.Tensor] = None, max_depth: Optional[int] = None) -> Block:
+        lay = self.layout_for(tree)
+        depth = int(lay.depth.max()) if max_depth is None else max_depth
+        return Block(tree=tree, layout=lay, aux_embeds=aux_embeds, max_depth=depth)
+
+
+class PlainDrafter(Drafter):
+    """`ar`: no draft; the same loop as every other method with a one-slot tree (plain decoding)."""
+
+    name = "ar"
+
+    def propose(self, view: RowsView) -> Block:
+        return self.block(DraftTree.root_only(view.root), max_depth=0)

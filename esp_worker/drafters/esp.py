@@ -1,0 +1,231 @@
+"""ESP: mask-token probing (Goel et al., arXiv 2603.17942). No draft model, no training.
+
+Each tree slot owns k mask inputs whose embedding is the per-sequence vector m. The hidden states of the
+masks owned by the last accepted slot give, through the LM head, candidates for depths 1..k of the next tree
+(mask j stood at pos(last) + j, which is depth j under the new root). m starts from the prompt's embeddings
+and moves by EMA toward each committed token's embedding.
+
+State per row: `m` [B, D]; `cand_lp` [B, k, C] sorted log-probs and `cand_ids` [B, k, C] of each mask's top-C
+tokens; `has_probe` [B] bool (False until a probe exists, e.g. when prefill probing is off).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..tree import DraftTree, static_branches, static_parents
+from .base import Block, Drafter, RowsView
+
+NEG = float("-inf")
+
+
+def topk_excluding(lp: torch.Tensor, ids: torch.Tensor, exclude: Optional[torch.Tensor], k: int):
+    """From sorted candidates lp/ids [B, C] take the best k, skipping token `exclude` [B] (or None).
+
+    Example: ids [7, 3, 9], exclude 7, k 2 -> [3, 9] (the next best replaces the excluded token).
+    """
+    if exclude is not None:
+        c = lp.shape[1]
+        key = torch.arange(c, device=lp.device)[None] + c * (ids == exclude[:, None])
+        order = key.argsort(dim=1)[:, :k]
+        return lp.gather(1, order), ids.gather(1, order)
+    return lp[:, :k], ids[:, :k]
+
+
+class ESPDrafter(Drafter):
+    name = "esp"
+
+    def __init__(
+        self,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        logits: Callable[[torch.Tensor], torch.Tensor],
+        embedding_table: torch.Tensor,  # [V, D]
+        num_masks: int,
+        block_complexity: int,
+        tree: str = "dynamic",
+        branches: Optional[list[int]] = None,
+        expansion: str = "top1",
+        prune: bool = True,
+        mask_init: str = "mean",
+        mask_init_last_k: int = 1,
+        mask_init_offset: float = 5.0,
+        ema_lambda: float = 0.1,
+        probe_prefill: bool = True,
+    ):
+        super().__init__()
+        self.embed, self.logits = embed, logits
+        self.num_masks = k = num_masks
+        self.tree_mode, self.expansion, self.prune = tree, expansion, prune
+        self.mask_init, self.last_k, self.offset = mask_init, mask_init_last_k, mask_init_offset
+        self.ema_lambda, self.probe_prefill = ema_lambda, probe_prefill
+        if tree == "static":
+            self.branches = list(branches) if branches else static_branches(block_complexity, k)
+            if len(self.branches) > k:
+                raise ValueError(f"engine.branches={self.branches} is deeper than num_masks={k}")
+            self.num_nodes = sum(self.branches)
+            self.static_parents = static_parents(self.branches)
+            self.num_cand = max(self.branches) + 1
+        else:
+            self.budget = block_complexity // (k + 1)  # tree slots, root included
+            self.num_nodes = self.budget - 1
+            if self.num_nodes < 1:
+                raise ValueError(f"block_complexity={block_complexity} leaves no draft node with num_masks={k}")
+            self.num_cand = self.budget
+        table = embedding_table.float()
+        self.table_mu = table.mean(0)  # [D]
+        self.table_sigma = table.std(0)  # [D]
+        self._parents: dict[tuple, torch.Tensor] = {}
+
+    # ---- mask vector -------------------------------------------------------------------------------
+    def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
+        hist, plen = view.hist, view.prompt_len  # prompt only: hist_len == prompt_len
+        b, c = hist.shape
+        dev = hist.device
+        pos = torch.arange(c, device=dev)[None]
+        if self.mask_init in ("mean", "last_k"):
+            lo = (plen - self.last_k).clamp(min=0)[:, None] if self.mask_init == "last_k" else 0
+            w = ((pos < plen[:, None]) & (pos >= lo)).float()  # [B, C]
+            emb = self.embed(hist).float()  # [B, C, D]
+            m = (w[..., None] * emb).sum(1) / w.sum(1, keepdim=True)
+        elif self.mask_init == "sample":
+            z = torch.stack([torch.randn(self.table_mu.shape, generator=_gen(s)) for s in view.seeds]).to(dev)
+            m = self.table_mu.to(dev) + self.table_sigma.to(dev) * z
+        else:  # offset
+            m = (self.table_mu + self.offset * self.table_sigma).to(dev).expand(b, -1).clone()
+        k, cn = self.num_masks, self.num_cand
+        view.state["m"] = m
+        view.state["cand_lp"] = torch.full((b, k, cn), NEG, device=dev)
+        view.state["cand_ids"] = torch.zeros((b, k, cn), dtype=torch.long, device=dev)
+        view.state["has_probe"] = torch.zeros(b, dtype=torch.bool, device=dev)
+        if not self.probe_prefill:
+            return None
+        return self._mask_embeds(m, 1)
+
+    def _mask_embeds(self, m: torch.Tensor, num_slots: int) -> torch.Tensor:
+        # m: [B, D] -> [B, num_slots * k, D] in the model dtype
+        dtype = self.table_mu.dtype if self._model_dtype is None else self._model_dtype
+        return m.to(dtype)[:, None, :].expand(-1, num_slots * self.num_masks, -1)
+
+    _model_dtype: Optional[torch.dtype] = None
+
+    def set_model_dtype(self, dtype: torch.dtype) -> None:
+        self._model_dtype = dtype
+
+    def observe(self, view, aux_hidden, committed, num_committed, slot_logits=None, path_slots=None) -> None:
+        st = view.state
+        if aux_hidden is not None:
+            lp = torch.log_softmax(self.logits(aux_hidden), dim=-1)  # [B, k, V]
+            top = lp.topk(min(self.num_cand, lp.shape[-1]), dim=-1)
+            cn = self.num_cand
+            st["cand_lp"] = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
+            st["cand_ids"] = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
+            st["has_probe"] = torch.ones_like(st["has_probe"])
+        lam = self.ema_lambda
+        if lam > 0:
+            # m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i], over the n committed tokens in order
+            s = committed.shape[1]
+            i = torch.arange(s, device=committed.device)[None]
+            n = num_committed[:, None]
+            w = torch.where(i < n, lam * (1 - lam) ** (n - 1 - i).clamp(min=0).float(), 0.0)  # [B, S]
+            emb = self.embed(committed).float()  # [B, S, D]
+            st["m"] = (1 - lam) ** num_committed[:, None].float() * st["m"] + (w[..., None] * emb).sum(1)
+
+    # ---- trees -------------------------------------------------------------------------------------
+    def propose(self, view: RowsView) -> Block:
+        st = view.state
+        if self.tree_mode == "static":
+            tree = self._static_tree(view.root, st["cand_lp"], st["cand_ids"])
+        else:
+            tree = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"])
+        tree.valid &= st["has_probe"][:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0)
+        aux = self._mask_embeds(st["m"], tree.num_slots)
+        return self.block(tree, aux, max_depth=len(self.branches) if self.tree_mode == "static" else self.num_masks)
+
+    def _parents_for(self, b: int, dev) -> torch.Tensor:
+        key = (b, dev)
+        if key not in self._parents:
+            self._parents[key] = torch.tensor(self.static_parents, device=dev).expand(b, -1).contiguous()
+        return self._parents[key]
+
+    def _static_tree(self, root, cand_lp, cand_ids) -> DraftTree:
+        """Top-1 expansion with fixed branches [K_1..K_d]: depth j+1 hangs under the first depth-j node."""
+        b = root.shape[0]
+        parent_tok = root
+        toks, oks = [], []
+        for j, kj in enumerate(self.branches):
+            lp, ids = topk_excluding(cand_lp[:, j], cand_ids[:, j], parent_tok if self.prune else None, kj)
+            toks.append(ids)
+            ok = lp > NEG
+            if oks:
+                ok = ok & oks[-1][:, :1]  # children of an invalid parent are invalid
+            oks.append(ok)
+            parent_tok = ids[:, 0]
+        tokens = torch.cat([root[:, None]] + toks, 1)
+        valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=root.device)] + oks, 1)
+        return DraftTree(tokens, self._parents_for(b, root.device), valid, static_key=("esp", tuple(self.branches)))
+
+    def _dynamic_tree(self, root, cand_lp, cand_ids) -> DraftTree:
+        """Algorithm 1 under a budget of B slots: candidates scored by cumulative log-prob, best B-1 kept.
+
+        Pool entries are appended depth by depth, so pool order is topological; a stable sort by score keeps a
+        parent ahead of an equal-scoring child, which makes the kept set a valid tree.
+        """
+        b, k, _ = cand_lp.shape
+        dev = root.device
+        bud = self.budget
+        excl = root if self.prune else None
+        lp1, ids1 = topk_excluding(cand_lp[:, 0], cand_ids[:, 0], excl, bud - 1)  # [B, B-1]
+        pool_score, pool_tok = [lp1], [ids1]
+        pool_par = [torch.full_like(ids1, -1)]  # parent pool index, -1 = root
+        level_score, level_tok, level_off = lp1, ids1, 0
+        for i in range(2, k + 1):
+            width = bud - i
+            if width < 1:
+                break
+            nf = 1 if self.expansion == "top1" else width
+            f_score, f_idx = level_score.topk(min(nf, level_score.shape[1]), dim=1)  # frontier [B, F]
+            f_tok = level_tok.gather(1, f_idx)
+            f = f_score.shape[1]
+            lp_i, ids_i = cand_lp[:, i - 1], cand_ids[:, i - 1]  # [B, C]
+            if self.prune:
+                c = lp_i.shape[1]
+                key = torch.arange(c, device=dev)[None, None] + c * (ids_i[:, None, :] == f_tok[..., None])
+                order = key.argsort(dim=2)[..., :width]  # [B, F, W]
+                ch_lp = lp_i[:, None].expand(-1, f, -1).gather(2, order)
+                ch_ids = ids_i[:, None].expand(-1, f, -1).gather(2, order)
+            else:
+                ch_lp = lp_i[:, None, :width].expand(-1, f, -1)
+                ch_ids = ids_i[:, None, :width].expand(-1, f, -1)
+            score = (f_score[..., None] + ch_lp).reshape(b, -1)  # [B, F*W]
+            tok = ch_ids.reshape(b, -1)
+            par = (f_idx + level_off)[..., None].expand(-1, -1, ch_lp.shape[2]).reshape(b, -1)
+            level_off += level_score.shape[1]
+            pool_score.append(score), pool_tok.append(tok), pool_par.append(par)
+            level_score, level_tok = score, tok
+        score = torch.cat(pool_score, 1)  # [B, P]
+        tok = torch.cat(pool_tok, 1)
+        par = torch.cat(pool_par, 1)
+        n = min(self.num_nodes, score.shape[1])
+        keep = score.sort(dim=1, descending=True, stable=True).indices[:, :n]
+        keep = keep.sort(dim=1).values  # topological (pool) order
+        slot_of = torch.full_like(score, -1, dtype=torch.long)
+        slot_of.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(b, -1))
+        kept_par = par.gather(1, keep)
+        parent_slot = torch.where(kept_par < 0, 0, slot_of.gather(1, kept_par.clamp(min=0)))
+        kept_score = score.gather(1, keep)
+        tokens = torch.cat([root[:, None], tok.gather(1, keep)], 1)
+        parents = torch.cat([torch.full((b, 1), -1, device=dev, dtype=torch.long), parent_slot], 1)
+        valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), kept_score > NEG], 1)
+        if n < self.num_nodes:  # tiny vocabularies: pad with invalid leaves under the root
+            pad = self.num_nodes - n
+            tokens = torch.cat([tokens, tokens.new_zeros((b, pad))], 1)
+            parents = torch.cat([parents, parents.new_zeros((b, pad))], 1)
+            valid = torch.cat([valid, valid.new_zeros((b, pad))], 1)
+        return DraftTree(tokens, parents, valid, static_key=None)
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)
+    return g

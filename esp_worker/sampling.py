@@ -1,0 +1,96 @@
+"""Token choice at one position per row: greedy, or temperature / top-k / top-p sampling by inverse CDF.
+
+Randomness: each request owns a seeded CPU generator that fills a buffer of uniforms; exactly one uniform
+is consumed per committed token, in order, whatever the method. So a seeded speculative request and the
+same request decoded plainly consume the same stream and choose the same tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+UNIFORM_CHUNK = 64
+
+
+def choose_tokens(
+    logits: torch.Tensor,  # [B, V] float32
+    temperature: torch.Tensor,  # [B] float, 0 = greedy
+    top_p: torch.Tensor,  # [B] float in (0, 1]
+    top_k: torch.Tensor,  # [B] long, 0 = off
+    uniforms: Optional[torch.Tensor],  # [B] in [0, 1), None when every row is greedy
+) -> torch.Tensor:
+    """Returns [B] token ids."""
+    greedy = logits.argmax(-1)
+    if uniforms is None:
+        return greedy
+    sampled_rows = temperature > 0
+    t = torch.where(sampled_rows, temperature, torch.ones_like(temperature))
+    scaled = logits / t[:, None]
+    sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)  # [B, V]
+    probs = sorted_logits.softmax(-1)
+    v = logits.shape[-1]
+    rank = torch.arange(v, device=logits.device)[None]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    cum = probs.cumsum(-1)
+    keep &= (cum - probs) < top_p[:, None]  # the first token is always kept
+    probs = probs * keep
+    cdf = probs.cumsum(-1)
+    target = (uniforms * cdf[:, -1])[:, None]  # [B, 1]
+    pick = torch.searchsorted(cdf, target, right=True).clamp(max=v - 1)  # [B, 1]
+    sampled = sorted_idx.gather(1, pick).squeeze(1)
+    return torch.where(sampled_rows, sampled, greedy)
+
+
+class UniformStreams:
+    """Per-row buffers of uniforms drawn from per-request generators; consumption is per committed token."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.generators: list[Optional[torch.Generator]] = []
+        self.buf = torch.zeros((0, UNIFORM_CHUNK), device=device)  # [B, U]
+        self.ptr = torch.zeros((0,), dtype=torch.long, device=device)  # [B]
+
+    @staticmethod
+    def generator(seed: int) -> torch.Generator:
+        g = torch.Generator(device="cpu")
+        g.manual_seed(seed)
+        return g
+
+    def append(self, generators: list[Optional[torch.Generator]]) -> None:
+        fresh = torch.stack(
+            [torch.rand(UNIFORM_CHUNK, generator=g) if g is not None else torch.zeros(UNIFORM_CHUNK) for g in generators]
+        ).to(self.device)
+        self.generators.extend(generators)
+        self.buf = torch.cat([self.buf, fresh])
+        self.ptr = torch.cat([self.ptr, torch.zeros(len(generators), dtype=torch.long, device=self.device)])
+
+    def append_from(self, other: "UniformStreams") -> None:
+        self.generators.extend(other.generators)
+        self.buf = torch.cat([self.buf, other.buf])
+        self.ptr = torch.cat([self.ptr, other.ptr])
+
+    def select(self, rows: torch.Tensor) -> None:
+        idx = rows.tolist()
+        self.generators = [self.generators[i] for i in idx]
+        self.buf = self.buf.index_select(0, rows)
+        self.ptr = self.ptr.index_select(0, rows)
+
+    def ensure(self, needed: int) -> None:
+        """Make sure each sampling row has at least `needed` unread uniforms."""
+        low = (self.ptr > UNIFORM_CHUNK - needed).nonzero().flatten().tolist()
+        for i in low:
+            g = self.generators[i]
+            if g is None:
+                self.ptr[i] = 0
+                continue
+            p = int(self.ptr[i])
+            fresh = torch.rand(UNIFORM_CHUNK, generator=g).to(self.device)
+            self.buf[i] = torch.cat([self.buf[i, p:], fresh])[:UNIFORM_CHUNK]
+            self.ptr[i] = 0
+
+    def take(self, active: torch.Tensor) -> torch.Tensor:
+        """[B] uniforms for this step; advances the pointer of active rows only."""
+        u = self.buf.gather(1, self.ptr[:, None]).squeeze(1)
+        self.ptr += active.long()
+        return u

@@ -1,0 +1,139 @@
+"""Draft trees and the block layout built from them, with tensor ops only.
+
+A draft tree per sequence has T = 1 + N slots: slot 0 is the root (the last committed token, not yet in the
+KV cache), slots 1..N are draft nodes in topological order (a parent's slot < its child's slot).
+`parents[b, i]` is the parent slot of slot i (-1 for the root). A chain is parents [-1, 0, 1, 2, ...].
+
+Block layout fed to the model per sequence (Q = T * (k + 1) tokens):
+    [slot 0 .. slot N, mask(0,1) .. mask(0,k), mask(1,1) .. mask(N,k)]
+mask (u, j) sits at position pos(u) + j and sees the cache, u's ancestors, u itself and masks (u, 1..j-1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees of one shape [B, T]; invalid slots are padding (never accepted)."""
+
+    # [B, T] token ids (slot 0 = root token)
+    tokens: torch.Tensor
+    # [B, T] parent slot, -1 at slot 0
+    parents: torch.Tensor
+    # [B, T] bool, False for padding nodes (slot 0 always True)
+    valid: torch.Tensor
+    # True when every row shares one shape that never changes between passes (static tree): the in-block
+    # mask and relative positions can then be cached.
+    static_key: Optional[tuple] = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def root_only(root_tokens: torch.Tensor) -> "DraftTree":
+        # root_tokens: [B]
+        b = root_tokens.shape[0]
+        dev = root_tokens.device
+        return DraftTree(
+            tokens=root_tokens[:, None].clone(),
+            parents=torch.full((b, 1), -1, dtype=torch.long, device=dev),
+            valid=torch.ones((b, 1), dtype=torch.bool, device=dev),
+            static_key=("root",),
+        )
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """[B, T] parents -> [B, T, T] bool, anc[b, i, j] = slot j is slot i or one of its ancestors.
+
+    Example: parents [-1, 0, 0, 1] -> rows: 0:{0}, 1:{0,1}, 2:{0,2}, 3:{0,1,3}.
+    Built by repeated squaring of the parent relation (log2(T) batched matmuls).
+    """
+    b, t = parents.shape
+    eye = torch.eye(t, dtype=torch.float32, device=parents.device).expand(b, t, t)
+    step = torch.zeros((b, t, t + 1), dtype=torch.float32, device=parents.device)
+    step.scatter_(2, (parents.clamp(min=-1) % (t + 1))[..., None], 1.0)  # -1 -> column t (dropped)
+    reach = eye + step[..., :t]
+    for _ in range(max(1, (t - 1).bit_length())):
+        reach = torch.clamp(reach + torch.bmm(reach, reach), max=1.0)
+    return reach > 0
+
+
+@dataclass
+class BlockLayout:
+    """In-block attention and relative positions for trees of one shape."""
+
+    # [B or 1, Q, Q] bool: in-block visibility
+    visible: torch.Tensor
+    # [B or 1, Q] position offset from the root's position
+    rel_pos: torch.Tensor
+    # [B or 1, T] depth of each tree slot
+    depth: torch.Tensor
+    num_slots: int
+    num_masks: int
+
+
+def block_layout(parents: torch.Tensor, num_masks: int) -> BlockLayout:
+    """Build the in-block mask and relative positions for a batch of trees with k = num_masks.
+
+    Example (T=2, parents [-1, 0], k=1): order [r, n1, m(r), m(n1)], rel_pos [0, 1, 1, 2];
+    m(r) sees {r, m(r)}, m(n1) sees {r, n1, m(n1)}.
+    """
+    b, t = parents.shape
+    k = num_masks
+    q = t * (k + 1)
+    dev = parents.device
+    anc = ancestor_matrix(parents)  # [B, T, T]
+    depth = anc.sum(-1) - 1  # [B, T]
+    visible = torch.zeros((b, q, q), dtype=torch.bool, device=dev)
+    visible[:, :t, :t] = anc
+    if k:
+        # mask rows see their owner's ancestors-or-self
+        visible[:, t:, :t] = anc.repeat_interleave(k, dim=1)
+        # and their own earlier masks (block-diagonal lower-triangular k x k)
+        chain = torch.tril(torch.ones((k, k), dtype=torch.bool, device=dev))
+        visible[:, t:, t:] = torch.block_diag(*([chain] * t))[None] if t > 1 else chain[None]
+    j = torch.arange(1, k + 1, device=dev)
+    mask_pos = (depth[:, :, None] + j).reshape(b, t * k)  # [B, T*k]
+    rel_pos = torch.cat([depth, mask_pos], dim=1)
+    return BlockLayout(visible=visible, rel_pos=rel_pos, depth=depth, num_slots=t, num_masks=k)
+
+
+def mask_indices(slot: torch.Tensor, num_slots: int, num_masks: int) -> torch.Tensor:
+    """Block indices of the k masks owned by `slot` ([B] -> [B, k])."""
+    j = torch.arange(num_masks, device=slot.device)
+    return num_slots + slot[:, None] * num_masks + j
+
+
+def static_branches(block_complexity: int, num_masks: int) -> list[int]:
+    """Branch list [K_1..K_k] (top-1 expansion) filling the block: N = BC // (k+1) - 1 nodes.
+
+    BC 10, k=1 -> [4]; BC 30, k=1 -> [14]; BC 60, k=2 -> [15, 4]; BC 30, k=2 -> [7, 2] (the paper's trees).
+    Deeper levels get ~20% then ~10% of the nodes, at least 1 each; a tree too small for k levels is shallower.
+    """
+    n = block_complexity // (num_masks + 1) - 1
+    if n < 1:
+        raise ValueError(f"block_complexity={block_complexity} leaves no draft node with num_masks={num_masks}")
+    shares = [0.2, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05][: max(0, num_masks - 1)]
+    deeper = [max(1, round(n * s)) for s in shares]
+    while deeper and n - sum(deeper) < 1:
+        deeper.pop()
+    return [n - sum(deeper)] + deeper
+
+
+def static_parents(branches: list[int]) -> list[int]:
+    """Parent slots of a top-1-expansion tree: depth d+1 nodes hang under the first node of depth d.
+
+    [3, 2] -> [-1, 0, 0, 0, 1, 1] (slots: root, three depth-1, two depth-2 under slot 1).
+    """
+    parents = [-1]
+    first_of_prev = 0
+    for k in branches:
+        start = len(parents)
+        parents.extend([first_of_prev] * k)
+        first_of_prev = start
+    return parents
