@@ -1,0 +1,208 @@
+"""Job configuration: structured (dataclass) OmegaConf configs, merged from YAML + dotlist overrides.
+
+Every key is typed; an unknown or mistyped key raises ConfigError with a one-line message naming it.
+`model.*` is the engine's ModelConfig and `engine.*` mirrors EngineConfig (its base seed comes from
+`generation.seed`), so new engine settings appear here without edits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from esp_worker.config import EngineConfig, ModelConfig
+
+FORMATS = ("auto", "parquet", "jsonl", "json", "csv", "hf_disk", "hf_hub")
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+# Sections whose values change the generated rows: they make the config hash. ray/output/fault do not.
+HASHED_SECTIONS = ("model", "data", "engine", "generation")
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line and names the key."""
+
+
+def _engine_section() -> type:
+    """EngineConfig's fields minus `seed` (set from generation.seed), as a dataclass OmegaConf can type."""
+    hints = typing.get_type_hints(EngineConfig)
+    specs = []
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "seed":
+            continue
+        if f.default_factory is not dataclasses.MISSING:
+            spec = field(default_factory=f.default_factory)
+        else:
+            spec = field(default=f.default)
+        specs.append((f.name, hints[f.name], spec))
+    return dataclasses.make_dataclass("EngineSection", specs)
+
+
+EngineSection = _engine_section()
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # "" = the bundled prompt file jobs/data/prompts.jsonl
+    format: str = "auto"  # auto (from the extension / directory) | parquet | jsonl | json | csv | hf_disk | hf_hub
+    split: str = "train"  # split of a hub dataset or of a saved DatasetDict
+    id_column: str = "id"  # when absent from the data, ids are derived from position + input
+    prompt_column: str = ""  # "" = per row, the first non-null of prompt, messages, turns
+    params_column: str = "params"  # optional per-row dict overriding generation.* for that row
+    category_column: str = "category"  # optional; carried to the output and used for tau per category
+    carry_columns: list[str] = field(default_factory=list)  # extra input columns copied to the output
+    chat_template: str = "auto"  # auto (if the tokenizer has one) | always | never
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
+    limit: Optional[int] = None  # first N input rows only
+    shard_size: int = 8  # rows per shard = per output part = per actor task
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0  # base seed; each request derives its own from it and the row id
+    stop_strings: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class OutputConfig:
+    dir: str = ""  # "" = outputs/<model>-<method>-<config hash>
+    overwrite: bool = False  # true: delete this job's files in dir and start over
+    compression: str = "zstd"
+    progress_interval_s: float = 10.0  # seconds between progress lines when stderr is not a terminal
+
+
+@dataclass
+class RayConfig:
+    address: str = ""  # "" = RAY_ADDRESS, else the running local cluster, else start one | "local" | host:port
+    num_actors: int = 2
+    num_cpus_per_actor: float = 1.0
+    num_gpus_per_actor: float = 0.0
+    torch_threads: int = 0  # per actor; 0 = max(1, floor(num_cpus_per_actor))
+    num_cpus: Optional[int] = None  # CPUs of a local Ray instance this job starts (None = all cores)
+    max_restarts: int = 3  # restarts of a dead actor; its shard is retried as many times
+    shards_in_flight_per_actor: int = 2  # 1 running + 1 queued keeps an actor busy between shards
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for tests: the actor running shard `kill_shard` calls os._exit after its first
+    finished request, on each of the first `kill_attempts` attempts."""
+
+    kill_shard: int = -1  # -1 = off
+    kill_attempts: int = 1
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineSection = field(default_factory=EngineSection)  # type: ignore[valid-type]
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+
+def _one_line(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
+    msg = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
+    if msg.startswith("Key ") and " not in " in msg:
+        return f"unknown config key '{key}'"
+    return f"config key '{key}': {msg}"
+
+
+def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> DictConfig:
+    """Defaults <- YAML file <- `key=value` overrides, then validated. Raises ConfigError."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not key=value")
+    try:
+        cfg = OmegaConf.structured(JobConfig)
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {path!r} does not exist")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line(exc)) from None
+    validate(cfg)
+    return cfg
+
+
+def engine_config(cfg: DictConfig) -> EngineConfig:
+    return EngineConfig(**OmegaConf.to_container(cfg.engine, resolve=True), seed=cfg.generation.seed)
+
+
+def model_config(cfg: DictConfig) -> ModelConfig:
+    return ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+
+
+def validate(cfg: DictConfig) -> None:
+    """Semantic checks beyond types. Raises ConfigError naming the key."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(cfg.data.format in FORMATS, f"data.format={cfg.data.format!r} is unknown; choose one of {', '.join(FORMATS)}")
+    need(
+        cfg.data.chat_template in CHAT_TEMPLATE_MODES,
+        f"data.chat_template={cfg.data.chat_template!r} is unknown; choose auto, always or never",
+    )
+    need(cfg.data.limit is None or cfg.data.limit >= 0, f"data.limit={cfg.data.limit} must be >= 0")
+    need(cfg.data.shard_size >= 1, f"data.shard_size={cfg.data.shard_size} must be >= 1")
+    need(cfg.data.id_column != "", "data.id_column must not be empty")
+    need(cfg.ray.num_actors >= 1, f"ray.num_actors={cfg.ray.num_actors} must be >= 1")
+    need(cfg.ray.num_cpus_per_actor >= 0, f"ray.num_cpus_per_actor={cfg.ray.num_cpus_per_actor} must be >= 0")
+    need(cfg.ray.num_gpus_per_actor >= 0, f"ray.num_gpus_per_actor={cfg.ray.num_gpus_per_actor} must be >= 0")
+    need(cfg.ray.torch_threads >= 0, f"ray.torch_threads={cfg.ray.torch_threads} must be >= 0")
+    need(cfg.ray.max_restarts >= 0, f"ray.max_restarts={cfg.ray.max_restarts} must be >= 0")
+    need(
+        cfg.ray.shards_in_flight_per_actor >= 1,
+        f"ray.shards_in_flight_per_actor={cfg.ray.shards_in_flight_per_actor} must be >= 1",
+    )
+    need(cfg.output.progress_interval_s > 0, "output.progress_interval_s must be > 0")
+    need(cfg.fault.kill_attempts >= 0, "fault.kill_attempts must be >= 0")
+    problem = _generation_problem(cfg)
+    need(problem is None, f"generation.{problem}")
+    try:
+        engine_config(cfg).validate()
+    except ValueError as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+def _generation_problem(cfg: DictConfig) -> Optional[str]:
+    from esp_worker import GenerationParams
+
+    g = cfg.generation
+    return GenerationParams(
+        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+        stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos,
+    ).problem()
+
+
+def hashed_part(cfg: DictConfig) -> dict[str, Any]:
+    """The sections that determine the output rows (see HASHED_SECTIONS)."""
+    return {k: OmegaConf.to_container(cfg[k], resolve=True) for k in HASHED_SECTIONS}
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """sha256 (16 hex) of the output-determining sections, canonical JSON."""
+    blob = json.dumps(hashed_part(cfg), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,50 @@
+"""Progress: rows done / total, tokens/s and running tau. One updating line on a terminal, plain
+periodic log lines otherwise (CI, `ray job submit` logs, files)."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Optional, TextIO
+
+from .stats import Totals
+
+log = logging.getLogger("esp_batch")
+
+
+class Progress:
+    def __init__(self, total_rows: Optional[int], rows_already_done: int, interval_s: float,
+                 stream: TextIO = sys.stderr):
+        self.total = total_rows
+        self.done_before = rows_already_done
+        self.run = Totals()  # rows finished by this run
+        self.start = time.monotonic()
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.interval = 0.5 if self.tty else interval_s
+        self.last = self.start
+
+    def line(self) -> str:
+        done = self.done_before + self.run.rows
+        total = "?" if self.total is None else str(self.total)
+        pct = f" ({100 * done / self.total:.0f}%)" if self.total else ""
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        tau = "-" if self.run.tau is None else f"{self.run.tau:.2f}"
+        return (f"rows {done}/{total}{pct}, errors {self.run.errors}, "
+                f"{self.run.generated_tokens / elapsed:.1f} tok/s, tau {tau}, {elapsed:.0f}s")
+
+    def update(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.interval:
+            return
+        self.last = now
+        if self.tty:
+            self.stream.write("\r" + self.line() + "\033[K")
+            self.stream.flush()
+        else:
+            log.info("progress: %s", self.line())
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r" + self.line() + "\033[K\n")
+            self.stream.flush()

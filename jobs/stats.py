@@ -1,0 +1,60 @@
+"""Job-level totals accumulated from output tables: rows, errors, tokens, tau (overall and per category).
+
+Counters only; ratios are derived when reporting. tau = decode tokens / decode passes over all rows,
+so long answers weigh more than short ones (as in the per-request definition).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .schema import CATEGORY
+
+COLUMNS = ["error", "num_prompt_tokens", "num_generated_tokens", "num_decode_tokens", "num_decode_passes"]
+
+
+def _sum(table: pa.Table, name: str) -> int:
+    return int(pc.sum(table[name]).as_py() or 0)
+
+
+@dataclass
+class Totals:
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_tokens: int = 0
+    decode_passes: int = 0
+    # category -> [decode_tokens, decode_passes, rows]
+    per_category: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, table: pa.Table) -> None:
+        """Add a table holding at least COLUMNS (and `category` when the job has one)."""
+        self.rows += table.num_rows
+        self.errors += table.num_rows - table["error"].null_count
+        self.prompt_tokens += _sum(table, "num_prompt_tokens")
+        self.generated_tokens += _sum(table, "num_generated_tokens")
+        self.decode_tokens += _sum(table, "num_decode_tokens")
+        self.decode_passes += _sum(table, "num_decode_passes")
+        if CATEGORY not in table.column_names:
+            return
+        for cat, tokens, passes in zip(
+            table[CATEGORY].to_pylist(), table["num_decode_tokens"].to_pylist(), table["num_decode_passes"].to_pylist()
+        ):
+            acc = self.per_category.setdefault("(none)" if cat is None else cat, [0, 0, 0])
+            acc[0] += tokens or 0
+            acc[1] += passes or 0
+            acc[2] += 1
+
+    @property
+    def tau(self) -> Optional[float]:
+        return self.decode_tokens / self.decode_passes if self.decode_passes else None
+
+    def tau_per_category(self) -> dict[str, dict[str, Any]]:
+        return {
+            cat: {"rows": n, "tau": (tokens / passes if passes else None)}
+            for cat, (tokens, passes, n) in sorted(self.per_category.items())
+        }
