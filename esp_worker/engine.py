@@ -14,7 +14,7 @@ import torch
 
 from . import kv_cache
 from .config import EngineConfig, ModelConfig
-from .drafters import Block, Drafter, RowsView, make_drafter
+from .drafters import Block, Drafter, PassResult, RowsView, make_drafter
 from .model_io import LoadedModel, ModelRunner, load_model
 from .sampling import UniformStreams, choose_tokens
 from .tree import mask_indices
@@ -260,7 +260,9 @@ class Engine:
         n = torch.ones(r, dtype=torch.long, device=dev)
         n_fin, reason = self._apply_stops(rows, committed, n)
         self._commit(rows, committed, n_fin, reason)
-        self.drafter.observe(rows.view(), hidden[:, lmax:] if a else None, committed, n_fin)
+        aux_hidden = hidden[:, lmax:] if a else None
+        mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
+        self.drafter.observe(rows.view(), PassResult(committed, n_fin, aux_hidden, mask_hidden, prefill=True))
         for s in seqs:
             s.stats.num_generated_tokens = 1
         return rows
@@ -300,11 +302,14 @@ class Engine:
         kv_cache.keep(rows.cache, start, src)
         self._commit(rows, res.committed, n_fin, reason)
         k = self.drafter.num_masks
-        aux_hidden = None
+        mask_hidden = None
         if k:
             idx = mask_indices(res.last_slot, t_slots, k)  # [B, k]
-            aux_hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-        self.drafter.observe(rows.view(), aux_hidden, res.committed, n_fin, slot_logits, res.path_slots)
+            mask_hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+        self.drafter.observe(
+            rows.view(),
+            PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block),
+        )
         # statistics
         acc = torch.minimum(n_raw - 1, n_fin)
         drafted = (tree.valid[:, 1:]).sum(-1)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..config import EngineConfig
 from ..model_io import ModelRunner
-from .base import Block, Drafter, PlainDrafter, RowsView
+from .base import Block, Drafter, PassResult, PlainDrafter, RowsView
 
 
 def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
@@ -46,4 +46,4 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
     raise ValueError(f"engine.method={cfg.method!r} is unknown")
 
 
-__all__ = ["Block", "Drafter", "PlainDrafter", "RowsView", "make_drafter"]
+__all__ = ["Block", "Drafter", "PassResult", "PlainDrafter", "RowsView", "make_drafter"]

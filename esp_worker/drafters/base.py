@@ -26,6 +26,30 @@ class Block:
 
 
 @dataclass
+class PassResult:
+    """What a drafter may learn from after a forward pass (decode pass or prefill)."""
+
+    # [B, S] tokens committed this pass (accepted drafts then the bonus), valid up to num_committed
+    committed: torch.Tensor
+    # [B]
+    num_committed: torch.Tensor
+    # [B, Q, D] hidden states of the block (prefill: only the aux inputs after the prompt, [B, A, D])
+    hidden: Optional[torch.Tensor]
+    # [B, k, D] hidden states of the masks owned by the last accepted slot (None when num_masks == 0 or
+    # when the prefill carried no masks)
+    mask_hidden: Optional[torch.Tensor]
+    # [B, T, V] logits at the tree slots; None after prefill
+    slot_logits: Optional[torch.Tensor] = None
+    # [B, S] tree slots on the accepted path (slot 0 first); None after prefill
+    path_slots: Optional[torch.Tensor] = None
+    # [B] deepest accepted slot; None after prefill
+    last_slot: Optional[torch.Tensor] = None
+    # the block that was fed; None after prefill
+    block: Optional[Block] = None
+    prefill: bool = False
+
+
+@dataclass
 class RowsView:
     """Read access to the batch rows a drafter works on, plus its own mutable state."""
 
@@ -63,16 +87,8 @@ class Drafter(ABC):
     def propose(self, view: RowsView) -> Block:
         ...
 
-    def observe(
-        self,
-        view: RowsView,
-        aux_hidden: Optional[torch.Tensor],  # [B, k, D] hidden of the masks owned by the last accepted slot
-        committed: torch.Tensor,  # [B, S] tokens committed this pass
-        num_committed: torch.Tensor,  # [B]
-        slot_logits: Optional[torch.Tensor] = None,  # [B, T, V] logits at tree slots (None after prefill)
-        path_slots: Optional[torch.Tensor] = None,  # [B, S] tree slots on the accepted path
-    ) -> None:
-        """Learn from a pass (or the prefill). Default: nothing."""
+    def observe(self, view: RowsView, result: PassResult) -> None:
+        """Learn from a pass (or the prefill); view.hist already holds the committed tokens. Default: nothing."""
 
     def layout_for(self, tree: DraftTree) -> BlockLayout:
         """Block layout; computed once per static shape and reused (the paper's "efficient" path)."""

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from ..tree import DraftTree, static_branches, static_parents
-from .base import Block, Drafter, RowsView
+from .base import Block, Drafter, PassResult, RowsView
 
 NEG = float("-inf")
 
@@ -112,8 +112,9 @@ class ESPDrafter(Drafter):
     def set_model_dtype(self, dtype: torch.dtype) -> None:
         self._model_dtype = dtype
 
-    def observe(self, view, aux_hidden, committed, num_committed, slot_logits=None, path_slots=None) -> None:
+    def observe(self, view: RowsView, result: PassResult) -> None:
         st = view.state
+        aux_hidden, committed, num_committed = result.mask_hidden, result.committed, result.num_committed
         if aux_hidden is not None:
             lp = torch.log_softmax(self.logits(aux_hidden), dim=-1)  # [B, k, V]
             top = lp.topk(min(self.num_cand, lp.shape[-1]), dim=-1)
