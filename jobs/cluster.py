@@ -23,10 +23,15 @@ def connect(ray_cfg: Any) -> bool:
     if ray.is_initialized():
         return False
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS", "")
-    if not address and _CURRENT_CLUSTER.exists():
-        address = "auto"
     common = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
-    if address and address != "local":
+    if not address and _CURRENT_CLUSTER.exists():  # a local `ray start --head`, possibly stale
+        try:
+            ray.init(address="auto", **common)
+            log.info("connected to the running local Ray cluster")
+            return False
+        except ConnectionError:
+            log.info("the last local Ray cluster is gone; starting a new one")
+    elif address and address != "local":
         try:
             ray.init(address=address, **common)
         except ConnectionError as exc:
