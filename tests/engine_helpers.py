@@ -1,0 +1,46 @@
+"""Shared helpers for engine tests: cached tiny models and reference greedy outputs."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request
+from esp_worker.model_io import LoadedModel, load_model
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+PROMPTS = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Once upon a time",
+    "x",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(arch: str, attn: str = "sdpa") -> LoadedModel:
+    torch.set_num_threads(1)
+    return load_model(ModelConfig(name_or_path=f"tiny-random-{arch}", attn_implementation=attn))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch: str, attn: str, max_new: int = 64, extra_eos: tuple = ()) -> tuple:
+    """model.generate(do_sample=False) continuations of PROMPTS, one prompt at a time."""
+    lm = tiny(arch, attn)
+    outs = []
+    for p in PROMPTS:
+        ids = lm.tokenizer(p, return_tensors="pt").input_ids
+        eos = list(lm.eos_token_ids) + list(extra_eos)
+        with torch.inference_mode():
+            out = lm.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                eos_token_id=eos, pad_token_id=2,
+            )
+        outs.append(tuple(out[0, ids.shape[1]:].tolist()))
+    return tuple(outs)
+
+
+def run(lm: LoadedModel, cfg: EngineConfig, params: GenerationParams, prompts=PROMPTS):
+    eng = Engine(lm, cfg)
+    reqs = [Request(id=str(i), prompt=p, params=params) for i, p in enumerate(prompts)]
+    return eng.generate(reqs)
