@@ -185,7 +185,8 @@ class ESPDrafter(Drafter):
             if width < 1:
                 break
             nf = 1 if self.expansion == "top1" else width
-            f_score, f_idx = level_score.topk(min(nf, level_score.shape[1]), dim=1)  # frontier [B, F]
+            f_idx = level_score.topk(min(nf, level_score.shape[1]), dim=1).indices.sort(dim=1).values  # [B, F]
+            f_score = level_score.gather(1, f_idx)
             f_tok = level_tok.gather(1, f_idx)
             f = f_score.shape[1]
             lp_i, ids_i = cand_lp[:, i - 1], cand_ids[:, i - 1]  # [B, C]

@@ -1,0 +1,121 @@
+"""ESP tree construction from known candidate distributions: static, dynamic (top-1 and frontier), pruning, EMA."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from esp_worker.drafters.base import PassResult, RowsView
+from esp_worker.drafters.esp import ESPDrafter, topk_excluding
+
+V, D = 16, 4
+
+
+def drafter(**kw) -> ESPDrafter:
+    table = torch.arange(V * D, dtype=torch.float32).reshape(V, D)
+    embed = lambda ids: table[ids]
+    return ESPDrafter(embed=embed, logits=lambda h: h, embedding_table=table, **kw)
+
+
+def cands(rows):
+    """rows: per depth a list of (token, prob) sorted by prob -> cand_lp, cand_ids [1, k, C]."""
+    c = max(len(r) for r in rows)
+    lp = torch.full((1, len(rows), c), float("-inf"))
+    ids = torch.zeros((1, len(rows), c), dtype=torch.long)
+    for d, r in enumerate(rows):
+        for j, (t, p) in enumerate(r):
+            lp[0, d, j], ids[0, d, j] = math.log(p), t
+    return lp, ids
+
+
+def test_topk_excluding_replaces_parent_token():
+    lp = torch.tensor([[-0.1, -0.5, -1.0]])
+    ids = torch.tensor([[7, 3, 9]])
+    out_lp, out_ids = topk_excluding(lp, ids, torch.tensor([7]), 2)
+    assert out_ids.tolist() == [[3, 9]] and out_lp.tolist() == [[-0.5, -1.0]]
+    assert topk_excluding(lp, ids, None, 2)[1].tolist() == [[7, 3]]
+
+
+def test_static_tree_top1_expansion_with_pruning():
+    d = drafter(num_masks=2, block_complexity=3 * 4, tree="static", branches=[2, 1], prune=True)
+    lp, ids = cands([[(5, 0.5), (6, 0.3), (7, 0.1)], [(6, 0.6), (9, 0.2), (4, 0.1)]])
+    tree = d._static_tree(torch.tensor([5]), lp, ids)  # root token 5 is pruned at depth 1
+    assert tree.tokens.tolist() == [[5, 6, 7, 9]]  # depth-2 child of 6 skips 6
+    assert tree.parents.tolist() == [[-1, 0, 0, 1]]
+    assert tree.valid.all()
+
+
+def test_dynamic_tree_top1_by_cumulative_probability():
+    # budget B = BC/(k+1) = 4 slots -> 3 nodes. depth1: a .5, b .3, c .2; depth2 under a: x .9, y .1
+    d = drafter(num_masks=2, block_complexity=12, tree="dynamic", expansion="top1", prune=False)
+    lp, ids = cands([[(1, 0.5), (2, 0.3), (3, 0.2), (4, 0.0001)], [(8, 0.9), (9, 0.1), (10, 0.0001), (11, 0.00001)]])
+    tree = d._dynamic_tree(torch.tensor([0]), lp, ids)
+    # scores: a .5, b .3, c .2, a->x .45, a->y .05 -> keep a, x(.45), b(.3) in topological order
+    assert tree.tokens.tolist() == [[0, 1, 2, 8]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1]]
+
+
+def test_dynamic_tree_frontier_expands_several_parents():
+    d = drafter(num_masks=2, block_complexity=15, tree="dynamic", expansion="frontier", prune=False)  # 5 slots
+    lp, ids = cands([[(1, 0.4), (2, 0.4), (3, 0.2), (4, 0.001), (5, 0.001)], [(8, 0.9), (9, 0.1), (10, 0.001), (11, 0.001), (12, 0.001)]])
+    tree = d._dynamic_tree(torch.tensor([0]), lp, ids)
+    # a .4, b .4, a->x .36, b->x .36, c .2 -> 4 nodes: a, b, a->x, b->x
+    assert tree.tokens.tolist() == [[0, 1, 2, 8, 8]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1, 2]]
+    # with top-1 expansion only a expands: a, b, a->x, c
+    d1 = drafter(num_masks=2, block_complexity=15, tree="dynamic", expansion="top1", prune=False)
+    t1 = d1._dynamic_tree(torch.tensor([0]), lp, ids)
+    assert t1.tokens.tolist() == [[0, 1, 2, 3, 8]]
+    assert t1.parents.tolist() == [[-1, 0, 0, 0, 1]]
+
+
+def test_dynamic_tree_pruning_skips_root_token():
+    d = drafter(num_masks=1, block_complexity=6, tree="dynamic", prune=True)  # 3 slots -> 2 nodes
+    lp, ids = cands([[(3, 0.6), (4, 0.3), (5, 0.1)]])
+    assert d._dynamic_tree(torch.tensor([3]), lp, ids).tokens.tolist() == [[3, 4, 5]]
+    d.prune = False
+    assert d._dynamic_tree(torch.tensor([3]), lp, ids).tokens.tolist() == [[3, 3, 4]]
+
+
+def test_ema_update_per_committed_token_in_order():
+    lam = 0.1
+    d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
+    m0 = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
+    view = RowsView(torch.zeros((2, 4), dtype=torch.long), torch.ones(2, dtype=torch.long), torch.ones(2, dtype=torch.long), [0, 0])
+    view.state["m"] = m0.clone()
+    committed = torch.tensor([[3, 5, 7], [2, 0, 0]])
+    n = torch.tensor([3, 1])
+    d.observe(view, PassResult(committed, n, None, None))
+    table = torch.arange(V * D, dtype=torch.float32).reshape(V, D)
+    for r in range(2):
+        m = m0[r].clone()
+        for t in committed[r, : n[r]].tolist():
+            m = m + lam * (table[t] - m)
+        assert torch.allclose(view.state["m"][r], m, atol=1e-5)
+
+
+def test_ema_lambda_zero_freezes_mask():
+    d = drafter(num_masks=1, block_complexity=10, ema_lambda=0.0)
+    view = RowsView(torch.zeros((1, 4), dtype=torch.long), torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long), [0])
+    view.state["m"] = torch.ones((1, D))
+    d.observe(view, PassResult(torch.tensor([[3]]), torch.tensor([1]), None, None))
+    assert torch.equal(view.state["m"], torch.ones((1, D)))
+
+
+def test_mask_inits():
+    hist = torch.tensor([[1, 2, 3, 0]])
+    view = lambda: RowsView(hist, torch.tensor([3]), torch.tensor([3]), [5])
+    table = torch.arange(V * D, dtype=torch.float32).reshape(V, D)
+    v = view()
+    drafter(num_masks=1, block_complexity=10, mask_init="mean").start_rows(v)
+    assert torch.allclose(v.state["m"][0], table[[1, 2, 3]].mean(0))
+    v = view()
+    drafter(num_masks=1, block_complexity=10, mask_init="last_k", mask_init_last_k=2).start_rows(v)
+    assert torch.allclose(v.state["m"][0], table[[2, 3]].mean(0))
+    v = view()
+    drafter(num_masks=1, block_complexity=10, mask_init="offset", mask_init_offset=5.0).start_rows(v)
+    assert torch.allclose(v.state["m"][0], table.mean(0) + 5 * table.std(0))
+    v1, v2 = view(), view()
+    drafter(num_masks=1, block_complexity=10, mask_init="sample").start_rows(v1)
+    drafter(num_masks=1, block_complexity=10, mask_init="sample").start_rows(v2)
+    assert torch.equal(v1.state["m"], v2.state["m"])  # seeded per request

@@ -1,0 +1,65 @@
+"""Tree math on hand-made trees: ancestors, depths, block layout with masks, static shapes."""
+from __future__ import annotations
+
+import torch
+
+from esp_worker.tree import ancestor_matrix, block_layout, mask_indices, static_branches, static_parents
+
+
+def test_ancestor_matrix_hand_tree():
+    parents = torch.tensor([[-1, 0, 0, 1, 3]])
+    anc = ancestor_matrix(parents)[0].int().tolist()
+    assert anc == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 1, 0, 1, 1],
+    ]
+
+
+def test_ancestor_matrix_deep_chain_and_batch():
+    chain = torch.arange(-1, 11)[None]  # depth-11 chain
+    star = torch.tensor([[-1] + [0] * 11])
+    anc = ancestor_matrix(torch.cat([chain, star]))
+    assert torch.equal(anc[0], torch.tril(torch.ones(12, 12, dtype=torch.bool)))
+    assert anc[1].sum().item() == 12 + 11
+
+
+def test_block_layout_with_masks():
+    # root r, n1 under r; k = 2 masks each: order [r, n1, m(r,1), m(r,2), m(n1,1), m(n1,2)]
+    lay = block_layout(torch.tensor([[-1, 0]]), num_masks=2)
+    assert lay.rel_pos[0].tolist() == [0, 1, 1, 2, 2, 3]
+    vis = lay.visible[0].int().tolist()
+    assert vis == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 1, 0, 0, 1, 1],
+    ]
+    assert mask_indices(torch.tensor([1, 0]), 2, 2).tolist() == [[4, 5], [2, 3]]
+
+
+def test_block_layout_no_masks_is_tree_attention():
+    lay = block_layout(torch.tensor([[-1, 0, 0, 2]]), num_masks=0)
+    assert lay.rel_pos[0].tolist() == [0, 1, 1, 2]
+    assert lay.visible[0, 3].int().tolist() == [1, 0, 1, 1]
+
+
+def test_static_branches_match_paper_trees():
+    assert static_branches(10, 1) == [4]
+    assert static_branches(30, 1) == [14]
+    assert static_branches(60, 1) == [29]
+    assert static_branches(60, 2) == [15, 4]
+    assert static_branches(30, 2) == [7, 2]
+    assert static_branches(10, 3) == [1]  # too small for three levels: shallower tree
+    for bc in (10, 30, 60):
+        for k in (1, 2, 3):
+            assert (k + 1) * (1 + sum(static_branches(bc, k))) <= bc
+
+
+def test_static_parents_top1_expansion():
+    assert static_parents([3, 2]) == [-1, 0, 0, 0, 1, 1]
+    assert static_parents([2, 1, 1]) == [-1, 0, 0, 1, 3]
