@@ -185,7 +185,8 @@ class ESPDrafter(Drafter):
             if width < 1:
                 break
             nf = 1 if self.expansion == "top1" else width
-            f_idx = level_score.topk(min(nf, level_score.shape[1]), dim=1).indices.sort(dim=1).values  # [B, F]
+            order = level_score.sort(dim=1, descending=True, stable=True).indices  # ties: earlier candidate first
+            f_idx = order[:, :nf].sort(dim=1).values  # frontier [B, F], in pool order
             f_score = level_score.gather(1, f_idx)
             f_tok = level_tok.gather(1, f_idx)
             f = f_score.shape[1]
