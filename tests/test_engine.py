@@ -1,0 +1,189 @@
+"""Engine behaviour: KV keep, prompt lookup, stopping, bad requests, statistics, continuous batching."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine_helpers import PROMPTS, reference, run, tiny
+from esp_worker import Engine, EngineConfig, GenerationParams, Request, RequestStats
+from esp_worker import kv_cache
+from esp_worker.drafters.pld import PromptLookupDrafter
+
+
+def test_kv_keep_packs_accepted_slots_per_row():
+    # 1 layer, B=2, H=1, D=1; slot value = slot index so moves are visible
+    keys = torch.arange(10, dtype=torch.float32).view(1, 1, 10, 1).repeat(2, 1, 1, 1)
+    cache = DynamicCache()
+    cache.update(keys.clone(), keys.clone() + 100, 0)
+    # cache_len [3, 5]; a pass appended slots 6..9 (Q = 4); row 0 keeps root + the node at block idx 2,
+    # row 1 keeps root only.
+    src = torch.tensor([[6, 8, 6], [3, 4, 6]])  # from start = 3 (row 0: root, node, stale pad)
+    kv_cache.keep(cache, 3, src)
+    k = cache.layers[0].keys[:, 0, :, 0]
+    assert k.tolist() == [[0, 1, 2, 6, 8, 6], [0, 1, 2, 3, 4, 6]]
+    assert cache.layers[0].values[1, 0, :, 0].tolist() == [100, 101, 102, 103, 104, 106]
+
+
+def test_kv_select_and_append_rows():
+    def cache_of(n, length):
+        c = DynamicCache()
+        t = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 1, length, 2).contiguous()
+        c.update(t, t, 0)
+        return c
+    a, b = cache_of(3, 4), cache_of(2, 6)
+    kv_cache.select_rows(a, torch.tensor([2, 0]))
+    merged = kv_cache.append_rows(a, b)
+    assert merged.layers[0].keys.shape == (4, 1, 6, 2)
+    assert merged.layers[0].keys[:, 0, 0, 0].tolist() == [2, 0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "hist,n_max,n_min,expected",
+    [
+        ([5, 6, 7, 8, 5, 6], 2, 1, [7, 8, 5]),  # 2-gram [5 6] at 0 -> what followed
+        ([5, 6, 7, 5, 9, 6], 2, 1, [7, 5, 9]),  # no 2-gram match; 1-gram [6] at 1
+        ([1, 2, 3, 4], 3, 1, []),  # nothing repeats
+        ([4, 1, 4, 2, 4], 1, 1, [2, 4]),  # latest earlier match of [4] is at 2
+        ([1, 2, 9, 1, 2, 8, 1, 2], 2, 2, [8, 1, 2]),  # latest of two 2-gram matches wins
+    ],
+)
+def test_prompt_lookup_proposals(hist, n_max, n_min, expected):
+    d = PromptLookupDrafter(n_max, n_min, depth=3)
+    h = torch.tensor([hist + [0, 0]])  # padded capacity
+    start = d.find_continuation(h, torch.tensor([len(hist)]))
+    got = [] if start.item() < 0 else hist[start.item(): start.item() + 3]
+    assert got == expected
+
+
+def test_max_new_tokens_exact_with_truncated_pass():
+    lm = tiny("llama")
+    ref = reference("llama", "sdpa")
+    for n in (1, 2, 7, 13):
+        outs = run(lm, EngineConfig(method="pld", block_complexity=11, max_batch_size=2), GenerationParams(max_new_tokens=n))
+        for o, r in zip(outs, ref):
+            assert tuple(o.token_ids) == r[:n]
+            assert len(o.token_ids) == min(n, len(r))
+            if len(r) >= n and r[n - 1] not in lm.eos_token_ids:
+                assert o.finish_reason == "length"
+
+
+def test_stop_strings_end_generation():
+    lm = tiny("llama")
+    ref = run(lm, EngineConfig(method="ar"), GenerationParams(max_new_tokens=40))
+    text = ref[0].text
+    stop = text[10:13]
+    outs = run(lm, EngineConfig(method="esp", num_masks=2, block_complexity=30), GenerationParams(max_new_tokens=40, stop_strings=[stop]))
+    o = outs[0]
+    assert o.finish_reason == "stop"
+    assert stop in o.text and o.text.index(stop) + len(stop) >= len(o.text) - 4
+    assert ref[0].token_ids[: len(o.token_ids)] == o.token_ids
+
+
+def test_context_limit_finishes_with_context():
+    lm = dataclasses.replace(tiny("qwen2"), max_context=30)
+    ref = reference("qwen2", "sdpa")
+    outs = run(lm, EngineConfig(method="esp", num_masks=2, block_complexity=30, max_batch_size=4), GenerationParams(max_new_tokens=64))
+    for prompt, o, r in zip(PROMPTS, outs, ref):
+        n_prompt = len(lm.tokenizer(prompt).input_ids)
+        if n_prompt >= 30:
+            assert o.error and "context" in o.error
+            continue
+        assert tuple(o.token_ids) == r[: 30 - n_prompt]
+        assert o.finish_reason == "context" or o.token_ids[-1] in lm.eos_token_ids
+
+
+@pytest.mark.parametrize(
+    "req,needle",
+    [
+        (Request(id="e", prompt=""), "empty prompt"),
+        (Request(id="n"), "no prompt"),
+        (Request(id="w", prompt=123), "must be a string"),
+        (Request(id="l", prompt="a" * 2000), "context"),
+        (Request(id="t", prompt="hi", params=GenerationParams(temperature=-1.0)), "temperature"),
+        (Request(id="p", prompt="hi", params=GenerationParams(top_p=0.0)), "top_p"),
+        (Request(id="p2", prompt="hi", params=GenerationParams(top_p=1.5)), "top_p"),
+        (Request(id="m", prompt="hi", params=GenerationParams(max_new_tokens=0)), "max_new_tokens"),
+        (Request(id="k", prompt="hi", params=GenerationParams(top_k=-3)), "top_k"),
+        (Request(id="u", prompt="bad \ud800 surrogate"), "tokenized"),
+        (Request(id="v", prompt_ids=[0, 99999]), "token ids"),
+    ],
+)
+def test_bad_requests_get_errors_and_batch_goes_on(req, needle):
+    lm = tiny("llama")
+    eng = Engine(lm, EngineConfig(method="esp", max_batch_size=2))
+    good = Request(id="ok", prompt="Hello there", params=GenerationParams(max_new_tokens=8))
+    outs = eng.generate([good, req, Request(id="ok2", prompt="Another", params=GenerationParams(max_new_tokens=8))])
+    assert outs[0].error is None and len(outs[0].token_ids) == 8
+    assert outs[2].error is None and len(outs[2].token_ids) == 8
+    assert outs[1].error is not None and needle in outs[1].error, outs[1].error
+    assert "\n" not in outs[1].error
+
+
+def test_continuous_batching_refills_slots():
+    """More requests than slots, mixed lengths: every output equals its own single-request run."""
+    lm = tiny("mistral")
+    cfg = EngineConfig(method="esp", num_masks=1, block_complexity=10, max_batch_size=3)
+    reqs = [Request(id=str(i), prompt=PROMPTS[i % 4] * (1 + i % 3), params=GenerationParams(max_new_tokens=5 + 7 * i))
+            for i in range(9)]
+    eng = Engine(lm, cfg)
+    order = [o.id for o in eng.generate_iter(reqs)]
+    assert sorted(order) == sorted(r.id for r in reqs)
+    batched = {o.id: o.token_ids for o in Engine(lm, cfg).generate(reqs)}
+    for r in reqs:
+        single = Engine(lm, dataclasses.replace(cfg, max_batch_size=1)).generate([r])[0]
+        assert batched[r.id] == single.token_ids
+        assert len(single.token_ids) == r.params.max_new_tokens or single.finish_reason == "stop"
+
+
+def test_statistics_are_consistent():
+    lm = tiny("llama")
+    outs = run(lm, EngineConfig(method="pld", block_complexity=11), GenerationParams(max_new_tokens=64))
+    total = RequestStats()
+    for o in outs:
+        st = o.stats
+        assert st.num_generated_tokens == len(o.token_ids)
+        assert st.num_decode_tokens == st.num_generated_tokens - 1  # prefill commits the first token
+        assert sum(st.committed_histogram) == st.num_decode_passes
+        assert sum(n * c for n, c in enumerate(st.committed_histogram)) == st.num_decode_tokens
+        assert st.num_accepted_drafts == st.num_decode_tokens - st.num_decode_passes or o.finish_reason != "length"
+        assert (st.accepted_per_depth[0] if st.accepted_per_depth else 0) <= st.num_decode_passes
+        assert sum(st.accepted_per_depth) == st.num_accepted_drafts
+        assert st.num_accepted_drafts <= st.num_drafted_tokens
+        assert sum(st.block_size_histogram.values()) == st.num_decode_passes
+        assert st.num_prompt_tokens > 0 and st.time_s > 0
+        total = total.merge(st)
+    assert total.num_decode_passes == sum(o.stats.num_decode_passes for o in outs)
+    assert total.tau == pytest.approx(total.num_decode_tokens / total.num_decode_passes)
+
+
+def test_engine_never_imports_ray():
+    code = "import sys, esp_worker, esp_worker.engine, esp_worker.drafters, esp_worker.model_io; " \
+           "import esp_worker.drafters.esp, esp_worker.drafters.pld; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_flash_attention_refused_with_one_line():
+    from esp_worker import ModelConfig
+    from esp_worker.model_io import ModelLoadError, load_model
+
+    with pytest.raises(ModelLoadError, match="tree attention mask"):
+        load_model(ModelConfig(name_or_path="tiny-random-llama", attn_implementation="flash_attention_2"))
+    with pytest.raises(ValueError, match="engine.method"):
+        EngineConfig(method="nope").validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_runs_and_reports_exact_match():
+    from esp_worker import ModelConfig
+    from esp_worker.model_io import load_model
+
+    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda", dtype="bfloat16"))
+    ar = run(lm, EngineConfig(method="ar"), GenerationParams(max_new_tokens=32))
+    esp = run(lm, EngineConfig(method="esp"), GenerationParams(max_new_tokens=32))
+    assert all(o.error is None for o in ar + esp)
