@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from conftest_jobs import FAST, REPO, SPEC_BENCH, job_cfg, ray_head, read_output, run_cli, write_jsonl  # noqa: F401
+from conftest_jobs import FAST, REPO, SPEC_BENCH, job_cfg, ray_head, read_output, write_jsonl  # noqa: F401
 from jobs.config import ConfigError
 from jobs.runner import run_job
 from jobs.schema import BASE_FIELDS
@@ -163,9 +163,3 @@ def test_ray_job_submit(ray_head, tmp_path):
     assert "done: 8 rows" in res.stdout + res.stderr
     assert len(read_output(out)) == 8
 
-
-def test_cli_errors_exit_2_without_traceback(tmp_path):
-    res = run_cli("data.bogus=1")
-    assert res.returncode == 2 and "data.bogus" in res.stderr and "Traceback" not in res.stderr
-    res = run_cli(f"data.path={tmp_path / 'missing.jsonl'}", f"output.dir={tmp_path / 'o'}")
-    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
