@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import duckdb
+import pandas as pd
 import pyarrow as pa
 import pytest
 
@@ -45,6 +47,9 @@ def test_end_to_end_two_actors_then_resume(ray_head, tmp_path):
     assert s["generated_tokens"] == sum(r["num_generated_tokens"] for r in rows)
     assert set(s["tau_per_category"]) == {"qa", "code", "math"} and s["config_hash"]
     assert not list(out.glob(".*tmp"))
+    assert len(pd.read_parquet(out)) == 44  # the _-prefixed manifest and summary are skipped by readers
+    by_cat = duckdb.sql(f"SELECT category, count(*) FROM '{out}/*.parquet' GROUP BY category").fetchall()
+    assert sorted(n for _, n in by_cat) == [14, 15, 15]
 
     # Rerun after losing two parts: only those shards run again; the others are not rewritten.
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
