@@ -48,6 +48,17 @@ class EngineConfig:
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
     seed: int = 0  # base seed for requests that carry none
+    # STAND (stand): logit store of the model's own past top-k, tree by cumulative probability (BC - 1 nodes)
+    stand_max_ngram: int = 3  # suffix match lengths tried, longest first (as pld)
+    stand_min_ngram: int = 1
+    stand_depth: int = 10  # deepest draft node (the paper's depth 10)
+    stand_topk: int = 8  # candidates kept per stored position (one chain token + stand_topk - 1 branches)
+    # Lookahead decoding (lade): 0 = from block_complexity (paper Appendix F: BC 10 -> N=3,W=4,G=1;
+    # 30 -> 4,5,5; 60 -> 5,8,7; other BCs see drafters/lade.py:lade_sizes)
+    lade_ngram: int = 0  # N: n-gram size (N - 1 lookahead levels, drafts of N - 1 tokens)
+    lade_window: int = 0  # W: lookahead window width
+    lade_guess: int = 0  # G: n-grams verified per pass
+    lade_pool_size: int = 1024  # n-grams remembered per sequence (least recently seen evicted first)
 
     def validate(self) -> None:
         """Raise ValueError with a one-line, actionable message on a bad setting."""

@@ -1,0 +1,180 @@
+"""STAND (Song et al. 2025, arXiv 2506.04708): n-gram drafting from a store of the model's own past logits.
+
+Logit store: for every history position p the drafter keeps the top-K next-token candidates seen at p
+(`store_ids` / `store_lp` [B, C, K], sorted by log-prob). Generated positions get the model's own top-K from
+the verification pass that fed them; prompt positions (whose logits the prefill does not return) get the
+token that actually followed, with log-prob 0 (a one-hot distribution).
+
+Draft tree (paper Appendix F: depth 10, extra branches by cumulative probability, BC - 1 nodes):
+1. Match the context's suffix earlier in the history exactly as `pld` does (longest n first, latest match).
+2. The chain: the (up to) `depth` tokens that followed the match. Chain node d is history position
+   q_d = start + d - 1 and its log-prob is the store's entry for that token at q_d - 1.
+3. Branches: at each depth d, the other stored candidates at q_d - 1 hang under chain node d - 1 (top-1
+   expansion: only chain nodes have children).
+4. Budget BC - 1 nodes: the chain comes first (depth order), the rest goes to the branches with the highest
+   cumulative log-prob along their path. A branch hangs under a chain node, which is kept before it, so the
+   kept set is a tree. At BC 10 the budget (9) is spent on the chain alone: STAND is PLD there, as the paper
+   says. (Ranking the chain by its stored probability as well loses to PLD under greedy decoding: a top-1
+   token of p = 0.4 repeats far more often than 40% of the time in a greedy continuation.)
+
+Simplifications against the paper: the store keeps the latest occurrence per position (no aggregation over
+repeated n-grams) and drafting is deterministic top-K (no Gumbel-top-K sampling; verification keeps the
+output distribution exact either way).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import EngineConfig
+from ..model_io import ModelRunner
+from ..tree import DraftTree
+from .base import Block, Drafter, PassResult, RowsView
+from .esp import NEG, topk_excluding
+from .pld import PromptLookupDrafter
+
+
+class StandDrafter(Drafter):
+    name = "stand"
+
+    def __init__(self, num_nodes: int, depth: int, topk: int, max_ngram: int, min_ngram: int):
+        super().__init__()
+        if num_nodes < 1:
+            raise ValueError("stand needs engine.block_complexity >= 2")
+        if topk < 1 or depth < 1:
+            raise ValueError("engine.stand_topk and engine.stand_depth must be >= 1")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("engine.stand_min_ngram must be >= 1 and <= engine.stand_max_ngram")
+        self.num_nodes = num_nodes
+        self.depth = min(depth, num_nodes)
+        self.topk = topk
+        self.matcher = PromptLookupDrafter(max_ngram, min_ngram, self.depth)
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, runner: ModelRunner) -> "StandDrafter":
+        return cls(
+            num_nodes=cfg.block_complexity - 1,
+            depth=cfg.stand_depth,
+            topk=cfg.stand_topk,
+            max_ngram=cfg.stand_max_ngram,
+            min_ngram=cfg.stand_min_ngram,
+        )
+
+    # ---- logit store -------------------------------------------------------------------------------
+    def start_rows(self, view: RowsView) -> None:
+        hist, plen = view.hist, view.prompt_len  # [B, C], [B]
+        b, c = hist.shape
+        dev = hist.device
+        ids = torch.zeros((b, c, self.topk), dtype=torch.long, device=dev)
+        lp = torch.full((b, c, self.topk), NEG, device=dev)
+        # position p stores the prompt token at p + 1 with log-prob 0
+        nxt = torch.cat([hist[:, 1:], hist[:, :1]], 1)  # [B, C]
+        has_next = torch.arange(c, device=dev)[None] < (plen - 1)[:, None]
+        ids[..., 0] = nxt
+        lp[..., 0] = torch.where(has_next, 0.0, NEG)
+        view.state["store_ids"], view.state["store_lp"] = ids, lp
+        return None
+
+    def _fit_store(self, view: RowsView) -> None:
+        """Grow the store with the history capacity (the engine pads `hist` as rows get longer)."""
+        st = view.state
+        extra = view.hist.shape[1] - st["store_ids"].shape[1]
+        if extra > 0:
+            st["store_ids"] = torch.nn.functional.pad(st["store_ids"], (0, 0, 0, extra))
+            st["store_lp"] = torch.nn.functional.pad(st["store_lp"], (0, 0, 0, extra), value=NEG)
+
+    def observe(self, view: RowsView, result: PassResult) -> None:
+        """Store the model's top-K at the root and every accepted node (positions hist_len - n .. hist_len - 1).
+
+        Example: cache held positions 0..9, root at 10, two drafts accepted + bonus (n = 3): hist_len is now 13
+        and positions 10, 11, 12 get the top-K of the logits at the root and the two accepted slots.
+        """
+        self._fit_store(view)
+        st = view.state
+        n = result.num_committed  # [B]
+        if result.prefill:
+            # the prefill gives no logits: one-hot of the first generated token at the last prompt position
+            pos = (view.hist_len - 2).clamp(min=0)[:, None]  # [B, 1]
+            ids = result.committed[:, :1, None].expand(-1, -1, self.topk)  # [B, 1, K]
+            lp = torch.full(ids.shape, NEG, device=ids.device)
+            lp[..., 0] = 0.0
+        else:
+            s = result.path_slots.shape[1]
+            logits = result.slot_logits.gather(
+                1, result.path_slots[..., None].expand(-1, -1, result.slot_logits.shape[-1])
+            )  # [B, S, V]
+            k = min(self.topk, logits.shape[-1])
+            top = torch.log_softmax(logits, -1).topk(k, dim=-1)
+            lp = torch.nn.functional.pad(top.values, (0, self.topk - k), value=NEG)  # [B, S, K]
+            ids = torch.nn.functional.pad(top.indices, (0, self.topk - k))
+            pos = view.hist_len[:, None] - n[:, None] + torch.arange(s, device=n.device)[None]  # [B, S]
+        keep = torch.arange(pos.shape[1], device=pos.device)[None] < n[:, None]  # [B, S]
+        c = st["store_ids"].shape[1]
+        pos = pos.clamp(0, c - 1)
+        idx = pos[..., None].expand(-1, -1, self.topk)
+        for key, new in (("store_ids", ids), ("store_lp", lp)):
+            cur = st[key].gather(1, idx)
+            st[key].scatter_(1, idx, torch.where(keep[..., None], new, cur))
+
+    # ---- draft tree --------------------------------------------------------------------------------
+    def propose(self, view: RowsView) -> Block:
+        self._fit_store(view)
+        st = view.state
+        hist, length = view.hist, view.hist_len  # [B, C], [B]
+        b, c = hist.shape
+        dev = hist.device
+        dep, k = self.depth, self.topk
+        start = self.matcher.find_continuation(hist, length)  # [B], -1 = no match
+        q = start[:, None] + torch.arange(dep, device=dev)[None]  # [B, D] history positions of chain nodes
+        ok = (start[:, None] >= 0) & (q < length[:, None])
+        chain = hist.gather(1, q.clamp(0, c - 1))  # [B, D]
+        src = (q - 1).clamp(0, c - 1)[..., None].expand(-1, -1, k)  # stored candidates for each depth
+        cand_ids = st["store_ids"].gather(1, src)  # [B, D, K]
+        cand_lp = st["store_lp"].gather(1, src)
+        # the chain token's log-prob (NEG if it is not among the stored candidates)
+        hit = cand_ids == chain[..., None]
+        chain_lp = torch.where(hit, cand_lp, NEG).max(-1).values  # [B, D]
+        chain_lp = torch.where(ok, chain_lp.clamp(min=-1e4), NEG)  # a chain token missing from the store
+        # stays draftable (low score) so that the tree degrades to PLD, never below it
+        alt_lp, alt_ids = topk_excluding(cand_lp.reshape(b * dep, k), cand_ids.reshape(b * dep, k), chain.reshape(-1), k - 1)
+        alt_lp = torch.where(ok[..., None], alt_lp.reshape(b, dep, k - 1), NEG)  # [B, D, K-1]
+        alt_ids = alt_ids.reshape(b, dep, k - 1)
+        cum = chain_lp.cumsum(1)  # [B, D] cumulative log-prob of chain node d
+        above = torch.cat([torch.zeros((b, 1), device=dev), cum[:, :-1]], 1)  # of its parent
+        # pool in depth-major order: [chain_1, alt_1.., chain_2, alt_2.., ...]; parent pool index per entry
+        score = torch.cat([cum[..., None], above[..., None] + alt_lp], 2).reshape(b, dep * k)
+        tok = torch.cat([chain[..., None], alt_ids], 2).reshape(b, dep * k)
+        d = torch.arange(dep, device=dev)
+        par = torch.where(d == 0, -1, (d - 1) * k)[:, None].expand(dep, k).reshape(-1)  # [D*K]
+        is_chain = (torch.arange(dep * k, device=dev) % k == 0)[None]  # [1, D*K]
+        rank = torch.where(is_chain & (score > NEG), 1.0, score)  # chain first, then branches by score
+        tree = _best_nodes(view.root, rank, score > NEG, tok, par.expand(b, -1), self.num_nodes)
+        return self.block(tree, max_depth=dep)
+
+
+def _best_nodes(
+    root: torch.Tensor, rank: torch.Tensor, ok: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, num_nodes: int
+) -> DraftTree:
+    """Keep the `num_nodes` pool entries of highest `rank` as a tree; pool order must be topological and no
+    entry may outrank its parent (a stable sort then keeps a parent ahead of an equal-ranked child).
+
+    root [B]; rank, ok, tok, par [B, P] (par = parent pool index, -1 = root; ok False = invalid node).
+    Example: rank [0, -1, 0, -2], par [-1, -1, 0, 0], num_nodes 2 -> pool entries 0 and 2 ->
+    tokens [root, tok0, tok2], parents [-1, 0, 1].
+    """
+    b, p = rank.shape
+    dev = rank.device
+    n = min(num_nodes, p)
+    keep = rank.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values  # [B, n]
+    slot_of = torch.full((b, p), -1, dtype=torch.long, device=dev)
+    slot_of.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(b, -1))
+    kept_par = par.gather(1, keep)
+    parent_slot = torch.where(kept_par < 0, 0, slot_of.gather(1, kept_par.clamp(min=0)))
+    tokens = torch.cat([root[:, None], tok.gather(1, keep)], 1)
+    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), parent_slot], 1)
+    valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), ok.gather(1, keep)], 1)
+    if n < num_nodes:  # a pool smaller than the budget: pad with invalid leaves under the root
+        pad = num_nodes - n
+        tokens = torch.nn.functional.pad(tokens, (0, pad))
+        parents = torch.nn.functional.pad(parents, (0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad))
+    return DraftTree(tokens, parents, valid, static_key=None)
