@@ -102,6 +102,8 @@ class Engine:
         self.device = loaded.device
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
         self.vocab_size = int(self.runner.embed.weight.shape[0])
+        # seconds spent in decode passes, and the part of it inside the model (forward + LM head)
+        self.timing = {"decode_s": 0.0, "model_s": 0.0, "decode_passes": 0}
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> "Engine":
@@ -270,6 +272,7 @@ class Engine:
     # ---- one decode pass ---------------------------------------------------------------------------
     @torch.inference_mode()
     def _step(self, rows: _Rows) -> None:
+        t_start = time.perf_counter()
         dev = self.device
         b = len(rows)
         view = rows.view()
@@ -285,21 +288,18 @@ class Engine:
         pos = (cache_len[:, None] + lay.rel_pos).clamp(max=self.loaded.max_context - 1)  # [B, Q]
         prefix = (torch.arange(s_old, device=dev)[None] < cache_len[:, None])[:, None, :].expand(b, q, s_old)
         visible = torch.cat([prefix, lay.visible.expand(b, q, q)], -1)  # [B, Q, S + Q]
+        model_s0 = self.runner.model_s
         hidden = self.runner.forward(embeds, visible, pos, rows.cache)
         slot_logits = self.runner.logits(hidden[:, :t_slots])  # [B, T, V]
         rows.uniforms.ensure(block.max_depth + 1)
         res = verify(tree, slot_logits, block.max_depth, self._chooser(rows))
         n_raw = res.num_committed
         n_fin, reason = self._apply_stops(rows, res.committed, n_raw)
-        # cache: keep prefix + root + accepted nodes (slots S_old + path) behind each row's prefix
-        new_len = cache_len + n_raw
-        start = int(cache_len.min())
-        width = int(new_len.max()) - start
-        p = start + torch.arange(width, device=dev)[None]  # [1, L]
-        j = (p - cache_len[:, None]).clamp(0, res.path_slots.shape[1] - 1)
-        src = torch.where(p < cache_len[:, None], p, s_old + res.path_slots.gather(1, j))
-        src = torch.where(p < new_len[:, None], src, s_old)
-        kv_cache.keep(rows.cache, start, src)
+        # cache: root + accepted nodes (block slots S_old + path) move right behind each row's prefix
+        steps = torch.arange(res.path_slots.shape[1], device=dev)[None]
+        dst = cache_len[:, None] + steps  # [B, P]
+        src = torch.where(steps < n_raw[:, None], s_old + res.path_slots, dst)
+        kv_cache.keep(rows.cache, dst, src, int((cache_len + n_raw).max()))
         self._commit(rows, res.committed, n_fin, reason)
         k = self.drafter.num_masks
         mask_hidden = None
@@ -328,6 +328,14 @@ class Engine:
                 st.committed_histogram.extend([0] * (nf + 1 - len(st.committed_histogram)))
             st.committed_histogram[nf] += 1
             st.block_size_histogram[q] = st.block_size_histogram.get(q, 0) + 1
+        self._sync()
+        self.timing["decode_s"] += time.perf_counter() - t_start
+        self.timing["model_s"] += self.runner.model_s - model_s0  # includes the drafter's LM-head calls
+        self.timing["decode_passes"] += 1
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _chooser(self, rows: _Rows):

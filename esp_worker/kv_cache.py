@@ -25,23 +25,23 @@ def seq_len(cache: DynamicCache) -> int:
     return layers[0].keys.shape[-2] if layers else 0
 
 
-def keep(cache: DynamicCache, start: int, src: torch.Tensor) -> None:
-    """Rewrite slots [start, start + L) of every row from source slots `src` and drop everything after.
+def keep(cache: DynamicCache, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
+    """Copy slots `src` to slots `dst` in every row, then cut every row to `length` slots.
 
-    src: [B, L] slot indices (>= start) into the current cache. Slots before `start` are not touched, so a
-    pass costs a gather over the tail only (about Q + max spread of row lengths), not the whole cache.
-    Example: rows with cache_len [5, 7], a pass of Q=4 appended at slots 7..10; row 0 keeps the root and one
-    node (block idx 0, 2) -> src row 0 = [7, 9, ...]; row 1 keeps [5, 6, 7] (its prefix + root).
+    dst, src: [B, P] slot indices. Only the P moved slots per row are touched (P = accepted path + 1), so
+    the cost of a pass does not grow with the cache or with the spread of row lengths.
+    Example: rows with cache_len [3, 5] and a pass of Q=4 appended at slots 6..9. Row 0 keeps the root and
+    the node at block index 2: dst [3, 4], src [6, 8]. Row 1 keeps the root only: dst [5, 6], src [6, x]
+    (slot 6 of row 1 is beyond its new length 6, so whatever lands there is stale). length = 6.
     """
-    b, length = src.shape
+    b, p = src.shape
     for layer in _layers(cache):
         for name in ("keys", "values"):
             t = getattr(layer, name)  # [B, H, S, D]
             h, d = t.shape[1], t.shape[3]
-            idx = src[:, None, :, None].expand(b, h, length, d)
-            gathered = torch.gather(t, 2, idx)  # [B, H, L, D]
-            t[:, :, start : start + length] = gathered
-            setattr(layer, name, t[:, :, : start + length])
+            moved = torch.gather(t, 2, src[:, None, :, None].expand(b, h, p, d))  # [B, H, P, D]
+            t.scatter_(2, dst[:, None, :, None].expand(b, h, p, d), moved)
+            setattr(layer, name, t[:, :, :length])
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:

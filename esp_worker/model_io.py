@@ -7,6 +7,7 @@ The only module that knows how a Hugging Face model is called. Sources:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -212,6 +213,11 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.mask_min = torch.finfo(loaded.dtype).min
+        self.model_s = 0.0  # wall seconds inside forward() and logits(): model compute, for host-overhead accounting
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -228,6 +234,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Returns hidden states [B, Q, D]; the cache grows by Q slots per row."""
         assert inputs_embeds.ndim == 3 and visible.ndim == 3 and position_ids.ndim == 2
+        t0 = time.perf_counter()
         bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         bias.masked_fill_(~visible, self.mask_min)
         out = self.base(
@@ -237,14 +244,19 @@ class ModelRunner:
             past_key_values=cache,
             use_cache=True,
         )
+        self._sync()
+        self.model_s += time.perf_counter() - t0
         return out.last_hidden_state
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., D] -> logits [..., V] in float32
+        t0 = time.perf_counter()
         logits = self.lm_head(hidden).float()
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        self._sync()
+        self.model_s += time.perf_counter() - t0
         return logits

@@ -20,12 +20,11 @@ def test_kv_keep_packs_accepted_slots_per_row():
     keys = torch.arange(10, dtype=torch.float32).view(1, 1, 10, 1).repeat(2, 1, 1, 1)
     cache = DynamicCache()
     cache.update(keys.clone(), keys.clone() + 100, 0)
-    # cache_len [3, 5]; a pass appended slots 6..9 (Q = 4); row 0 keeps root + the node at block idx 2,
-    # row 1 keeps root only.
-    src = torch.tensor([[6, 8, 6], [3, 4, 6]])  # from start = 3 (row 0: root, node, stale pad)
-    kv_cache.keep(cache, 3, src)
+    # cache_len [3, 5]; a pass appended slots 6..9 (Q = 4); row 0 keeps the root and the node at block
+    # index 2 (slots 6, 8), row 1 keeps the root only (slot 6; its second move lands beyond its length).
+    kv_cache.keep(cache, torch.tensor([[3, 4], [5, 6]]), torch.tensor([[6, 8], [6, 6]]), 6)
     k = cache.layers[0].keys[:, 0, :, 0]
-    assert k.tolist() == [[0, 1, 2, 6, 8, 6], [0, 1, 2, 3, 4, 6]]
+    assert k.tolist() == [[0, 1, 2, 6, 8, 5], [0, 1, 2, 3, 4, 6]]
     assert cache.layers[0].values[1, 0, :, 0].tolist() == [100, 101, 102, 103, 104, 106]
 
 
