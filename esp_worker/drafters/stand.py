@@ -83,22 +83,20 @@ class StandDrafter(Drafter):
             st["store_lp"] = torch.nn.functional.pad(st["store_lp"], (0, 0, 0, extra), value=NEG)
 
     def observe(self, view: RowsView, result: PassResult) -> None:
-        """Store the model's top-K at the root and every accepted node (positions hist_len - n .. hist_len - 1).
+        """Store the model's top-K at the root and every accepted node: n positions ending at hist_len - 2.
 
-        Example: cache held positions 0..9, root at 10, two drafts accepted + bonus (n = 3): hist_len is now 13
-        and positions 10, 11, 12 get the top-K of the logits at the root and the two accepted slots.
+        Example: root at position 10, two drafts accepted + the bonus (n = 3): hist_len went from 11 to 14 and
+        positions 10, 11, 12 get the top-K of the logits at the root and at the two accepted slots.
         """
         self._fit_store(view)
         st = view.state
         n = result.num_committed  # [B]
         if result.prefill:
             # the prefill gives no logits: one-hot of the first generated token at the last prompt position
-            pos = (view.hist_len - 2).clamp(min=0)[:, None]  # [B, 1]
             ids = result.committed[:, :1, None].expand(-1, -1, self.topk)  # [B, 1, K]
             lp = torch.full(ids.shape, NEG, device=ids.device)
             lp[..., 0] = 0.0
         else:
-            s = result.path_slots.shape[1]
             logits = result.slot_logits.gather(
                 1, result.path_slots[..., None].expand(-1, -1, result.slot_logits.shape[-1])
             )  # [B, S, V]
@@ -106,7 +104,7 @@ class StandDrafter(Drafter):
             top = torch.log_softmax(logits, -1).topk(k, dim=-1)
             lp = torch.nn.functional.pad(top.values, (0, self.topk - k), value=NEG)  # [B, S, K]
             ids = torch.nn.functional.pad(top.indices, (0, self.topk - k))
-            pos = view.hist_len[:, None] - n[:, None] + torch.arange(s, device=n.device)[None]  # [B, S]
+        pos = view.hist_len[:, None] - n[:, None] - 1 + torch.arange(ids.shape[1], device=n.device)[None]  # [B, S]
         keep = torch.arange(pos.shape[1], device=pos.device)[None] < n[:, None]  # [B, S]
         c = st["store_ids"].shape[1]
         pos = pos.clamp(0, c - 1)
