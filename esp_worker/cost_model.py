@@ -1,0 +1,173 @@
+"""This hardware's cost curve: the time of one decode pass as a function of batch, block size and cache length.
+
+One decode pass feeds Q new tokens per row behind a KV cache of S tokens. On a GPU small Q costs about the
+same as Q = 1 (memory-bound); on a CPU the cost grows with Q much sooner. A method that commits tau tokens
+per pass with blocks of Q tokens is then expected to run at
+
+    speedup over plain decoding = tau / relative_cost(batch, Q, S),  relative_cost = time(Q) / time(1)
+
+(`predict_speedup`). The prediction leaves out the drafter's own work (building trees, n-gram lookups,
+Python), the prefill and the verification; the benchmark reports how far the measured speedup is from it.
+
+Pure torch: the caller pins torch threads (`torch.set_num_threads`) before measuring.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from . import kv_cache
+from .model_io import ModelRunner
+
+
+@dataclass
+class CostCurve:
+    """Median seconds of one pass (model forward + LM head over the Q tokens) on a grid."""
+
+    batch_sizes: list[int]
+    cache_lens: list[int]
+    block_sizes: list[int]
+    # [batch][cache_len][block] median seconds per pass
+    seconds: list[list[list[float]]]
+    device: str = "cpu"
+    torch_threads: int = 1
+
+    def time(self, batch: float, block: float, cache_len: float) -> float:
+        """Seconds per pass, linearly interpolated along each axis (clamped to the measured range)."""
+        ib = _bracket(self.batch_sizes, batch)
+        ic = _bracket(self.cache_lens, cache_len)
+        iq = _bracket(self.block_sizes, block)
+        total = 0.0
+        for b, wb in ib:
+            for c, wc in ic:
+                for q, wq in iq:
+                    total += wb * wc * wq * self.seconds[b][c][q]
+        return total
+
+    def relative_cost(self, batch: float, block: float, cache_len: float) -> float:
+        """time(Q = block) / time(Q = 1) at the same batch size and cache length."""
+        return self.time(batch, block, cache_len) / self.time(batch, 1, cache_len)
+
+    def records(self) -> list[dict[str, Any]]:
+        """One flat record per grid point (for JSON / CSV)."""
+        out = []
+        for i, b in enumerate(self.batch_sizes):
+            for j, c in enumerate(self.cache_lens):
+                base = self.seconds[i][j][self.block_sizes.index(1)] if 1 in self.block_sizes else None
+                for k, q in enumerate(self.block_sizes):
+                    s = self.seconds[i][j][k]
+                    out.append(
+                        dict(batch_size=b, cache_len=c, block_size=q, seconds=s, relative_cost=(s / base if base else None))
+                    )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(
+            batch_sizes=self.batch_sizes, cache_lens=self.cache_lens, block_sizes=self.block_sizes,
+            seconds=self.seconds, device=self.device, torch_threads=self.torch_threads,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CostCurve":
+        return cls(**d)
+
+
+def _bracket(xs: Sequence[float], x: float) -> list[tuple[int, float]]:
+    """Indices and weights of the two grid points around x (sorted xs), clamped at the ends.
+
+    Example: xs [1, 2, 4], x 3 -> [(1, 0.5), (2, 0.5)]; x 8 -> [(2, 1.0)].
+    """
+    if x <= xs[0]:
+        return [(0, 1.0)]
+    if x >= xs[-1]:
+        return [(len(xs) - 1, 1.0)]
+    hi = next(i for i, v in enumerate(xs) if v >= x)
+    lo = hi - 1
+    w = (x - xs[lo]) / (xs[hi] - xs[lo])
+    return [(lo, 1.0 - w), (hi, w)]
+
+
+def predict_speedup(tau: float, block: float, curve: CostCurve, batch: float = 1, cache_len: Optional[float] = None) -> float:
+    """Expected speedup over plain decoding of a method committing `tau` tokens per pass of `block` tokens.
+
+    cache_len None = the middle of the measured cache lengths.
+    Example: tau 2.0 with relative_cost(Q=16) = 1.6 -> 1.25.
+    """
+    if cache_len is None:
+        cache_len = (curve.cache_lens[0] + curve.cache_lens[-1]) / 2
+    return tau / curve.relative_cost(batch, block, cache_len)
+
+
+def powers_of_two(max_block: int) -> list[int]:
+    """[1, 2, 4, ..., <= max_block]."""
+    out, q = [], 1
+    while q <= max_block:
+        out.append(q)
+        q *= 2
+    return out
+
+
+@torch.inference_mode()
+def measure_cost_curve(
+    runner: ModelRunner,
+    batch_sizes: Sequence[int] = (1,),
+    cache_lens: Sequence[int] = (128, 512),
+    block_sizes: Sequence[int] = tuple(powers_of_two(128)),
+    repeats: int = 5,
+    warmup: int = 2,
+) -> CostCurve:
+    """Time one pass of Q new tokens (causal among themselves, seeing the whole cache) on every grid point.
+
+    For each (batch, cache length) a cache is filled once by a prefill of token-id-0 inputs; every timed
+    pass appends Q tokens and is then truncated back, so all passes see the same cache. Each point is the
+    median of `repeats` passes after `warmup` untimed ones. Block sizes must include 1 (the baseline).
+    """
+    if 1 not in block_sizes:
+        raise ValueError("block_sizes must include 1 (plain decoding is the reference)")
+    batch_sizes, cache_lens, block_sizes = sorted(batch_sizes), sorted(cache_lens), sorted(block_sizes)
+    limit = runner.loaded.max_context
+    if cache_lens[-1] + block_sizes[-1] > limit:
+        raise ValueError(f"cache length {cache_lens[-1]} + block {block_sizes[-1]} exceeds the model's context {limit}")
+    dev = runner.device
+    seconds: list[list[list[float]]] = []
+    for b in batch_sizes:
+        per_cache = []
+        for s in cache_lens:
+            cache = kv_cache.new_cache()
+            ids = torch.zeros((b, s), dtype=torch.long, device=dev)
+            pos = torch.arange(s, device=dev)[None].expand(b, -1)
+            causal = torch.ones((s, s), dtype=torch.bool, device=dev).tril()[None].expand(b, -1, -1)
+            runner.forward(runner.embed_ids(ids), causal, pos, cache)
+            per_block = []
+            for q in block_sizes:
+                new = torch.zeros((b, q), dtype=torch.long, device=dev)
+                visible = torch.cat(
+                    [torch.ones((b, q, s), dtype=torch.bool, device=dev),
+                     torch.ones((q, q), dtype=torch.bool, device=dev).tril()[None].expand(b, -1, -1)], -1
+                )
+                qpos = (s + torch.arange(q, device=dev))[None].expand(b, -1)
+                times = []
+                for i in range(warmup + repeats):
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    hidden = runner.forward(runner.embed_ids(new), visible, qpos, cache)
+                    runner.logits(hidden)
+                    _sync(dev)
+                    if i >= warmup:
+                        times.append(time.perf_counter() - t0)
+                    kv_cache.truncate(cache, s)
+                per_block.append(statistics.median(times))
+            per_cache.append(per_block)
+        seconds.append(per_cache)
+    return CostCurve(
+        list(batch_sizes), list(cache_lens), list(block_sizes), seconds, device=str(dev), torch_threads=torch.get_num_threads()
+    )
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
