@@ -1,0 +1,80 @@
+"""Benchmark configuration: the job config (model.*, data.*, engine.*, generation.*, output.*) plus `bench.*`.
+
+`engine.*` gives the settings every run shares (max_batch_size is replaced by each `bench.batch_sizes`
+entry); the grid sets method, block_complexity, num_masks and tree per run.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from esp_worker.config import METHODS, TREES
+
+from .config import ConfigError, JobConfig, _one_line, validate
+
+
+@dataclass
+class BenchSection:
+    methods: list[str] = field(default_factory=lambda: ["ar", "pld", "stand", "lade", "esp"])
+    block_complexities: list[int] = field(default_factory=lambda: [10, 30, 60])
+    num_masks: list[int] = field(default_factory=lambda: [1, 2])  # esp only
+    trees: list[str] = field(default_factory=lambda: ["static", "dynamic"])  # esp only
+    batch_sizes: list[int] = field(default_factory=lambda: [1])  # engine.max_batch_size per run
+    warmup: int = 2  # prompts generated (untimed) by each setting before its timed run
+    torch_threads: int = 1  # pinned for the whole bench (0 = leave torch's default)
+    cost_curve: bool = True  # measure this hardware's pass cost and predict each method's speedup
+    cost_cache_lens: list[int] = field(default_factory=lambda: [64, 512])
+    cost_max_block: int = 128  # blocks Q = 1, 2, 4, ... up to this
+    cost_repeats: int = 5
+    tolerance: float = 0.25  # |measured / predicted speedup - 1| allowed before the report flags a setting
+
+
+@dataclass
+class BenchConfig(JobConfig):
+    bench: BenchSection = field(default_factory=BenchSection)
+
+
+def load_bench_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> DictConfig:
+    """Defaults <- YAML file <- `key=value` overrides, validated like a job config. Raises ConfigError."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not key=value")
+    try:
+        cfg = OmegaConf.structured(BenchConfig)
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {path!r} does not exist")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line(exc)) from None
+    validate(cfg)
+    validate_bench(cfg)
+    return cfg
+
+
+def validate_bench(cfg: DictConfig) -> None:
+    b = cfg.bench
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(len(b.methods) > 0, "bench.methods must name at least one method")
+    for m in b.methods:
+        need(m in METHODS, f"bench.methods: {m!r} is unknown; choose from {', '.join(METHODS)}")
+    need(all(t in TREES for t in b.trees), f"bench.trees={list(b.trees)} must hold static and/or dynamic")
+    need(all(bc >= 2 for bc in b.block_complexities), "bench.block_complexities must be >= 2")
+    need(all(1 <= k <= 8 for k in b.num_masks), "bench.num_masks must be between 1 and 8")
+    need(len(b.batch_sizes) > 0 and all(x >= 1 for x in b.batch_sizes), "bench.batch_sizes must be >= 1")
+    need(b.warmup >= 0, "bench.warmup must be >= 0")
+    need(b.torch_threads >= 0, "bench.torch_threads must be >= 0")
+    need(b.cost_max_block >= 1 and b.cost_repeats >= 1, "bench.cost_max_block and bench.cost_repeats must be >= 1")
+    need(len(b.cost_cache_lens) > 0 and all(c >= 1 for c in b.cost_cache_lens), "bench.cost_cache_lens must be >= 1")
+    need(b.tolerance > 0, "bench.tolerance must be > 0")

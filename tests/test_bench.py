@@ -1,0 +1,74 @@
+"""`python -m jobs.bench` end to end on a tiny model, plus the cost-curve arithmetic."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from esp_worker.cost_model import CostCurve, predict_speedup
+from jobs.bench import main
+
+REQUIRED = {"method", "block_complexity", "num_masks", "tree", "category", "num_prompts", "tau", "tokens_per_s",
+            "speedup_vs_ar", "exact_match_rate"}
+
+
+def test_bench_end_to_end(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    rows = [
+        {"id": "a", "category": "code", "prompt": "def f(x):\n    return x\n\ndef f("},
+        {"id": "b", "category": "code", "prompt": "for i in range(10):\n    print(i)\nfor i in"},
+        {"id": "c", "category": "mt-bench", "turns": ["Say hello twice.", "Now say it again."]},
+        {"id": "d", "category": "mt-bench", "prompt": "the cat sat on the mat, the cat sat on the"},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    code = main([
+        f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=16",
+        "bench.methods=[ar,pld,esp]", "bench.block_complexities=[10]", "bench.num_masks=[1]",
+        "bench.trees=[static]", "bench.warmup=1", "bench.cost_cache_lens=[16]", "bench.cost_max_block=16",
+        "bench.cost_repeats=1",
+    ])
+    assert code == 0
+    records = json.loads((out / "bench.json").read_text())
+    assert {r["setting"] for r in records} == {"ar", "pld BC10", "esp k1 static BC10"}
+    assert {r["category"] for r in records} == {"code", "mt-bench", "all"}
+    for r in records:
+        assert REQUIRED <= set(r)
+        assert r["exact_match_rate"] == 1.0  # float32: every method reproduces ar
+        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0
+    assert all(r["speedup_vs_ar"] == 1.0 for r in records if r["method"] == "ar")
+    assert next(r for r in records if r["setting"] == "ar" and r["category"] == "all")["num_prompts"] == 4
+    with open(out / "bench.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(records)
+    report = (out / "report.md").read_text()
+    assert "| esp k1 static BC10 | 1 |" in report and "tolerance" in report
+    for name in ("tau_by_category.png", "speedup_vs_bc.png", "cost_curve.png"):
+        assert (out / name).stat().st_size > 1000 and f"]({name})" in report
+    curve = CostCurve.from_dict(json.loads((out / "cost_curve.json").read_text()))
+    assert curve.block_sizes == [1, 2, 4, 8, 16] and curve.relative_cost(1, 1, 16) == 1.0
+
+
+def test_bench_rejects_unknown_method(capsys):
+    assert main(["bench.methods=[ar,medusa]"]) == 2
+    assert "bench.methods" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "batch,block,cache,expected",
+    [
+        (1, 1, 100, 1.0),  # the baseline
+        (1, 4, 100, 2.0),  # a grid point: 0.02 / 0.01
+        (1, 3, 100, 1.75),  # halfway between Q 2 (1.5) and Q 4 (2.0)
+        (1, 4, 300, 2.5),  # halfway between cache 100 (2.0) and 500 (3.0)
+        (1, 64, 1000, 3.0),  # clamped to the largest block and cache
+    ],
+)
+def test_cost_curve_interpolation(batch, block, cache, expected):
+    curve = CostCurve([1], [100, 500], [1, 2, 4], [[[0.01, 0.015, 0.02], [0.01, 0.02, 0.03]]])
+    assert curve.relative_cost(batch, block, cache) == pytest.approx(expected)
+
+
+def test_predict_speedup():
+    curve = CostCurve([1], [100], [1, 16], [[[0.01, 0.016]]])
+    assert predict_speedup(2.0, 16, curve) == pytest.approx(1.25)
