@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,17 @@ class ClusterError(RuntimeError):
     """Ray cannot run the job as configured; one-line message."""
 
 
+def _local_cluster_alive() -> bool:
+    """Whether the last `ray start --head` on this machine still listens: Ray leaves its address file
+    behind when the head is killed, and connecting to a dead address waits for minutes."""
+    try:
+        host, port = _CURRENT_CLUSTER.read_text().strip().rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def connect(ray_cfg: Any) -> bool:
     """Initialise Ray per `ray.address`; returns True when this call started a local instance."""
     import ray
@@ -24,14 +36,11 @@ def connect(ray_cfg: Any) -> bool:
         return False
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS", "")
     common = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
-    if not address and _CURRENT_CLUSTER.exists():  # a local `ray start --head`, possibly stale
-        try:
-            ray.init(address="auto", **common)
-            log.info("connected to the running local Ray cluster")
-            return False
-        except ConnectionError:
-            log.info("the last local Ray cluster is gone; starting a new one")
-    elif address and address != "local":
+    if not address and _local_cluster_alive():
+        ray.init(address="auto", **common)
+        log.info("connected to the running local Ray cluster")
+        return False
+    if address and address != "local":
         try:
             ray.init(address=address, **common)
         except ConnectionError as exc:
