@@ -35,6 +35,9 @@ def keep(cache: DynamicCache, dst: torch.Tensor, src: torch.Tensor, length: int)
     (slot 6 of row 1 is beyond its new length 6, so whatever lands there is stale). length = 6.
     """
     b, p = src.shape
+    if bool((src == dst).all()):  # nothing accepted beyond the root, already in place: just cut
+        truncate(cache, length)
+        return
     for layer in _layers(cache):
         for name in ("keys", "values"):
             t = getattr(layer, name)  # [B, H, S, D]

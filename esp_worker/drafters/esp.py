@@ -225,7 +225,8 @@ class ESPDrafter(Drafter):
             tokens = torch.cat([tokens, tokens.new_zeros((b, pad))], 1)
             parents = torch.cat([parents, parents.new_zeros((b, pad))], 1)
             valid = torch.cat([valid, valid.new_zeros((b, pad))], 1)
-        return DraftTree(tokens, parents, valid, static_key=None)
+        # with one mask every node hangs under the root: the shape is fixed and its layout can be cached
+        return DraftTree(tokens, parents, valid, static_key=("esp-k1", self.num_nodes) if k == 1 else None)
 
 
 def _gen(seed: int) -> torch.Generator:
