@@ -87,6 +87,9 @@ class Source:
             return len(self._hf_disk())
         if self.format == "hf_hub":
             return self._hf_hub_count()
+        if self.format == "jsonl":  # one row per non-blank line: count without parsing
+            with open(self.path, "rb") as f:
+                return sum(1 for line in f if line.strip())
         return sum(1 for _ in self._rows())
 
     def _rows(self) -> Iterator[dict[str, Any]]:
