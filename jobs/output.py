@@ -30,10 +30,11 @@ PART_GLOB = "part-*.parquet"
 
 
 def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested dicts."""
+    """Dotted keys whose values differ between two nested dicts. Keys present on one side only are
+    ignored: a newer version that adds a setting (with a default) still resumes an older job."""
     if isinstance(old, dict) and isinstance(new, dict):
-        keys = sorted(set(old) | set(new))
-        return [d for k in keys for d in _diff(old.get(k), new.get(k), f"{prefix}{k}.")]
+        keys = sorted(set(old) & set(new))
+        return [d for k in keys for d in _diff(old[k], new[k], f"{prefix}{k}.")]
     return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
 
 
@@ -57,10 +58,10 @@ class OutputDir:
             self._clear()
         elif manifest.exists():
             old = json.loads(manifest.read_text())
-            if old.get("config_hash") != config_hash:
-                changes = "; ".join(_diff(old.get("hashed_config", {}), hashed)[:5]) or "unknown keys"
+            changes = _diff(old.get("hashed_config", {}), hashed)
+            if changes or "hashed_config" not in old:
                 raise ConfigError(
-                    f"output.dir={str(self.path)!r} holds a job with a different config ({changes}); "
+                    f"output.dir={str(self.path)!r} holds a job with a different config ({'; '.join(changes[:5])}); "
                     "use another output.dir or set output.overwrite=true"
                 )
             return

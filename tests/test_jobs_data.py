@@ -152,6 +152,7 @@ def test_output_dir_claims_and_writes_atomically(tmp_path):
     out = OutputDir(str(tmp_path / "o"))
     out.claim("h1", {"engine": {"x": 1}}, {}, overwrite=False)
     out.claim("h1", {"engine": {"x": 1}}, {}, overwrite=False)  # same job: fine
+    out.claim("h1b", {"engine": {"x": 1, "new_setting": 0}}, {}, overwrite=False)  # a key added by a newer version
     table = pa.table({"id": ["a"]})
     out.write_part(3, table, "zstd")
     assert out.done_shards() == {3} and not list(out.path.glob(".*"))
