@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 METHODS = ("ar", "esp", "pld", "stand", "lade")
 TREES = ("static", "dynamic")
@@ -27,8 +27,9 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     method: str = "esp"  # ar | esp | pld | stand | lade
-    # Tokens fed per decode pass per sequence: (k+1) * (1 + num draft nodes) for ESP.
-    block_complexity: int = 30
+    # Tokens fed per decode pass per sequence: (k+1) * (1 + num draft nodes) for ESP. "auto" (esp, pld):
+    # chosen per pass from a measured cost curve and the rows' expected acceptance, plain decoding included.
+    block_complexity: Union[int, str] = 30
     num_masks: int = 1  # k: mask tokens per input token (ESP)
     tree: str = "dynamic"  # static | dynamic
     # Static branch list [K_1..K_k]; empty = derived from block_complexity (see tree_shapes.static_branches).
@@ -44,6 +45,10 @@ class EngineConfig:
     pld_max_ngram: int = 3
     pld_min_ngram: int = 1
     pld_depth: int = 10
+    # block_complexity=auto
+    auto_max_block: int = 64  # largest block (tokens per sequence) the policy may choose
+    auto_probe_interval: int = 8  # esp: after this many plain passes, one pass re-probes (root + masks)
+    cost_curve_path: str = ""  # "" = measure at start and cache under $ESP_BATCH_CACHE (~/.cache/esp-batch)
     # Batching
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
@@ -75,6 +80,14 @@ class EngineConfig:
             bad(f"engine.mask_init={self.mask_init!r} is unknown; choose one of {', '.join(MASK_INITS)}")
         if self.method == "esp" and not 1 <= self.num_masks <= 8:
             bad(f"engine.num_masks={self.num_masks} must be between 1 and 8")
+        if self.block_complexity == "auto":
+            if self.method not in ("ar", "esp", "pld"):
+                bad(f"engine.block_complexity=auto supports methods esp and pld, not {self.method}; give a number")
+            if self.auto_max_block < 2:
+                bad(f"engine.auto_max_block={self.auto_max_block} must be >= 2")
+            return self._validate_rest(bad)
+        if not isinstance(self.block_complexity, int) or isinstance(self.block_complexity, bool):
+            bad(f"engine.block_complexity={self.block_complexity!r} must be an integer or auto")
         if self.method != "ar" and self.block_complexity < 2:
             bad(f"engine.block_complexity={self.block_complexity} must be >= 2 for speculative methods")
         if self.method == "esp" and self.block_complexity < 2 * (self.num_masks + 1):
@@ -82,6 +95,9 @@ class EngineConfig:
                 f"engine.block_complexity={self.block_complexity} leaves no draft node with "
                 f"num_masks={self.num_masks}; use at least {2 * (self.num_masks + 1)}"
             )
+        self._validate_rest(bad)
+
+    def _validate_rest(self, bad) -> None:
         if not 0.0 <= self.ema_lambda <= 1.0:
             bad(f"engine.ema_lambda={self.ema_lambda} must be in [0, 1]")
         if self.max_batch_size < 1:

@@ -5,6 +5,7 @@ rows leave the batch and waiting requests take their slots (continuous batching 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ import torch
 from . import kv_cache
 from .config import EngineConfig, ModelConfig
 from .drafters import Block, Drafter, PassResult, RowsView, make_drafter
+from .cost_model import CostCurve
 from .model_io import LoadedModel, ModelRunner, load_model
+from .policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
 from .tree import mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
@@ -93,12 +96,19 @@ def _cat_rows(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:
 class Engine:
     """Batched lossless speculative decoding over one Hugging Face causal LM."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, cost_curve: Optional[CostCurve] = None):
         cfg.validate()
         self.cfg = cfg
         self.loaded = loaded
         self.runner = ModelRunner(loaded)
-        self.drafter: Drafter = make_drafter(cfg, self.runner)
+        self.auto = cfg.block_complexity == "auto"
+        sized = dataclasses.replace(cfg, block_complexity=cfg.auto_max_block) if self.auto else cfg
+        self.drafter: Drafter = make_drafter(sized, self.runner)
+        self.policy: Optional[BlockPolicy] = None
+        if self.auto and cfg.method != "ar":
+            curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path)
+            self.policy = BlockPolicy(curve, self.drafter.block_tokens, self.drafter.max_nodes, cfg.auto_max_block)
+        self._plain_streak = 0  # auto + esp: consecutive plain passes since the last probe
         self.device = loaded.device
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
         self.vocab_size = int(self.runner.embed.weight.shape[0])
@@ -276,7 +286,10 @@ class Engine:
         dev = self.device
         b = len(rows)
         view = rows.view()
-        block: Block = self.drafter.propose(view)
+        mass, n_nodes = None, None
+        if self.policy is not None:
+            n_nodes, mass = self._choose_size(view)
+        block: Block = self.drafter.propose(view, n_nodes)
         tree, lay = block.tree, block.layout
         t_slots = tree.num_slots
         embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
@@ -303,7 +316,7 @@ class Engine:
         self._commit(rows, res.committed, n_fin, reason)
         k = self.drafter.num_masks
         mask_hidden = None
-        if k:
+        if k and block.aux_embeds is not None:
             idx = mask_indices(res.last_slot, t_slots, k)  # [B, k]
             mask_hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
         self.drafter.observe(
@@ -312,6 +325,8 @@ class Engine:
         )
         # statistics
         acc = torch.minimum(n_raw - 1, n_fin)
+        if mass is not None and n_nodes > 0:
+            self.policy.observe(float(mass[:, :n_nodes].sum()), float((n_raw - 1).sum()))
         drafted = (tree.valid[:, 1:]).sum(-1)
         for s, nf, ac, dr in zip(rows.seqs, n_fin.tolist(), acc.tolist(), drafted.tolist()):
             st = s.stats
@@ -338,6 +353,20 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
     # ---- helpers -----------------------------------------------------------------------------------
+    def _choose_size(self, view: RowsView):
+        """(draft nodes for this pass, [B, max_nodes] node probabilities or None) under block_complexity=auto."""
+        mass = self.drafter.draft_mass(view)
+        if self.drafter.num_masks and not bool(view.state["has_probe"].any()):
+            # every row's probe is stale after plain passes; re-probe (root + masks) now and then
+            self._plain_streak += 1
+            if self._plain_streak > self.cfg.auto_probe_interval:
+                self._plain_streak = 0
+                return 0, None
+            return -1, None
+        self._plain_streak = 0
+        cache_len = int(view.hist_len.float().mean()) - 1
+        return self.policy.choose(mass, len(view.seeds), cache_len), mass
+
     def _chooser(self, rows: _Rows):
         t = rows.t
         sampling = bool((t["temperature"] > 0).any())

@@ -39,7 +39,7 @@ def test_topk_excluding_replaces_parent_token():
 def test_static_tree_top1_expansion_with_pruning():
     d = drafter(num_masks=2, block_complexity=3 * 4, tree="static", branches=[2, 1], prune=True)
     lp, ids = cands([[(5, 0.5), (6, 0.3), (7, 0.1)], [(6, 0.6), (9, 0.2), (4, 0.1)]])
-    tree = d._static_tree(torch.tensor([5]), lp, ids)  # root token 5 is pruned at depth 1
+    tree = d._static_tree(torch.tensor([5]), lp, ids, [2, 1])  # root token 5 is pruned at depth 1
     assert tree.tokens.tolist() == [[5, 6, 7, 9]]  # depth-2 child of 6 skips 6
     assert tree.parents.tolist() == [[-1, 0, 0, 1]]
     assert tree.valid.all()
@@ -49,7 +49,7 @@ def test_dynamic_tree_top1_by_cumulative_probability():
     # budget B = BC/(k+1) = 4 slots -> 3 nodes. depth1: a .5, b .3, c .2; depth2 under a: x .9, y .1
     d = drafter(num_masks=2, block_complexity=12, tree="dynamic", expansion="top1", prune=False)
     lp, ids = cands([[(1, 0.5), (2, 0.3), (3, 0.2), (4, 0.0001)], [(8, 0.9), (9, 0.1), (10, 0.0001), (11, 0.00001)]])
-    tree = d._dynamic_tree(torch.tensor([0]), lp, ids)
+    tree = d._dynamic_tree(torch.tensor([0]), lp, ids, d.num_nodes)
     # scores: a .5, b .3, c .2, a->x .45, a->y .05 -> keep a, x(.45), b(.3) in topological order
     assert tree.tokens.tolist() == [[0, 1, 2, 8]]
     assert tree.parents.tolist() == [[-1, 0, 0, 1]]
@@ -58,13 +58,13 @@ def test_dynamic_tree_top1_by_cumulative_probability():
 def test_dynamic_tree_frontier_expands_several_parents():
     d = drafter(num_masks=2, block_complexity=15, tree="dynamic", expansion="frontier", prune=False)  # 5 slots
     lp, ids = cands([[(1, 0.4), (2, 0.4), (3, 0.2), (4, 0.001), (5, 0.001)], [(8, 0.9), (9, 0.1), (10, 0.001), (11, 0.001), (12, 0.001)]])
-    tree = d._dynamic_tree(torch.tensor([0]), lp, ids)
+    tree = d._dynamic_tree(torch.tensor([0]), lp, ids, d.num_nodes)
     # a .4, b .4, a->x .36, b->x .36, c .2 -> 4 nodes: a, b, a->x, b->x
     assert tree.tokens.tolist() == [[0, 1, 2, 8, 8]]
     assert tree.parents.tolist() == [[-1, 0, 0, 1, 2]]
     # with top-1 expansion only a expands: a, b, a->x, c
     d1 = drafter(num_masks=2, block_complexity=15, tree="dynamic", expansion="top1", prune=False)
-    t1 = d1._dynamic_tree(torch.tensor([0]), lp, ids)
+    t1 = d1._dynamic_tree(torch.tensor([0]), lp, ids, d1.num_nodes)
     assert t1.tokens.tolist() == [[0, 1, 2, 3, 8]]
     assert t1.parents.tolist() == [[-1, 0, 0, 0, 1]]
 
@@ -72,9 +72,9 @@ def test_dynamic_tree_frontier_expands_several_parents():
 def test_dynamic_tree_pruning_skips_root_token():
     d = drafter(num_masks=1, block_complexity=6, tree="dynamic", prune=True)  # 3 slots -> 2 nodes
     lp, ids = cands([[(3, 0.6), (4, 0.3), (5, 0.1)]])
-    assert d._dynamic_tree(torch.tensor([3]), lp, ids).tokens.tolist() == [[3, 4, 5]]
+    assert d._dynamic_tree(torch.tensor([3]), lp, ids, d.num_nodes).tokens.tolist() == [[3, 4, 5]]
     d.prune = False
-    assert d._dynamic_tree(torch.tensor([3]), lp, ids).tokens.tolist() == [[3, 3, 4]]
+    assert d._dynamic_tree(torch.tensor([3]), lp, ids, d.num_nodes).tokens.tolist() == [[3, 3, 4]]
 
 
 def test_ema_update_per_committed_token_in_order():
@@ -83,6 +83,7 @@ def test_ema_update_per_committed_token_in_order():
     m0 = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
     view = RowsView(torch.zeros((2, 4), dtype=torch.long), torch.ones(2, dtype=torch.long), torch.ones(2, dtype=torch.long), [0, 0])
     view.state["m"] = m0.clone()
+    view.state["has_probe"] = torch.zeros(2, dtype=torch.bool)
     committed = torch.tensor([[3, 5, 7], [2, 0, 0]])
     n = torch.tensor([3, 1])
     d.observe(view, PassResult(committed, n, None, None))
@@ -98,6 +99,7 @@ def test_ema_lambda_zero_freezes_mask():
     d = drafter(num_masks=1, block_complexity=10, ema_lambda=0.0)
     view = RowsView(torch.zeros((1, 4), dtype=torch.long), torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long), [0])
     view.state["m"] = torch.ones((1, D))
+    view.state["has_probe"] = torch.zeros(1, dtype=torch.bool)
     d.observe(view, PassResult(torch.tensor([[3]]), torch.tensor([1]), None, None))
     assert torch.equal(view.state["m"], torch.ones((1, D)))
 

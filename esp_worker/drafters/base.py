@@ -84,25 +84,38 @@ class Drafter(ABC):
         return None
 
     @abstractmethod
-    def propose(self, view: RowsView) -> Block:
-        ...
+    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+        """The next block. num_nodes: None = the configured size; otherwise at most that many draft nodes
+        (-1 = a plain pass with no auxiliary inputs). Only drafters with `draft_mass` get a num_nodes."""
+
+    max_nodes: int = 0  # draft nodes of the configured (largest) tree
+
+    def block_tokens(self, num_nodes: int) -> int:
+        """Tokens fed per sequence for a tree of num_nodes draft nodes (-1 = plain pass)."""
+        return 1 + max(num_nodes, 0)
+
+    def draft_mass(self, view: RowsView) -> Optional[torch.Tensor]:
+        """[B, max_nodes] the drafter's own probability that each node of its largest tree is accepted, best
+        first; None when the drafter cannot tell (block_complexity=auto needs it)."""
+        return None
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         """Learn from a pass (or the prefill); view.hist already holds the committed tokens. Default: nothing."""
 
-    def layout_for(self, tree: DraftTree) -> BlockLayout:
+    def layout_for(self, tree: DraftTree, num_masks: int) -> BlockLayout:
         """Block layout; computed once per static shape and reused (the paper's "efficient" path)."""
         if tree.static_key is None:
-            return block_layout(tree.parents, self.num_masks)
-        key = (tree.static_key, self.num_masks, tree.tokens.device)
+            return block_layout(tree.parents, num_masks)
+        key = (tree.static_key, num_masks, tree.tokens.device)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = block_layout(tree.parents[:1], self.num_masks)
+            lay = block_layout(tree.parents[:1], num_masks)
             self._layouts[key] = lay
         return lay
 
     def block(self, tree: DraftTree, aux_embeds: Optional[torch.Tensor] = None, max_depth: Optional[int] = None) -> Block:
-        lay = self.layout_for(tree)
+        """A block of `tree` followed by this drafter's masks (when aux_embeds holds them, T * k inputs)."""
+        lay = self.layout_for(tree, self.num_masks if aux_embeds is not None else 0)
         depth = int(lay.depth.max()) if max_depth is None else max_depth
         return Block(tree=tree, layout=lay, aux_embeds=aux_embeds, max_depth=depth)
 
@@ -112,5 +125,5 @@ class PlainDrafter(Drafter):
 
     name = "ar"
 
-    def propose(self, view: RowsView) -> Block:
+    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
         return self.block(DraftTree.root_only(view.root), max_depth=0)

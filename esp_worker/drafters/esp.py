@@ -64,14 +64,13 @@ class ESPDrafter(Drafter):
             if len(self.branches) > k:
                 raise ValueError(f"engine.branches={self.branches} is deeper than num_masks={k}")
             self.num_nodes = sum(self.branches)
-            self.static_parents = static_parents(self.branches)
-            self.num_cand = max(self.branches) + 1
+            self.budget = self.num_nodes + 1
         else:
             self.budget = block_complexity // (k + 1)  # tree slots, root included
             self.num_nodes = self.budget - 1
             if self.num_nodes < 1:
                 raise ValueError(f"block_complexity={block_complexity} leaves no draft node with num_masks={k}")
-            self.num_cand = self.budget
+        self.num_cand = self.budget  # top candidates kept per mask: enough for any tree of the budget
         table = embedding_table.float()
         self.table_mu = table.mean(0)  # [D]
         self.table_sigma = table.std(0)  # [D]
@@ -122,6 +121,8 @@ class ESPDrafter(Drafter):
             st["cand_lp"] = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
             st["cand_ids"] = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
             st["has_probe"] = torch.ones_like(st["has_probe"])
+        elif not result.prefill:
+            st["has_probe"] = torch.zeros_like(st["has_probe"])  # a plain pass fed no masks: the probe is stale
         lam = self.ema_lambda
         if lam > 0:
             # m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i], over the n committed tokens in order
@@ -133,28 +134,54 @@ class ESPDrafter(Drafter):
             st["m"] = (1 - lam) ** num_committed[:, None].float() * st["m"] + (w[..., None] * emb).sum(1)
 
     # ---- trees -------------------------------------------------------------------------------------
-    def propose(self, view: RowsView) -> Block:
+    @property
+    def max_nodes(self) -> int:
+        return self.num_nodes
+
+    def block_tokens(self, num_nodes: int) -> int:
+        return 1 if num_nodes < 0 else (self.num_masks + 1) * (1 + num_nodes)
+
+    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+        """num_nodes None = the configured size; -1 = plain pass (no masks); 0 = root + masks (re-probe)."""
         st = view.state
-        if self.tree_mode == "static":
-            tree = self._static_tree(view.root, st["cand_lp"], st["cand_ids"])
+        n = self.num_nodes if num_nodes is None else num_nodes
+        if n < 0:
+            return self.block(DraftTree.root_only(view.root), None, max_depth=0)
+        if n == 0:
+            tree = DraftTree.root_only(view.root)
+        elif self.tree_mode == "static":
+            branches = self.branches if n == self.num_nodes else static_branches((self.num_masks + 1) * (n + 1), self.num_masks)
+            tree = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], branches)
         else:
-            tree = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"])
+            tree = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"], n)
         tree.valid &= st["has_probe"][:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0)
         aux = self._mask_embeds(st["m"], tree.num_slots)
-        return self.block(tree, aux, max_depth=len(self.branches) if self.tree_mode == "static" else self.num_masks)
+        return self.block(tree, aux)
 
-    def _parents_for(self, b: int, dev) -> torch.Tensor:
-        key = (b, dev)
+    def draft_mass(self, view: RowsView) -> torch.Tensor:
+        """[B, max_nodes] probe probability of each node of the largest tree, best first (0 without a probe).
+
+        Their prefix sums estimate the drafts a tree of n nodes gets accepted (before calibration).
+        """
+        st = view.state
+        score = self._pool(view.root, st["cand_lp"], st["cand_ids"])[0]
+        n = min(self.num_nodes, score.shape[1])
+        top = score.topk(n, dim=1).values.exp()
+        top = top * st["has_probe"][:, None]
+        return torch.nn.functional.pad(top, (0, self.num_nodes - n))
+
+    def _parents_for(self, b: int, dev, branches: list[int]) -> torch.Tensor:
+        key = (b, dev, tuple(branches))
         if key not in self._parents:
-            self._parents[key] = torch.tensor(self.static_parents, device=dev).expand(b, -1).contiguous()
+            self._parents[key] = torch.tensor(static_parents(branches), device=dev).expand(b, -1).contiguous()
         return self._parents[key]
 
-    def _static_tree(self, root, cand_lp, cand_ids) -> DraftTree:
+    def _static_tree(self, root, cand_lp, cand_ids, branches: list[int]) -> DraftTree:
         """Top-1 expansion with fixed branches [K_1..K_d]: depth j+1 hangs under the first depth-j node."""
         b = root.shape[0]
         parent_tok = root
         toks, oks = [], []
-        for j, kj in enumerate(self.branches):
+        for j, kj in enumerate(branches):
             lp, ids = topk_excluding(cand_lp[:, j], cand_ids[:, j], parent_tok if self.prune else None, kj)
             toks.append(ids)
             ok = lp > NEG
@@ -164,14 +191,11 @@ class ESPDrafter(Drafter):
             parent_tok = ids[:, 0]
         tokens = torch.cat([root[:, None]] + toks, 1)
         valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=root.device)] + oks, 1)
-        return DraftTree(tokens, self._parents_for(b, root.device), valid, static_key=("esp", tuple(self.branches)))
+        return DraftTree(tokens, self._parents_for(b, root.device, branches), valid, static_key=("esp", tuple(branches)))
 
-    def _dynamic_tree(self, root, cand_lp, cand_ids) -> DraftTree:
-        """Algorithm 1 under a budget of B slots: candidates scored by cumulative log-prob, best B-1 kept.
-
-        Pool entries are appended depth by depth, so pool order is topological; a stable sort by score keeps a
-        parent ahead of an equal-scoring child, which makes the kept set a valid tree.
-        """
+    def _pool(self, root, cand_lp, cand_ids):
+        """Algorithm 1's candidate pool for the full budget: (score [B, P] cumulative log-prob, token [B, P],
+        parent pool index [B, P], -1 = root). Pool entries are appended depth by depth (topological order)."""
         b, k, _ = cand_lp.shape
         dev = root.device
         bud = self.budget
@@ -206,10 +230,16 @@ class ESPDrafter(Drafter):
             level_off += level_score.shape[1]
             pool_score.append(score), pool_tok.append(tok), pool_par.append(par)
             level_score, level_tok = score, tok
-        score = torch.cat(pool_score, 1)  # [B, P]
-        tok = torch.cat(pool_tok, 1)
-        par = torch.cat(pool_par, 1)
-        n = min(self.num_nodes, score.shape[1])
+        return torch.cat(pool_score, 1), torch.cat(pool_tok, 1), torch.cat(pool_par, 1)
+
+    def _dynamic_tree(self, root, cand_lp, cand_ids, num_nodes: int) -> DraftTree:
+        """Algorithm 1 under a budget of num_nodes + 1 slots: the best num_nodes pool candidates by cumulative
+        probability. A stable sort keeps a parent ahead of an equal-scoring child, so the kept set is a tree.
+        (The pool is built for the full budget; for a smaller budget Algorithm 1's pool is a subset of it
+        and holds the same best candidates under top-1 expansion.)"""
+        score, tok, par = self._pool(root, cand_lp, cand_ids)
+        b, k, dev = root.shape[0], self.num_masks, root.device
+        n = min(num_nodes, score.shape[1])
         keep = score.sort(dim=1, descending=True, stable=True).indices[:, :n]
         keep = keep.sort(dim=1).values  # topological (pool) order
         slot_of = torch.full_like(score, -1, dtype=torch.long)
@@ -220,13 +250,13 @@ class ESPDrafter(Drafter):
         tokens = torch.cat([root[:, None], tok.gather(1, keep)], 1)
         parents = torch.cat([torch.full((b, 1), -1, device=dev, dtype=torch.long), parent_slot], 1)
         valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), kept_score > NEG], 1)
-        if n < self.num_nodes:  # tiny vocabularies: pad with invalid leaves under the root
-            pad = self.num_nodes - n
+        if n < num_nodes:  # tiny vocabularies: pad with invalid leaves under the root
+            pad = num_nodes - n
             tokens = torch.cat([tokens, tokens.new_zeros((b, pad))], 1)
             parents = torch.cat([parents, parents.new_zeros((b, pad))], 1)
             valid = torch.cat([valid, valid.new_zeros((b, pad))], 1)
         # with one mask every node hangs under the root: the shape is fixed and its layout can be cached
-        return DraftTree(tokens, parents, valid, static_key=("esp-k1", self.num_nodes) if k == 1 else None)
+        return DraftTree(tokens, parents, valid, static_key=("esp-k1", num_nodes) if k == 1 else None)
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 
 from ..tree import DraftTree
-from .base import Block, Drafter, RowsView
+from typing import Optional
+
+from .base import Block, Drafter, PassResult, RowsView
 
 
 class PromptLookupDrafter(Drafter):
@@ -20,24 +22,52 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, max_ngram: int, min_ngram: int, depth: int):
         super().__init__()
         self.max_ngram, self.min_ngram, self.depth = max_ngram, min_ngram, depth
+        self.max_nodes = depth
         self._parents: dict[tuple, torch.Tensor] = {}
+        # per depth d: passes whose chain reached node d with node d-1 accepted, and those accepting node d
+        self.reached = torch.ones(depth)
+        self.accepted = torch.full((depth,), 0.5)
 
-    def propose(self, view: RowsView) -> Block:
+    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+        depth = self.depth if num_nodes is None else max(0, min(num_nodes, self.depth))
         hist, length = view.hist, view.hist_len  # [B, C], [B]
         b, c = hist.shape
         dev = hist.device
-        start = self.find_continuation(hist, length)  # [B], -1 = no match
-        steps = torch.arange(self.depth, device=dev)
-        idx = start[:, None] + steps  # [B, depth]
-        valid = (start[:, None] >= 0) & (idx < length[:, None])
-        chain = hist.gather(1, idx.clamp(0, c - 1))
+        chain, valid = self._chain(hist, length, depth)
         tokens = torch.cat([view.root[:, None], chain], 1)
         valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), valid], 1)
-        key = (b, self.depth, dev)
+        key = (b, depth, dev)
         if key not in self._parents:
-            self._parents[key] = torch.arange(-1, self.depth, device=dev).expand(b, -1).contiguous()
-        tree = DraftTree(tokens=tokens, parents=self._parents[key], valid=valid, static_key=("chain", self.depth))
-        return self.block(tree, max_depth=self.depth)
+            self._parents[key] = torch.arange(-1, depth, device=dev).expand(b, -1).contiguous()
+        tree = DraftTree(tokens=tokens, parents=self._parents[key], valid=valid, static_key=("chain", depth))
+        return self.block(tree, max_depth=depth)
+
+    def _chain(self, hist: torch.Tensor, length: torch.Tensor, depth: int):
+        """([B, depth] tokens, [B, depth] valid) following the best match."""
+        c = hist.shape[1]
+        start = self.find_continuation(hist, length)  # [B], -1 = no match
+        idx = start[:, None] + torch.arange(depth, device=hist.device)  # [B, depth]
+        valid = (start[:, None] >= 0) & (idx < length[:, None])
+        return hist.gather(1, idx.clamp(0, c - 1)), valid
+
+    def draft_mass(self, view: RowsView) -> torch.Tensor:
+        """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i)."""
+        _, valid = self._chain(view.hist, view.hist_len, self.depth)
+        rate = (self.accepted / self.reached).to(valid.device)  # [depth]
+        return valid.float() * rate.cumprod(0)[None]
+
+    def observe(self, view: RowsView, result: PassResult) -> None:
+        if result.block is None:
+            return
+        valid = result.block.tree.valid[:, 1:].float().cpu()  # [B, depth]
+        accepted = (result.num_committed - 1).clamp(min=0).cpu()  # [B]
+        d = valid.shape[1]
+        if d == 0:
+            return
+        steps = torch.arange(d)[None]
+        reached = valid * (steps <= accepted[:, None])  # node offered and its parent accepted
+        self.reached[:d] = 0.99 * self.reached[:d] + reached.sum(0)
+        self.accepted[:d] = 0.99 * self.accepted[:d] + (valid * (steps < accepted[:, None])).sum(0)
 
     def find_continuation(self, hist: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """[B] index of the first token after the best match, or -1."""
