@@ -22,7 +22,7 @@ n-grams with the root as key, as LADE's per-key LRU of size G does.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -149,7 +149,7 @@ class LookaheadDrafter(Drafter):
         return None
 
     # ---- one pass ----------------------------------------------------------------------------------
-    def propose(self, view: RowsView) -> Block:
+    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
         st = view.state
         root = view.root  # [B]
         b = root.shape[0]

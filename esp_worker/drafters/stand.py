@@ -23,6 +23,8 @@ output distribution exact either way).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..config import EngineConfig
@@ -114,7 +116,7 @@ class StandDrafter(Drafter):
             st[key].scatter_(1, idx, torch.where(keep[..., None], new, cur))
 
     # ---- draft tree --------------------------------------------------------------------------------
-    def propose(self, view: RowsView) -> Block:
+    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
         self._fit_store(view)
         st = view.state
         hist, length = view.hist, view.hist_len  # [B, C], [B]
