@@ -37,7 +37,8 @@ class BlockPolicy:
     ):
         self.curve = curve
         self.block_tokens = block_tokens
-        self.sizes = [-1] + [n for n in SIZES if n <= max_nodes and block_tokens(n) <= max_block]
+        fits = [n for n in sorted(set(SIZES) | {max_nodes}) if 1 <= n <= max_nodes and block_tokens(n) <= max_block]
+        self.sizes = [-1] + fits  # -1 = plain decoding
         self.q = torch.tensor([float(block_tokens(n)) for n in self.sizes])  # [C]
         self.pred = prior_weight  # running predicted accepted drafts (decayed)
         self.acc = prior_alpha * prior_weight  # running accepted drafts (decayed)
