@@ -37,6 +37,7 @@ class BlockPolicy:
     ):
         self.curve = curve
         self.block_tokens = block_tokens
+        max_block = min(max_block, max(curve.block_sizes))  # never extrapolate the curve beyond what was measured
         fits = [n for n in sorted(set(SIZES) | {max_nodes}) if 1 <= n <= max_nodes and block_tokens(n) <= max_block]
         self.sizes = [-1] + fits  # -1 = plain decoding
         self.q = torch.tensor([float(block_tokens(n)) for n in self.sizes])  # [C]

@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,7 +39,7 @@ ALL = "all"
 @dataclass(frozen=True)
 class Setting:
     method: str
-    block_complexity: int  # 1 for ar
+    block_complexity: Union[int, str]  # 1 for ar; "auto" = chosen per pass (esp, pld)
     num_masks: int  # 0 unless esp
     tree: str  # "" unless esp
 
@@ -76,12 +76,14 @@ def grid(bench: DictConfig) -> list[Setting]:
         if m == "ar":
             continue
         for bc in bench.block_complexities:
+            if bc == "auto" and m not in ("esp", "pld"):
+                continue  # auto sizing needs the drafter's own acceptance estimate
             if m != "esp":
                 out.append(Setting(m, bc, 0, ""))
                 continue
             for k in bench.num_masks:
                 for tree in bench.trees:
-                    if bc >= 2 * (k + 1):
+                    if bc == "auto" or bc >= 2 * (k + 1):
                         out.append(Setting(m, bc, k, tree))
     return out
 
@@ -121,7 +123,7 @@ def _requests(prompts: list[Prompt], generation: dict[str, Any]) -> list[Any]:
 
 
 def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Prompt], generation: dict[str, Any],
-                warmup: int) -> dict[str, Any]:
+                warmup: int, curve: Any = None) -> dict[str, Any]:
     """Generate every prompt with one setting; categories run one after another and are timed apart.
 
     Returns {"outputs": {id: RequestOutput}, "seconds": {category: s}, "timing": engine.timing}.
@@ -129,10 +131,10 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
     from esp_worker import Engine
 
     cfg = dataclasses.replace(
-        base, method=s.method, block_complexity=max(s.block_complexity, 2), num_masks=max(s.num_masks, 1),
-        tree=s.tree or base.tree, max_batch_size=batch,
+        base, method=s.method, num_masks=max(s.num_masks, 1), tree=s.tree or base.tree, max_batch_size=batch,
+        block_complexity=s.block_complexity if s.block_complexity == "auto" else max(s.block_complexity, 2),
     )
-    engine = Engine(loaded, cfg)
+    engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
     if warmup:
         engine.generate(_requests(prompts[:warmup], generation))
     engine.timing = {k: 0 * v for k, v in engine.timing.items()}
@@ -180,6 +182,8 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
             calls_saved=(1 - 1 / tau if tau else None), mean_block_size=block, time_s=secs, tokens_per_s=tps,
             speedup_vs_ar=(tps / ar_tps[cat] if tps and ar_tps[cat] else None), exact_match_rate=exact,
             errors=sum(o.error is not None for o in outs),
+            # tokens fed per sequence per pass -> passes (shows what block_complexity=auto chose)
+            block_sizes=" ".join(f"{q}:{n}" for q, n in sorted(st.block_size_histogram.items())),
         )
         rec["predicted_speedup"] = None
         rec["within_tolerance"] = None
@@ -205,6 +209,11 @@ def write_table(path: Path, records: list[dict[str, Any]]) -> None:
         w.writerows(records)
 
 
+def _bc_key(bc: Union[int, str]) -> tuple:
+    """Numbers first, ascending, then auto."""
+    return (1, 0) if bc == "auto" else (0, bc)
+
+
 def _fmt(x: Any, digits: int = 2) -> str:
     if x is None:
         return "-"
@@ -226,7 +235,7 @@ def plot_all(out: Path, records: list[dict[str, Any]], curve: Any, tolerance: fl
     batch = records[0]["batch_size"]
     rows = [r for r in records if r["batch_size"] == batch]
     cats = list(dict.fromkeys(r["category"] for r in rows if r["category"] != ALL)) or [ALL]
-    bcs = sorted({r["block_complexity"] for r in rows if r["method"] != "ar"}) or [1]
+    bcs = sorted({r["block_complexity"] for r in rows if r["method"] != "ar"}, key=_bc_key) or [1]
     fig, axes = plt.subplots(len(bcs), 1, figsize=(max(6, 1.2 * len(cats) + 4), 3.2 * len(bcs)), squeeze=False)
     for ax, bc in zip(axes[:, 0], bcs):
         labels = [lab for lab in dict.fromkeys(r["setting"] for r in rows) if lab == "ar" or lab.endswith(f"BC{bc}")]
@@ -247,11 +256,13 @@ def plot_all(out: Path, records: list[dict[str, Any]], curve: Any, tolerance: fl
     overall = [r for r in rows if r["category"] == (ALL if len(cats) > 1 else cats[0])]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for fam in dict.fromkeys(Setting(r["method"], 0, r["num_masks"], r["tree"]).family for r in overall if r["method"] != "ar"):
-        pts = sorted(
-            (r["block_complexity"], r["speedup_vs_ar"] or 0) for r in overall
-            if r["method"] != "ar" and Setting(r["method"], 0, r["num_masks"], r["tree"]).family == fam
-        )
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
+        mine = [r for r in overall if r["method"] != "ar" and Setting(r["method"], 0, r["num_masks"], r["tree"]).family == fam]
+        pts = sorted((r["block_complexity"], r["speedup_vs_ar"] or 0) for r in mine if r["block_complexity"] != "auto")
+        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
+        for r in mine:  # auto: a star at the mean block it chose
+            if r["block_complexity"] == "auto" and r["mean_block_size"]:
+                ax.scatter([r["mean_block_size"]], [r["speedup_vs_ar"] or 0], marker="*", s=120,
+                           color=line[0].get_color() if line else None, label=f"{fam} auto (x = mean block)")
     ax.axhline(1.0, color="gray", lw=1, ls="--", label="ar")
     ax.set_xlabel("block complexity (tokens fed per pass)")
     ax.set_ylabel("speedup over ar (tokens/s)")
@@ -325,6 +336,12 @@ def write_report(out: Path, cfg: DictConfig, command: str, records: list[dict[st
             f"{_fmt(r['speedup_vs_ar'])} | {_fmt(r['predicted_speedup'])} | {_fmt(r['host_overhead'])} | "
             f"{_fmt(r['exact_match_rate'])} |"
         )
+    auto = [r for r in overall if r["block_complexity"] == "auto"]
+    if auto:
+        lines += ["", "## Block sizes chosen by block_complexity=auto", "",
+                  "Tokens fed per sequence per pass : number of passes (1 = plain decoding).", "",
+                  "| setting | batch | block sizes |", "|---|---|---|"]
+        lines += [f"| {r['setting']} | {r['batch_size']} | {r['block_sizes']} |" for r in auto]
     if cats:
         lines += ["", "## tau by category", "", "| setting | batch | " + " | ".join(cats) + " |",
                   "|---|---|" + "---|" * len(cats)]
@@ -401,7 +418,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         ar_run = None
         for s in settings:
             t0 = time.perf_counter()
-            run = run_setting(loaded, base, s, batch, prompts, generation, b.warmup)
+            run = run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve)
             ar_run = ar_run or run
             recs = summarise(s, batch, run, ar_run, prompts, curve, g.max_new_tokens, b.tolerance)
             records += recs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -21,7 +21,8 @@ from .config import ConfigError, JobConfig, _one_line, validate
 @dataclass
 class BenchSection:
     methods: list[str] = field(default_factory=lambda: ["ar", "pld", "stand", "lade", "esp"])
-    block_complexities: list[int] = field(default_factory=lambda: [10, 30, 60])
+    # numbers, or "auto" (esp and pld: the engine picks the size per pass from the cost curve)
+    block_complexities: list[Union[int, str]] = field(default_factory=lambda: [10, 30, 60])
     num_masks: list[int] = field(default_factory=lambda: [1, 2])  # esp only
     trees: list[str] = field(default_factory=lambda: ["static", "dynamic"])  # esp only
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # engine.max_batch_size per run
@@ -70,7 +71,10 @@ def validate_bench(cfg: DictConfig) -> None:
     for m in b.methods:
         need(m in METHODS, f"bench.methods: {m!r} is unknown; choose from {', '.join(METHODS)}")
     need(all(t in TREES for t in b.trees), f"bench.trees={list(b.trees)} must hold static and/or dynamic")
-    need(all(bc >= 2 for bc in b.block_complexities), "bench.block_complexities must be >= 2")
+    need(
+        all(bc == "auto" or (isinstance(bc, int) and bc >= 2) for bc in b.block_complexities),
+        f"bench.block_complexities={list(b.block_complexities)} must be integers >= 2 or auto",
+    )
     need(all(1 <= k <= 8 for k in b.num_masks), "bench.num_masks must be between 1 and 8")
     need(len(b.batch_sizes) > 0 and all(x >= 1 for x in b.batch_sizes), "bench.batch_sizes must be >= 1")
     need(b.warmup >= 0, "bench.warmup must be >= 0")
