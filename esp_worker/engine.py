@@ -113,7 +113,7 @@ class Engine:
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
         self.vocab_size = int(self.runner.embed.weight.shape[0])
         # seconds spent in decode passes, and the part of it inside the model (forward + LM head)
-        self.timing = {"decode_s": 0.0, "model_s": 0.0, "decode_passes": 0}
+        self.timing = {"decode_s": 0.0, "model_s": 0.0, "decode_passes": 0, "peak_cache_bytes": 0}
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> "Engine":
@@ -304,6 +304,7 @@ class Engine:
         model_s0 = self.runner.model_s
         hidden = self.runner.forward(embeds, visible, pos, rows.cache)
         slot_logits = self.runner.logits(hidden[:, :t_slots])  # [B, T, V]
+        self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], kv_cache.nbytes(rows.cache))
         rows.uniforms.ensure(block.max_depth + 1)
         res = verify(tree, slot_logits, block.max_depth, self._chooser(rows))
         n_raw = res.num_committed
