@@ -42,19 +42,24 @@ class Setting:
     block_complexity: Union[int, str]  # 1 for ar; "auto" = chosen per pass (esp, pld)
     num_masks: int  # 0 unless esp
     tree: str  # "" unless esp
+    expansion: str = "top1"  # esp dynamic trees
+
 
     @property
     def label(self) -> str:
         if self.method == "ar":
             return "ar"
         if self.method == "esp":
-            return f"esp k{self.num_masks} {self.tree} BC{self.block_complexity}"
+            tree = self.tree if self.expansion == "top1" else f"{self.tree}-{self.expansion}"
+            return f"esp k{self.num_masks} {tree} BC{self.block_complexity}"
         return f"{self.method} BC{self.block_complexity}"
 
     @property
     def family(self) -> str:
         """The label without the block complexity (one line in the speedup-vs-BC plot)."""
-        return self.method if self.method != "esp" else f"esp k{self.num_masks} {self.tree}"
+        if self.method != "esp":
+            return self.method
+        return f"esp k{self.num_masks} {self.tree if self.expansion == 'top1' else self.tree + '-' + self.expansion}"
 
 
 @dataclass
@@ -83,8 +88,11 @@ def grid(bench: DictConfig) -> list[Setting]:
                 continue
             for k in bench.num_masks:
                 for tree in bench.trees:
-                    if bc == "auto" or bc >= 2 * (k + 1):
-                        out.append(Setting(m, bc, k, tree))
+                    if bc != "auto" and bc < 2 * (k + 1):
+                        continue
+                    # expansion only matters for dynamic trees with k >= 2 (with k = 1 every node is a root child)
+                    for exp in (bench.expansions if tree == "dynamic" and k >= 2 else ["top1"]):
+                        out.append(Setting(m, bc, k, tree, exp))
     return out
 
 
@@ -132,6 +140,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
 
     cfg = dataclasses.replace(
         base, method=s.method, num_masks=max(s.num_masks, 1), tree=s.tree or base.tree, max_batch_size=batch,
+        expansion=s.expansion,
         block_complexity=s.block_complexity if s.block_complexity == "auto" else max(s.block_complexity, 2),
     )
     engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
@@ -176,7 +185,7 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
         exact = sum(o.token_ids == ar_run["outputs"][p.id].token_ids for o, p in zip(outs, ps)) / len(ps)
         rec = dict(
             method=s.method, setting=s.label, block_complexity=s.block_complexity, num_masks=s.num_masks,
-            tree=s.tree, batch_size=batch, category=cat, num_prompts=len(ps), num_generated_tokens=tokens,
+            tree=s.tree, expansion=s.expansion, batch_size=batch, category=cat, num_prompts=len(ps), num_generated_tokens=tokens,
             num_decode_passes=st.num_decode_passes, tau=tau,
             accepted_per_pass=(st.num_accepted_drafts / st.num_decode_passes if st.num_decode_passes else None),
             calls_saved=(1 - 1 / tau if tau else None), mean_block_size=block, time_s=secs, tokens_per_s=tps,
@@ -255,8 +264,8 @@ def plot_all(out: Path, records: list[dict[str, Any]], curve: Any, tolerance: fl
 
     overall = [r for r in rows if r["category"] == (ALL if len(cats) > 1 else cats[0])]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for fam in dict.fromkeys(Setting(r["method"], 0, r["num_masks"], r["tree"]).family for r in overall if r["method"] != "ar"):
-        mine = [r for r in overall if r["method"] != "ar" and Setting(r["method"], 0, r["num_masks"], r["tree"]).family == fam]
+    for fam in dict.fromkeys(Setting(r["method"], 0, r["num_masks"], r["tree"], r["expansion"]).family for r in overall if r["method"] != "ar"):
+        mine = [r for r in overall if r["method"] != "ar" and Setting(r["method"], 0, r["num_masks"], r["tree"], r["expansion"]).family == fam]
         pts = sorted((r["block_complexity"], r["speedup_vs_ar"] or 0) for r in mine if r["block_complexity"] != "auto")
         line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
         for r in mine:  # auto: a star at the mean block it chose

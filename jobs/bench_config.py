@@ -13,7 +13,7 @@ from typing import Optional, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from esp_worker.config import METHODS, TREES
+from esp_worker.config import EXPANSIONS, METHODS, TREES
 
 from .config import ConfigError, JobConfig, _one_line, validate
 
@@ -25,6 +25,8 @@ class BenchSection:
     block_complexities: list[Union[int, str]] = field(default_factory=lambda: [10, 30, 60])
     num_masks: list[int] = field(default_factory=lambda: [1, 2])  # esp only
     trees: list[str] = field(default_factory=lambda: ["static", "dynamic"])  # esp only
+    # esp dynamic trees with k >= 2: top1 (paper, Appendix D) and/or frontier (literal Algorithm 1)
+    expansions: list[str] = field(default_factory=lambda: ["top1", "frontier"])
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # engine.max_batch_size per run
     warmup: int = 2  # prompts generated (untimed) by each setting before its timed run
     torch_threads: int = 1  # pinned for the whole bench (0 = leave torch's default)
@@ -71,6 +73,8 @@ def validate_bench(cfg: DictConfig) -> None:
     for m in b.methods:
         need(m in METHODS, f"bench.methods: {m!r} is unknown; choose from {', '.join(METHODS)}")
     need(all(t in TREES for t in b.trees), f"bench.trees={list(b.trees)} must hold static and/or dynamic")
+    need(len(b.expansions) > 0 and all(e in EXPANSIONS for e in b.expansions),
+         f"bench.expansions={list(b.expansions)} must hold top1 and/or frontier")
     need(
         all(bc == "auto" or (isinstance(bc, int) and bc >= 2) for bc in b.block_complexities),
         f"bench.block_complexities={list(b.block_complexities)} must be integers >= 2 or auto",

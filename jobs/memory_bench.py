@@ -37,7 +37,8 @@ def _child(model: str, method: str, extra: dict[str, Any], batch: int, prompt_to
     lm = load_model(ModelConfig(name_or_path=model))
     from jobs.sources import open_source
 
-    texts = [r["prompt"] for b in open_source("", "auto", "train", None).batches(64) for r in b]
+    rows = [r for b in open_source("", "auto", "train", None).batches(64) for r in b]
+    texts = [r["prompt"] for r in rows if isinstance(r.get("prompt"), str)]
     text = "\n".join(texts)
     ids = lm.tokenizer(text)["input_ids"]
     prompts = [ids[i * 7 : i * 7 + prompt_tokens] for i in range(batch)]
@@ -73,7 +74,7 @@ def main() -> int:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         rows.append(json.loads(out))
     ar = rows[0]
-    print("| method | peak RSS above prefilled baseline (MiB) | ratio | peak KV cache during a pass (MiB) | ratio |")
+    print("| method | peak RSS of the run above the loaded baseline (MiB) | ratio | peak KV cache during a pass (MiB) | ratio |")
     print("|---|---|---|---|---|")
     for r in rows:
         name = r["method"] + "".join(f" {k}={v}" for k, v in r.items() if k in ("block_complexity", "num_masks"))
