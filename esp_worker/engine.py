@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
@@ -109,6 +109,9 @@ class Engine:
             curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path)
             self.policy = BlockPolicy(curve, self.drafter.block_tokens, self.drafter.max_nodes, cfg.auto_max_block)
         self._plain_streak = 0  # auto + esp: consecutive plain passes since the last probe
+        # auto + esp: plain passes between probes; doubles each time a probe does not lead to drafting
+        self._probe_interval = cfg.auto_probe_interval
+        self._probing = False  # the last pass was a probe
         self.device = loaded.device
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
         self.vocab_size = int(self.runner.embed.weight.shape[0])
@@ -126,7 +129,10 @@ class Engine:
 
     # ---- public API --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """All outputs, in input order. Request ids must be unique within one call."""
         reqs = list(requests)
+        if len({str(r.id) for r in reqs}) != len(reqs):
+            raise ValueError("request ids must be unique within one generate() call")
         outs = {o.id: o for o in self.generate_iter(reqs)}
         return [outs[r.id] for r in reqs]
 
@@ -356,17 +362,23 @@ class Engine:
     # ---- helpers -----------------------------------------------------------------------------------
     def _choose_size(self, view: RowsView):
         """(draft nodes for this pass, [B, max_nodes] node probabilities or None) under block_complexity=auto."""
-        mass = self.drafter.draft_mass(view)
         if self.drafter.num_masks and not bool(view.state["has_probe"].any()):
-            # every row's probe is stale after plain passes; re-probe (root + masks) now and then
+            # every row's probe is stale after plain passes; re-probe (root + masks) now and then, less often
+            # while probes keep showing that drafting does not pay
             self._plain_streak += 1
-            if self._plain_streak > self.cfg.auto_probe_interval:
+            if self._plain_streak > self._probe_interval:
                 self._plain_streak = 0
+                self._probing = True
                 return 0, None
             return -1, None
-        self._plain_streak = 0
+        mass = self.drafter.draft_mass(view)
         cache_len = int(view.hist_len.float().mean()) - 1
-        return self.policy.choose(mass, len(view.seeds), cache_len), mass
+        n = self.policy.choose(mass, len(view.seeds), cache_len)
+        if self._probing:
+            self._probing = False
+            base = self.cfg.auto_probe_interval
+            self._probe_interval = base if n > 0 else min(2 * self._probe_interval, 64 * base)
+        return n, mass
 
     def _chooser(self, rows: _Rows):
         t = rows.t

@@ -8,7 +8,7 @@ pass = accepted drafts + bonus = exactly the tokens plain decoding would have pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 

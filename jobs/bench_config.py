@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Union
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
 from esp_worker.config import EXPANSIONS, METHODS, TREES
 
-from .config import ConfigError, JobConfig, _one_line, validate
+from .config import ConfigError, JobConfig, load_config
 
 
 @dataclass
@@ -44,20 +42,7 @@ class BenchConfig(JobConfig):
 
 def load_bench_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> DictConfig:
     """Defaults <- YAML file <- `key=value` overrides, validated like a job config. Raises ConfigError."""
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"override {bad[0]!r} is not key=value")
-    try:
-        cfg = OmegaConf.structured(BenchConfig)
-        if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {path!r} does not exist")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(_one_line(exc)) from None
-    validate(cfg)
+    cfg = load_config(path, overrides, schema=BenchConfig)
     validate_bench(cfg)
     return cfg
 

@@ -123,13 +123,17 @@ def _one_line(exc: OmegaConfBaseException) -> str:
     return f"config key '{key}': {msg}"
 
 
-def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> DictConfig:
-    """Defaults <- YAML file <- `key=value` overrides, then validated. Raises ConfigError."""
+def load_config(
+    path: Optional[str] = None, overrides: typing.Sequence[str] = (), schema: type = None
+) -> DictConfig:
+    """Defaults <- YAML file <- `key=value` overrides, then validated. Raises ConfigError.
+
+    schema: the structured config class (default JobConfig; the benchmark passes its BenchConfig)."""
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not key=value")
     try:
-        cfg = OmegaConf.structured(JobConfig)
+        cfg = OmegaConf.structured(schema or JobConfig)
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path!r} does not exist")

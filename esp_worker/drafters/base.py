@@ -5,6 +5,7 @@ appends rows of that dict together with its own row tensors, so drafters never s
 """
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
@@ -64,9 +65,9 @@ class RowsView:
     # drafter-owned per-row tensors, [B, ...] each
     state: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def root(self) -> torch.Tensor:
-        # [B] last committed token
+        # [B] last committed token (computed once per view)
         return self.hist.gather(1, (self.hist_len - 1)[:, None]).squeeze(1)
 
 

@@ -195,7 +195,17 @@ class ESPDrafter(Drafter):
 
     def _pool(self, root, cand_lp, cand_ids):
         """Algorithm 1's candidate pool for the full budget: (score [B, P] cumulative log-prob, token [B, P],
-        parent pool index [B, P], -1 = root). Pool entries are appended depth by depth (topological order)."""
+        parent pool index [B, P], -1 = root). Pool entries are appended depth by depth (topological order).
+        Reused when called twice on the same probe (draft_mass, then propose, in one pass)."""
+        if self._pool_cache is not None and self._pool_cache[0] is cand_lp and self._pool_cache[1] is root:
+            return self._pool_cache[2]
+        out = self._build_pool(root, cand_lp, cand_ids)
+        self._pool_cache = (cand_lp, root, out)
+        return out
+
+    _pool_cache = None
+
+    def _build_pool(self, root, cand_lp, cand_ids):
         b, k, _ = cand_lp.shape
         dev = root.device
         bud = self.budget

@@ -24,9 +24,13 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram, self.min_ngram, self.depth = max_ngram, min_ngram, depth
         self.max_nodes = depth
         self._parents: dict[tuple, torch.Tensor] = {}
-        # per depth d: passes whose chain reached node d with node d-1 accepted, and those accepting node d
-        self.reached = torch.ones(depth)
-        self.accepted = torch.full((depth,), 0.5)
+        self._match = None  # (hist_len tensor, match start) of the last lookup: draft_mass then propose
+        # per depth d (decayed counts): passes that offered node d with node d-1 accepted, and those accepting
+        # node d. The rate adds an optimistic prior (0.8 with the weight of one pass) so that depths the
+        # auto policy has not tried yet still look worth trying: an estimate that only learns from the
+        # sizes it picks would otherwise never grow.
+        self.reached = torch.zeros(depth)
+        self.accepted = torch.zeros(depth)
 
     def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
         depth = self.depth if num_nodes is None else max(0, min(num_nodes, self.depth))
@@ -43,9 +47,13 @@ class PromptLookupDrafter(Drafter):
         return self.block(tree, max_depth=depth)
 
     def _chain(self, hist: torch.Tensor, length: torch.Tensor, depth: int):
-        """([B, depth] tokens, [B, depth] valid) following the best match."""
+        """([B, depth] tokens, [B, depth] valid) following the best match (the match is reused within a pass)."""
         c = hist.shape[1]
-        start = self.find_continuation(hist, length)  # [B], -1 = no match
+        if self._match is not None and self._match[0] is length:
+            start = self._match[1]
+        else:
+            start = self.find_continuation(hist, length)  # [B], -1 = no match
+            self._match = (length, start)
         idx = start[:, None] + torch.arange(depth, device=hist.device)  # [B, depth]
         valid = (start[:, None] >= 0) & (idx < length[:, None])
         return hist.gather(1, idx.clamp(0, c - 1)), valid
@@ -53,7 +61,7 @@ class PromptLookupDrafter(Drafter):
     def draft_mass(self, view: RowsView) -> torch.Tensor:
         """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i)."""
         _, valid = self._chain(view.hist, view.hist_len, self.depth)
-        rate = (self.accepted / self.reached).to(valid.device)  # [depth]
+        rate = ((self.accepted + 0.8) / (self.reached + 1.0)).to(valid.device)  # [depth]
         return valid.float() * rate.cumprod(0)[None]
 
     def observe(self, view: RowsView, result: PassResult) -> None:
