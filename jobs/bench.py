@@ -25,6 +25,7 @@ import logging
 import platform
 import re
 import sys
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,13 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         seconds[cat] = time.perf_counter() - t0
         outputs.update({o.id: o for o in outs})
     return {"outputs": outputs, "seconds": seconds, "timing": dict(engine.timing)}
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run from repeats: the first repeat's outputs and timing shares, the median seconds per category."""
+    first = runs[0]
+    seconds = {cat: statistics.median(r["seconds"][cat] for r in runs) for cat in first["seconds"]}
+    return {**first, "seconds": seconds}
 
 
 def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any], prompts: list[Prompt],
@@ -331,7 +339,7 @@ def write_report(out: Path, cfg: DictConfig, command: str, records: list[dict[st
         f"({overall[0]['num_prompts']} prompts{f', {skipped} rows skipped for errors' if skipped else ''}), "
         f"{cfg.generation.max_new_tokens} new tokens, temperature {cfg.generation.temperature}, "
         f"torch {env['torch']} with {env['torch_threads']} thread(s) on {env['machine']}; {b.warmup} warm-up prompt(s) per "
-        "setting. tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
+        f"setting, {b.repeats} timed repeat(s) per setting run round-robin (median time). tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
         "exact match are against `ar` in the same run.", "",
         "## All prompts", "",
         "| setting | batch | tau | accepted/pass | 1-1/tau | tokens fed/pass | tokens/s | speedup | predicted | "
@@ -424,17 +432,21 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         write_table(out / "cost_curve.csv", curve.records())
     records = []
     for batch in b.batch_sizes:
-        ar_run = None
+        # repeats run round-robin over the settings (drift hits every setting alike); per category the
+        # median time is kept
+        runs: dict[Setting, list[dict[str, Any]]] = {s: [] for s in settings}
+        for r in range(b.repeats):
+            for s in settings:
+                t0 = time.perf_counter()
+                runs[s].append(run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve))
+                log.info("%-24s batch %d repeat %d/%d (%.1fs)", s.label, batch, r + 1, b.repeats, time.perf_counter() - t0)
+        ar_run = median_run(runs[settings[0]])
         for s in settings:
-            t0 = time.perf_counter()
-            run = run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve)
-            ar_run = ar_run or run
-            recs = summarise(s, batch, run, ar_run, prompts, curve, g.max_new_tokens, b.tolerance)
+            recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance)
             records += recs
             top = recs[-1]
-            log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s, exact %s (%.1fs)", s.label, batch, _fmt(top["tau"]),
-                     _fmt(top["tokens_per_s"], 1), _fmt(top["speedup_vs_ar"]), _fmt(top["exact_match_rate"]),
-                     time.perf_counter() - t0)
+            log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s, exact %s", s.label, batch, _fmt(top["tau"]),
+                     _fmt(top["tokens_per_s"], 1), _fmt(top["speedup_vs_ar"]), _fmt(top["exact_match_rate"]))
     (out / "bench.json").write_text(json.dumps(records, indent=1))
     write_table(out / "bench.csv", records)
     plots = plot_all(out, records, curve, b.tolerance)

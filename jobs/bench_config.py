@@ -27,6 +27,7 @@ class BenchSection:
     expansions: list[str] = field(default_factory=lambda: ["top1", "frontier"])
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # engine.max_batch_size per run
     warmup: int = 2  # prompts generated (untimed) by each setting before its timed run
+    repeats: int = 1  # timed runs per setting, round-robin over the settings; the median time is reported
     torch_threads: int = 1  # pinned for the whole bench (0 = leave torch's default)
     cost_curve: bool = True  # measure this hardware's pass cost and predict each method's speedup
     cost_cache_lens: list[int] = field(default_factory=lambda: [64, 512])
@@ -67,6 +68,7 @@ def validate_bench(cfg: DictConfig) -> None:
     need(all(1 <= k <= 8 for k in b.num_masks), "bench.num_masks must be between 1 and 8")
     need(len(b.batch_sizes) > 0 and all(x >= 1 for x in b.batch_sizes), "bench.batch_sizes must be >= 1")
     need(b.warmup >= 0, "bench.warmup must be >= 0")
+    need(b.repeats >= 1, "bench.repeats must be >= 1")
     need(b.torch_threads >= 0, "bench.torch_threads must be >= 0")
     need(b.cost_max_block >= 1 and b.cost_repeats >= 1, "bench.cost_max_block and bench.cost_repeats must be >= 1")
     need(len(b.cost_cache_lens) > 0 and all(c >= 1 for c in b.cost_cache_lens), "bench.cost_cache_lens must be >= 1")
