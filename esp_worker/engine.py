@@ -22,7 +22,7 @@ from .policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
 from .tree import mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
-from .verify import verify
+from .verify import verify, verify_greedy
 
 REASONS = (None, "stop", "length", "context")
 
@@ -268,6 +268,7 @@ class Engine:
         if a:
             pos[:, lmax:] = lens[:, None] - 1 + torch.arange(1, a + 1, device=dev)
         pos = pos.clamp(max=self.loaded.max_context - 1)
+        visible = self._in_window(visible, pos, pos)
         hidden = self.runner.forward(embeds, visible, pos, rows.cache)  # [R, Q, D]
         kv_cache.truncate(rows.cache, lmax)
         last = hidden[torch.arange(r, device=dev), lens - 1]  # [R, D]
@@ -305,14 +306,19 @@ class Engine:
         s_old = kv_cache.seq_len(rows.cache)
         cache_len = rows.t["hist_len"] - 1  # [B] the root is not cached
         pos = (cache_len[:, None] + lay.rel_pos).clamp(max=self.loaded.max_context - 1)  # [B, Q]
-        prefix = (torch.arange(s_old, device=dev)[None] < cache_len[:, None])[:, None, :].expand(b, q, s_old)
+        slots = torch.arange(s_old, device=dev)
+        prefix = (slots[None] < cache_len[:, None])[:, None, :].expand(b, q, s_old)
+        prefix = self._in_window(prefix, pos, slots[None].expand(b, -1))  # cache slot s holds position s
         visible = torch.cat([prefix, lay.visible.expand(b, q, q)], -1)  # [B, Q, S + Q]
         model_s0 = self.runner.model_s
         hidden = self.runner.forward(embeds, visible, pos, rows.cache)
         slot_logits = self.runner.logits(hidden[:, :t_slots])  # [B, T, V]
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], kv_cache.nbytes(rows.cache))
-        rows.uniforms.ensure(block.max_depth + 1)
-        res = verify(tree, slot_logits, block.max_depth, self._chooser(rows))
+        if bool((rows.t["temperature"] > 0).any()):
+            rows.uniforms.ensure(block.max_depth + 1)
+            res = verify(tree, slot_logits, block.max_depth, self._chooser(rows))
+        else:
+            res = verify_greedy(tree, slot_logits, lay.visible[:, :t_slots, :t_slots], lay.depth, block.max_depth)
         n_raw = res.num_committed
         n_fin, reason = self._apply_stops(rows, res.committed, n_raw)
         # cache: root + accepted nodes (block slots S_old + path) move right behind each row's prefix
@@ -360,6 +366,13 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
     # ---- helpers -----------------------------------------------------------------------------------
+    def _in_window(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """visible [B, Q, K] restricted to keys within the model's sliding window (q_pos [B, Q], k_pos [B, K])."""
+        w = self.runner.sliding_window
+        if w is None:
+            return visible
+        return visible & ((q_pos[:, :, None] - k_pos[:, None, :]) < w)
+
     def _choose_size(self, view: RowsView):
         """(draft nodes for this pass, [B, max_nodes] node probabilities or None) under block_complexity=auto."""
         if self.drafter.num_masks and not bool(view.state["has_probe"].any()):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -195,6 +195,23 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     )
 
 
+def sliding_window(config: Any) -> Optional[int]:
+    """The attention window every layer uses (None = full attention). Our 4D mask replaces the model's own
+    mask, so the window is applied there. Models mixing windowed and full layers cannot share one mask."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = set(getattr(config, "layer_types", None) or [])
+    if types and types != {"sliding_attention"}:
+        if "sliding_attention" not in types:
+            return None
+        raise ModelLoadError(
+            "this model mixes sliding-window and full-attention layers, which one tree mask cannot express; "
+            "it is not supported yet"
+        )
+    return int(window)
+
+
 class ModelRunner:
     """One forward over a block of input embeddings with an explicit 4D mask and position ids.
 
@@ -213,6 +230,7 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.mask_min = torch.finfo(loaded.dtype).min
+        self.sliding_window = sliding_window(self.model.config)  # None = full attention
         self.model_s = 0.0  # wall seconds inside forward() and logits(): model compute, for host-overhead accounting
 
     def _sync(self) -> None:

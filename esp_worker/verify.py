@@ -58,3 +58,36 @@ def verify(
         path_slots=torch.stack(path, 1),
         last_slot=cur,
     )
+
+
+def verify_greedy(
+    tree: DraftTree,
+    slot_logits: torch.Tensor,  # [B, T, V] float32
+    ancestors: torch.Tensor,  # [B|1, T, T] bool, ancestors-or-self (the tree part of the block layout)
+    depth: torch.Tensor,  # [B|1, T]
+    max_depth: int,
+) -> VerifyResult:
+    """Greedy verification without a loop over depth: a node is accepted when every node on its path carries
+    its parent's argmax; the deepest accepted node ends the path and its own argmax is the bonus.
+
+    Example: tokens [r, a, b, c], parents [-1, 0, 0, 2], argmax [b, x, c, y] -> b (= argmax of r) and
+    c (= argmax of b) are accepted, a is not; committed [b, c, y], path slots [0, 2, 3].
+    """
+    b, t = tree.tokens.shape
+    dev = slot_logits.device
+    target = slot_logits.argmax(-1)  # [B, T]
+    correct = (tree.tokens == target.gather(1, tree.parents.clamp(min=0))) & tree.valid
+    correct[:, 0] = True
+    accepted = ~(ancestors & ~correct[:, None, :]).any(-1)  # [B, T]: every node on the path is correct
+    score = torch.where(accepted, depth.expand(b, t) * t + (t - 1 - torch.arange(t, device=dev)), -1)
+    last = score.argmax(-1)  # [B] deepest accepted node, lowest slot first
+    on_path = ancestors.expand(b, t, t)[torch.arange(b, device=dev), last]  # [B, T]
+    idx = torch.arange(t, device=dev).expand(b, t)
+    path = torch.where(on_path, idx, t).sort(dim=1).values[:, : max_depth + 1]  # ancestors in depth order
+    path = torch.where(path < t, path, last[:, None])
+    return VerifyResult(
+        committed=target.gather(1, path),
+        num_committed=depth.expand(b, t).gather(1, last[:, None]).squeeze(1) + 1,
+        path_slots=path,
+        last_slot=last,
+    )

@@ -69,3 +69,25 @@ def test_eos_inside_horizon(arch, method):
     for o, r in zip(outs, ref):
         assert tuple(o.token_ids) == r
         assert o.finish_reason == ("stop" if r and r[-1] in (stop, *lm.eos_token_ids) else "length")
+
+
+@pytest.mark.parametrize("method", ["ar", "esp", "pld"])
+def test_sliding_window_model_matches_generate(method):
+    """A Mistral with a 6-token attention window: the tree mask applies the window like the model's own mask."""
+    import dataclasses
+
+    import torch
+    from esp_worker.model_io import build_tiny_model
+    from engine_helpers import PROMPTS
+
+    model, tok = build_tiny_model("mistral", seed=3)
+    model.config.sliding_window = 6
+    model.config._attn_implementation = "sdpa"
+    base = tiny("mistral")
+    lm = dataclasses.replace(base, model=model.eval(), tokenizer=tok)
+    outs = run(lm, EngineConfig(method=method, num_masks=2, block_complexity=30, max_batch_size=4), GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False, pad_token_id=2)
+        assert o.token_ids == ref[0, ids.shape[1]:].tolist()

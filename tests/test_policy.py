@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import ARCHS, reference, run, tiny
+from engine_helpers import ARCHS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams
 from esp_worker.cost_model import CostCurve
 from esp_worker.policy import BlockPolicy, calibrate
