@@ -78,29 +78,39 @@ def test_dynamic_tree_pruning_skips_root_token():
 
 
 def test_ema_update_per_committed_token_in_order():
+    """After a pass, m has moved toward each committed token in order; after plain passes (no masks) the
+    update waits and is replayed from the history when masks are fed again, with the same result."""
     lam = 0.1
-    d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
-    m0 = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
-    view = RowsView(torch.zeros((2, 4), dtype=torch.long), torch.ones(2, dtype=torch.long), torch.ones(2, dtype=torch.long), [0, 0])
-    view.state["m"] = m0.clone()
-    view.state["has_probe"] = torch.zeros(2, dtype=torch.bool)
-    committed = torch.tensor([[3, 5, 7], [2, 0, 0]])
-    n = torch.tensor([3, 1])
-    d.observe(view, PassResult(committed, n, None, None))
     table = torch.arange(V * D, dtype=torch.float32).reshape(V, D)
-    for r in range(2):
+    m0 = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
+    # row 0 committed [3, 5, 7] after a 1-token prompt, row 1 committed [2]
+    hist = torch.tensor([[9, 3, 5, 7], [9, 2, 0, 0]])
+    hist_len = torch.tensor([4, 2])
+    expected = []
+    for r, toks in enumerate([[3, 5, 7], [2]]):
         m = m0[r].clone()
-        for t in committed[r, : n[r]].tolist():
+        for t in toks:
             m = m + lam * (table[t] - m)
-        assert torch.allclose(view.state["m"][r], m, atol=1e-5)
+        expected.append(m)
+    mask_hidden = torch.zeros((2, 1, D))
+    for plain_first in (False, True):
+        d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
+        view = RowsView(hist, hist_len, torch.ones(2, dtype=torch.long), [0, 0])
+        view.state.update(m=m0.clone(), m_len=torch.ones(2, dtype=torch.long), has_probe=torch.zeros(2, dtype=torch.bool))
+        if plain_first:  # a plain pass defers the update; the next mask pass applies it
+            d.observe(view, PassResult(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), None, None))
+            assert torch.equal(view.state["m"], m0)
+        d.observe(view, PassResult(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), None, mask_hidden))
+        for r in range(2):
+            assert torch.allclose(view.state["m"][r], expected[r], atol=1e-5)
+        assert view.state["m_len"].tolist() == [4, 2]
 
 
 def test_ema_lambda_zero_freezes_mask():
     d = drafter(num_masks=1, block_complexity=10, ema_lambda=0.0)
-    view = RowsView(torch.zeros((1, 4), dtype=torch.long), torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long), [0])
-    view.state["m"] = torch.ones((1, D))
-    view.state["has_probe"] = torch.zeros(1, dtype=torch.bool)
-    d.observe(view, PassResult(torch.tensor([[3]]), torch.tensor([1]), None, None))
+    view = RowsView(torch.tensor([[1, 3, 0, 0]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0])
+    view.state.update(m=torch.ones((1, D)), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
+    d.observe(view, PassResult(torch.tensor([[3]]), torch.tensor([1]), None, torch.zeros((1, 1, D))))
     assert torch.equal(view.state["m"], torch.ones((1, D)))
 
 

@@ -94,6 +94,7 @@ class ESPDrafter(Drafter):
             m = (self.table_mu + self.offset * self.table_sigma).to(dev).expand(b, -1).clone()
         k, cn = self.num_masks, self.num_cand
         view.state["m"] = m
+        view.state["m_len"] = plen.clone()  # history length m has seen (EMA applied lazily, see _catch_up)
         view.state["cand_lp"] = torch.full((b, k, cn), NEG, device=dev)
         view.state["cand_ids"] = torch.zeros((b, k, cn), dtype=torch.long, device=dev)
         view.state["has_probe"] = torch.zeros(b, dtype=torch.bool, device=dev)
@@ -113,25 +114,37 @@ class ESPDrafter(Drafter):
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         st = view.state
-        aux_hidden, committed, num_committed = result.mask_hidden, result.committed, result.num_committed
-        if aux_hidden is not None:
-            lp = torch.log_softmax(self.logits(aux_hidden), dim=-1)  # [B, k, V]
+        if result.mask_hidden is not None:
+            lp = torch.log_softmax(self.logits(result.mask_hidden), dim=-1)  # [B, k, V]
             top = lp.topk(min(self.num_cand, lp.shape[-1]), dim=-1)
             cn = self.num_cand
             st["cand_lp"] = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
             st["cand_ids"] = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
             st["has_probe"] = torch.ones_like(st["has_probe"])
+            self._catch_up(view)
         elif not result.prefill:
-            st["has_probe"] = torch.zeros_like(st["has_probe"])  # a plain pass fed no masks: the probe is stale
+            # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
+            # until masks are fed again (_catch_up replays the committed tokens from the history)
+            st["has_probe"] = torch.zeros_like(st["has_probe"])
+        else:
+            self._catch_up(view)
+
+    def _catch_up(self, view: RowsView) -> None:
+        """Apply the EMA for every token committed since m was last updated, in order:
+        m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i] over the n tokens e_i = hist[m_len:hist_len]."""
+        st = view.state
         lam = self.ema_lambda
-        if lam > 0:
-            # m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i], over the n committed tokens in order
-            s = committed.shape[1]
-            i = torch.arange(s, device=committed.device)[None]
-            n = num_committed[:, None]
-            w = torch.where(i < n, lam * (1 - lam) ** (n - 1 - i).clamp(min=0).float(), 0.0)  # [B, S]
-            emb = self.embed(committed).float()  # [B, S, D]
-            st["m"] = (1 - lam) ** num_committed[:, None].float() * st["m"] + (w[..., None] * emb).sum(1)
+        gap = view.hist_len - st["m_len"]  # [B]
+        g = int(gap.max())
+        if lam > 0 and g > 0:
+            i = torch.arange(g, device=gap.device)[None]
+            idx = (st["m_len"][:, None] + i).clamp(max=view.hist.shape[1] - 1)
+            tokens = view.hist.gather(1, idx)  # [B, G]
+            n = gap[:, None]
+            w = torch.where(i < n, lam * (1 - lam) ** (n - 1 - i).clamp(min=0).float(), 0.0)  # [B, G]
+            emb = self.embed(tokens).float()  # [B, G, D]
+            st["m"] = (1 - lam) ** gap[:, None].float() * st["m"] + (w[..., None] * emb).sum(1)
+        st["m_len"] = view.hist_len.clone()
 
     # ---- trees -------------------------------------------------------------------------------------
     @property
@@ -149,12 +162,16 @@ class ESPDrafter(Drafter):
             return self.block(DraftTree.root_only(view.root), None, max_depth=0)
         if n == 0:
             tree = DraftTree.root_only(view.root)
+        elif self.num_masks == 1:
+            # one mask: Algorithm 1 keeps the n most probable depth-1 candidates, which is the static tree [n]
+            tree = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], [n])
         elif self.tree_mode == "static":
             branches = self.branches if n == self.num_nodes else static_branches((self.num_masks + 1) * (n + 1), self.num_masks)
             tree = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], branches)
         else:
             tree = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"], n)
         tree.valid &= st["has_probe"][:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0)
+        self._catch_up(view)  # after plain passes m still owes their tokens
         aux = self._mask_embeds(st["m"], tree.num_slots)
         return self.block(tree, aux)
 
