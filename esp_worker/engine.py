@@ -5,16 +5,19 @@ rows leave the batch and waiting requests take their slots (continuous batching 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
 from . import kv_cache
 from .config import EngineConfig, ModelConfig
+from .feed import RequestFeed
 from .drafters import Block, Drafter, PassResult, RowsView, make_drafter
 from .cost_model import CostCurve
 from .model_io import LoadedModel, ModelRunner, load_model
@@ -84,6 +87,19 @@ class _Rows:
             self.t["hist"] = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
 
 
+def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[int, bool], tuple[list[Request], bool]]:
+    """take(n, wait) -> (up to n requests, no more will come) over an iterable or a RequestFeed."""
+    if isinstance(requests, RequestFeed):
+        return requests.take
+    it = iter(requests)
+
+    def take(n: int, wait: bool) -> tuple[list[Request], bool]:
+        taken = list(itertools.islice(it, max(n, 0)))
+        return taken, len(taken) < n
+
+    return take
+
+
 def _cat_rows(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:
     if a.ndim >= 2 and a.shape[1:] != b.shape[1:]:
         # pad dim 1 (history capacity, stop-id lists) to the larger size
@@ -117,6 +133,7 @@ class Engine:
         self.vocab_size = int(self.runner.embed.weight.shape[0])
         # seconds spent in decode passes, and the part of it inside the model (forward + LM head)
         self.timing = {"decode_s": 0.0, "model_s": 0.0, "decode_passes": 0, "peak_cache_bytes": 0}
+        self.batch_histogram: collections.Counter[int] = collections.Counter()  # rows in the batch -> decode passes
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> "Engine":
@@ -136,24 +153,24 @@ class Engine:
         outs = {o.id: o for o in self.generate_iter(reqs)}
         return [outs[r.id] for r in reqs]
 
-    def generate_iter(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
-        """Yield one RequestOutput per request as it finishes (completion order, not input order)."""
-        it = iter(requests)
+    def generate_iter(self, requests: Union[Iterable[Request], RequestFeed]) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput per request as it finishes (completion order, not input order).
+
+        `requests` is an iterable (read lazily, as slots free up) or a RequestFeed that other threads
+        fill while the loop runs; with a feed the loop ends when the feed is closed and drained."""
+        take = _feed_taker(requests)
         rows = _Rows([], {}, {}, UniformStreams(self.device))
         exhausted = False
         while True:
             admit: list[_Seq] = []
-            while not exhausted and len(rows) + len(admit) < self.cfg.max_batch_size:
-                try:
-                    req = next(it)
-                except StopIteration:
-                    exhausted = True
-                    break
-                prepared = self._prepare(req)
-                if isinstance(prepared, RequestOutput):
-                    yield prepared
-                else:
-                    admit.append(prepared)
+            if not exhausted:
+                reqs, exhausted = take(self.cfg.max_batch_size - len(rows), not len(rows))
+                for req in reqs:
+                    prepared = self._prepare(req)
+                    if isinstance(prepared, RequestOutput):
+                        yield prepared
+                    else:
+                        admit.append(prepared)
             for chunk in self._prefill_chunks(admit):
                 rows.extend(self._prefill(chunk))
             yield from self._retire(rows)
@@ -161,6 +178,7 @@ class Engine:
                 if exhausted:
                     return
                 continue
+            self.batch_histogram[len(rows)] += 1
             self._step(rows)
             yield from self._retire(rows)
 
