@@ -19,6 +19,13 @@ class GenerationParams:
     stop_strings: Sequence[str] = ()
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        # one string is one stop string, not a sequence of one-character stops; one id is one stop id
+        if isinstance(self.stop_strings, str):
+            self.stop_strings = (self.stop_strings,)
+        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
+            self.stop_token_ids = (self.stop_token_ids,)
+
     def problem(self) -> Optional[str]:
         """One-line description of what is invalid, or None."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -19,6 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from esp_worker.config import EngineConfig, ModelConfig
 
+from .storage import StorageConfig, looks_local, normalize
+
 FORMATS = ("auto", "parquet", "jsonl", "json", "csv", "hf_disk", "hf_hub")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 # Sections whose values change the generated rows: they make the config hash. ray/output/fault do not.
@@ -49,7 +51,7 @@ EngineSection = _engine_section()
 
 @dataclass
 class DataConfig:
-    path: str = ""  # "" = the bundled prompt file jobs/data/prompts.jsonl
+    path: str = ""  # local path or URI (s3://, gs://, ...); "" = the bundled prompt file jobs/data/prompts.jsonl
     format: str = "auto"  # auto (from the extension / directory) | parquet | jsonl | json | csv | hf_disk | hf_hub
     split: str = "train"  # split of a hub dataset or of a saved DatasetDict
     id_column: str = "id"  # when absent from the data, ids are derived from position + input
@@ -60,7 +62,9 @@ class DataConfig:
     chat_template: str = "auto"  # auto (if the tokenizer has one) | always | never
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
     limit: Optional[int] = None  # first N input rows only
-    shard_size: int = 8  # rows per shard = per output part = per actor task
+    # rows per shard = per output part = the unit of retry and resume (not of batching: an actor's engine
+    # batches rows across every shard in flight to it)
+    shard_size: int = 2048
 
 
 @dataclass
@@ -76,7 +80,7 @@ class GenerationConfig:
 
 @dataclass
 class OutputConfig:
-    dir: str = ""  # "" = outputs/<model>-<method>-<config hash>
+    dir: str = ""  # local path or URI (s3://, gs://, ...); "" = outputs/<model>-<method>-<config hash>
     overwrite: bool = False  # true: delete this job's files in dir and start over
     compression: str = "zstd"
     progress_interval_s: float = 10.0  # seconds between progress lines when stderr is not a terminal
@@ -90,8 +94,11 @@ class RayConfig:
     num_gpus_per_actor: float = 0.0
     torch_threads: int = 0  # per actor; 0 = max(1, floor(num_cpus_per_actor))
     num_cpus: Optional[int] = None  # CPUs of a local Ray instance this job starts (None = all cores)
-    max_restarts: int = 3  # restarts of a dead actor; its shard is retried as many times
-    shards_in_flight_per_actor: int = 2  # 1 running + 1 queued keeps an actor busy between shards
+    max_restarts: int = 3  # restarts of a dead actor; the shards it held are retried as many times
+    # shards handed to an actor at once; their rows share one engine batch. 0 = enough to keep the batch
+    # full across shard ends: ceil(engine.max_batch_size / data.shard_size) + 1
+    shards_in_flight_per_actor: int = 0
+    placement_timeout_s: float = 300.0  # fail (exit 1) when the cluster cannot place the actors in this time
 
 
 @dataclass
@@ -106,6 +113,7 @@ class FaultConfig:
 @dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineSection = field(default_factory=EngineSection)  # type: ignore[valid-type]
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -174,9 +182,10 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.ray.torch_threads >= 0, f"ray.torch_threads={cfg.ray.torch_threads} must be >= 0")
     need(cfg.ray.max_restarts >= 0, f"ray.max_restarts={cfg.ray.max_restarts} must be >= 0")
     need(
-        cfg.ray.shards_in_flight_per_actor >= 1,
-        f"ray.shards_in_flight_per_actor={cfg.ray.shards_in_flight_per_actor} must be >= 1",
+        cfg.ray.shards_in_flight_per_actor >= 0,
+        f"ray.shards_in_flight_per_actor={cfg.ray.shards_in_flight_per_actor} must be >= 0 (0 = auto)",
     )
+    need(cfg.ray.placement_timeout_s > 0, "ray.placement_timeout_s must be > 0")
     need(cfg.output.progress_interval_s > 0, "output.progress_interval_s must be > 0")
     need(cfg.fault.kill_attempts >= 0, "fault.kill_attempts must be >= 0")
     problem = _generation_problem(cfg)
@@ -197,9 +206,22 @@ def _generation_problem(cfg: DictConfig) -> Optional[str]:
     ).problem()
 
 
+def shards_in_flight(cfg: DictConfig) -> int:
+    """Shards per actor: the configured number, or (0) enough rows queued to keep the batch full
+    while the oldest shard's last rows finish."""
+    n = cfg.ray.shards_in_flight_per_actor
+    return n if n > 0 else -(-cfg.engine.max_batch_size // cfg.data.shard_size) + 1
+
+
 def hashed_part(cfg: DictConfig) -> dict[str, Any]:
-    """The sections that determine the output rows (see HASHED_SECTIONS)."""
-    return {k: OmegaConf.to_container(cfg[k], resolve=True) for k in HASHED_SECTIONS}
+    """The sections that determine the output rows (see HASHED_SECTIONS), with local paths spelled
+    canonically (absolute, resolved), so `data/x.jsonl` and its absolute path are the same input."""
+    part = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in HASHED_SECTIONS}
+    part["data"]["path"] = normalize(part["data"]["path"])
+    name = part["model"]["name_or_path"]
+    if looks_local(name):
+        part["model"]["name_or_path"] = normalize(name)
+    return part
 
 
 def config_hash(cfg: DictConfig) -> str:

@@ -24,6 +24,10 @@ class Progress:
         self.interval = 0.5 if self.tty else interval_s
         self.last = self.start
 
+    def restart(self) -> None:
+        """Count time from now (the engines are ready): tokens/s excludes start-up."""
+        self.start = self.last = time.monotonic()
+
     def line(self) -> str:
         done = self.done_before + self.run.rows
         total = "?" if self.total is None else str(self.total)

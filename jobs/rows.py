@@ -96,6 +96,11 @@ def parse_params(value: Any) -> tuple[dict[str, Any], Optional[str]]:
     if not isinstance(value, dict):
         return {}, f"params has type {type(value).__name__}; expected an object"
     params = {k: v for k, v in value.items() if v is not None}  # parquet structs give None for unset fields
+    # one string is one stop string (not its characters); one id is one stop id
+    if isinstance(params.get("stop_strings"), str):
+        params["stop_strings"] = [params["stop_strings"]]
+    if isinstance(params.get("stop_token_ids"), int):
+        params["stop_token_ids"] = [params["stop_token_ids"]]
     unknown = sorted(set(params) - PARAM_KEYS)
     if unknown:
         return {}, f"unknown params key(s) {', '.join(unknown)}; known: {', '.join(sorted(PARAM_KEYS))}"
@@ -151,3 +156,14 @@ class RowNormalizer:
             carry={c: raw.get(c) for c in self.carry_columns},
             error=error or params_error,
         )
+
+
+def shard_fingerprint(rows: list[JobRow]) -> str:
+    """sha256 (16 hex) of a shard's normalised rows (ids, inputs, params, categories, carried values, row
+    errors), in order: equal fingerprints mean the shard's part would be generated from the same input."""
+    h = hashlib.sha256()
+    for r in rows:
+        blob = [r.id, r.kind, r.input, r.params, r.category, r.carry, r.error]
+        h.update(json.dumps(blob, sort_keys=True, ensure_ascii=True, default=repr).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]

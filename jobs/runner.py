@@ -1,29 +1,36 @@
 """Run a generation job: stream the input into shards, hand them to engine actors, write Parquet parts.
 
-Scheduling uses Ray core: `ray.num_actors` actors (one engine each) with `max_restarts` /
-`max_task_retries`, so a shard whose actor dies is retried by Ray on the restarted actor; the driver
-keeps at most `shards_in_flight_per_actor` shards per actor and waits with `ray.wait`. The driver
-reads the input once, in order, `data.shard_size` rows at a time, and holds only the shards in flight.
-Shard i is input rows [i * shard_size, (i + 1) * shard_size): a rerun skips shards whose part exists.
+Scheduling uses Ray core: `ray.num_actors` actors (one engine each, placed through a placement group so
+a cluster that cannot hold them fails after `ray.placement_timeout_s` instead of waiting forever), with
+`max_restarts` / `max_task_retries`, so the shards held by an actor that dies are retried on the restarted
+actor. Each actor takes several shards at once (`ray.shards_in_flight_per_actor`) and batches their rows
+in one engine loop; the driver writes each shard's part when the actor returns its table.
+
+The driver reads the input once, in order, `data.shard_size` rows at a time, and holds only the shards in
+flight. Shard i is input rows [i * shard_size, (i + 1) * shard_size). A rerun skips a shard whose part
+exists and carries the fingerprint of the shard's rows as read now; a shard whose input changed is
+regenerated (its part replaced atomically), and parts beyond the input's last shard are removed. At the
+end the output's ids are checked against the input's ids: exactly one row per input id.
 """
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
-from .cluster import check_resources, connect
-from .config import ConfigError, config_hash, engine_config, hashed_part
-from .output import OutputDir
+from .cluster import ClusterError, check_resources, connect
+from .config import ConfigError, config_hash, engine_config, hashed_part, looks_local, shards_in_flight
+from .output import SUMMARY, OutputDir, PartInfo
 from .progress import Progress
-from .rows import INPUT_COLUMNS, JobRow, RowNormalizer
+from .rows import INPUT_COLUMNS, JobRow, RowNormalizer, shard_fingerprint
 from .schema import CATEGORY, carry_types, output_schema, to_table
 from .sources import Source, SourceError, open_source
 from .stats import COLUMNS, Totals
@@ -31,6 +38,7 @@ from .worker import ShardWorker, WorkerSpec
 
 log = logging.getLogger("esp_batch")
 _SAMPLE_ROWS = 256  # rows read up front to check columns and infer carried column types
+_IDS_SHOWN = 5  # ids named in a failed output check
 
 
 class JobError(RuntimeError):
@@ -39,8 +47,8 @@ class JobError(RuntimeError):
 
 @dataclass
 class JobResult:
-    output_dir: Path
-    summary_path: Path
+    output_dir: str
+    summary_path: str
     summary: dict[str, Any]
 
 
@@ -76,6 +84,16 @@ def _plan_schema(cfg: DictConfig, source: Source) -> Any:
     return output_schema(data.category_column in names, carry)
 
 
+def _preflight(cfg: DictConfig) -> None:
+    """Checks that need no Ray and no model load: a local model path must exist."""
+    name = cfg.model.name_or_path
+    if looks_local(name) and not Path(name).expanduser().exists():
+        raise ConfigError(
+            f"model.name_or_path={name!r} does not exist (a local path); give an existing model directory "
+            "or a hub id such as org/name"
+        )
+
+
 def _worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
     g = cfg.generation
     return WorkerSpec(
@@ -87,77 +105,136 @@ def _worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
         chat_template_kwargs=OmegaConf.to_container(cfg.data.chat_template_kwargs, resolve=True),
         schema=schema,
         torch_threads=cfg.ray.torch_threads or max(1, math.floor(cfg.ray.num_cpus_per_actor)),
-        fault_dir=str(out.fault_dir),
+        fault_dir=out.fault_dir,
         kill_shard=cfg.fault.kill_shard,
         kill_attempts=cfg.fault.kill_attempts,
     )
 
 
-def _start_actors(cfg: DictConfig, spec: WorkerSpec) -> list[Any]:
+def _place(cfg: DictConfig, n: int) -> Any:
+    """A placement group holding n actor bundles, or None when actors ask for no resources. Raises
+    ClusterError when the cluster cannot place them within ray.placement_timeout_s."""
     import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import placement_group, remove_placement_group
 
-    remote = ray.remote(ShardWorker).options(
+    bundle = {k: v for k, v in (("CPU", cfg.ray.num_cpus_per_actor), ("GPU", cfg.ray.num_gpus_per_actor)) if v > 0}
+    if not bundle:
+        return None
+    pg = placement_group([bundle] * n, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=cfg.ray.placement_timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        have = ray.cluster_resources()
+        free = ray.available_resources()
+        asked = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
+        avail = ", ".join(f"{k} {free.get(k, 0):g} free of {have.get(k, 0):g}" for k in bundle)
+        raise ClusterError(
+            f"the cluster could not place {n} actors x ({asked}) within ray.placement_timeout_s="
+            f"{cfg.ray.placement_timeout_s:g}s (available: {avail}); lower ray.num_actors or the per-actor "
+            "resources, or add nodes"
+        ) from None
+    return pg
+
+
+def _start_actors(cfg: DictConfig, spec: WorkerSpec, n: int, cap: int) -> list[Any]:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = _place(cfg, n)
+    options = dict(
         num_cpus=cfg.ray.num_cpus_per_actor,
         num_gpus=cfg.ray.num_gpus_per_actor,
         max_restarts=cfg.ray.max_restarts,
         max_task_retries=cfg.ray.max_restarts,
+        max_concurrency=cap + 2,  # cap run_shard calls + info/stats
     )
-    actors = [remote.remote(spec) for _ in range(cfg.ray.num_actors)]
+    remote = ray.remote(ShardWorker)
+    actors = [
+        remote.options(**options, **({} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=i)})).remote(spec)
+        for i in range(n)
+    ]
     infos = ray.get([a.info.remote() for a in actors])
     bad = next((i["error"] for i in infos if i["error"]), None)
     if bad:
         raise JobError(f"the engine failed to load: {bad}")
-    log.info("%d actors ready (max_context %s, chat template %s)", len(actors), infos[0]["max_context"],
-             "on" if infos[0]["chat_template"] else "off")
+    log.info("%d actor(s) ready, %d shards in flight each (max_context %s, chat template %s)", n, cap,
+             infos[0]["max_context"], "on" if infos[0]["chat_template"] else "off")
     return actors
 
 
-class _Dispatcher:
-    """Keeps up to `cap` shards in flight per actor, writes each finished shard's part."""
+def _first_line(text: str, limit: int = 200) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return (lines[0] if lines else "")[:limit]
 
-    def __init__(self, actors: list[Any], cap: int, out: OutputDir, compression: str, progress: Progress):
+
+class _Dispatcher:
+    """Keeps up to `cap` shards in flight per actor, writes each finished shard's part, and records
+    failures as (shard, cause)."""
+
+    def __init__(self, actors: list[Any], cap: int, out: OutputDir, compression: str, progress: Progress,
+                 max_restarts: int):
         self.actors = actors
         self.cap = cap
         self.out = out
         self.compression = compression
         self.progress = progress
-        self.in_flight: dict[Any, tuple[int, int]] = {}  # ObjectRef -> (shard index, actor index)
+        self.max_restarts = max_restarts
+        self.in_flight: dict[Any, tuple[int, int, str]] = {}  # ObjectRef -> (shard, actor index, fingerprint)
         self.load = [0] * len(actors)
-        self.failures: list[str] = []
+        self.dead: set[int] = set()
+        self.failures: list[tuple[int, str]] = []
         self.shards_written = 0
 
-    def submit(self, shard_index: int, rows: list[JobRow]) -> None:
-        while min(self.load) >= self.cap:
+    @property
+    def can_submit(self) -> bool:
+        return not self.failures and len(self.dead) < len(self.actors)
+
+    def submit(self, shard_index: int, rows: list[JobRow], fingerprint: str) -> None:
+        while self.can_submit and min(self._live_loads()) >= self.cap:
             self.wait_one()
-        a = self.load.index(min(self.load))
+        if not self.can_submit:
+            return
+        a = min((i for i in range(len(self.actors)) if i not in self.dead), key=lambda i: self.load[i])
         ref = self.actors[a].run_shard.remote(shard_index, rows)
-        self.in_flight[ref] = (shard_index, a)
+        self.in_flight[ref] = (shard_index, a, fingerprint)
         self.load[a] += 1
+
+    def _live_loads(self) -> list[int]:
+        return [n for i, n in enumerate(self.load) if i not in self.dead]
 
     def wait_one(self) -> None:
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayActorError, RaySystemError, RayTaskError
 
         ready: list[Any] = []
         while not ready:
             ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=1.0)
             self.progress.update()
         ref = ready[0]
-        shard_index, a = self.in_flight.pop(ref)
+        shard_index, a, fingerprint = self.in_flight.pop(ref)
         self.load[a] -= 1
         try:
             table = ray.get(ref)
         except RayActorError as exc:
-            self.failures.append(f"shard {shard_index}: its actor died more than ray.max_restarts times ({type(exc).__name__})")
+            self.dead.add(a)
+            held = sorted([shard_index] + [s for s, b, _ in self.in_flight.values() if b == a])
+            self.failures.append((shard_index, f"actor died more than ray.max_restarts={self.max_restarts} times "
+                                               f"while holding shards {held} ({_first_line(getattr(exc, 'error_msg', exc), 160)})"))
             return
         except RayTaskError as exc:
-            cause = str(exc.cause if exc.cause is not None else exc).strip().splitlines()
-            self.failures.append(f"shard {shard_index}: {cause[-1] if cause else type(exc).__name__}")
+            cause = exc.cause if exc.cause is not None else exc
+            self.failures.append((shard_index, _first_line(cause) or type(cause).__name__))
             return
-        self.write(shard_index, table)
+        except (RaySystemError, ConnectionError) as exc:
+            self.failures.append((shard_index, f"cluster lost: {_first_line(exc)}"))
+            return
+        self.write(shard_index, table, fingerprint)
 
-    def write(self, shard_index: int, table: Any) -> None:
-        self.out.write_part(shard_index, table, self.compression)
+    def write(self, shard_index: int, table: Any, fingerprint: str) -> None:
+        self.out.write_part(shard_index, table, self.compression, fingerprint)
         self.shards_written += 1
         self.progress.run.add(table)
         self.progress.update()
@@ -166,17 +243,60 @@ class _Dispatcher:
         while self.in_flight:
             self.wait_one()
 
+    def failure_message(self) -> str:
+        shard, cause = self.failures[0]
+        more = len(self.failures) - 1
+        return f"shard {shard} failed: {cause}" + (f" ({more} more shard(s) failed)" if more else "")
 
-def _rows_in(parts: list[Path]) -> int:
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
+    def batch_histogram(self) -> dict[int, int]:
+        """Sum of the actors' engine batch-size histograms (actors that died lose theirs)."""
+        import ray
+
+        total: collections.Counter[int] = collections.Counter()
+        for i, actor in enumerate(self.actors):
+            if i in self.dead:
+                continue
+            try:
+                total.update({int(k): v for k, v in ray.get(actor.stats.remote(), timeout=60)["batch_histogram"].items()})
+            except Exception:  # noqa: BLE001 - statistics only
+                log.warning("could not read actor %d's batch statistics", i)
+        return dict(sorted(total.items()))
+
+
+@dataclass
+class _Plan:
+    """What a run does with the shards it reads."""
+
+    parts: dict[int, PartInfo]  # parts found in output.dir at the start
+    num_shards: int = 0
+    skipped: int = 0
+    regenerated: list[int] = field(default_factory=list)  # shards whose part existed with another fingerprint
+    fingerprints: Any = field(default_factory=hashlib.sha256)  # running hash of every shard's fingerprint
+
+    def decide(self, shard_index: int, fingerprint: str) -> bool:
+        """True when the shard must run (no part, or a part made from other input)."""
+        self.num_shards = shard_index + 1
+        self.fingerprints.update(fingerprint.encode())
+        old = self.parts.get(shard_index)
+        if old is not None and old.fingerprint == fingerprint:
+            self.skipped += 1
+            return False
+        if old is not None:
+            if not self.regenerated:
+                log.warning("shard %d changed since the last run (input edited): regenerating it, and every "
+                            "later shard whose rows changed", shard_index)
+            self.regenerated.append(shard_index)
+        return True
 
 
 def run_job(cfg: DictConfig) -> JobResult:
-    """Run (or resume) the job. Raises ConfigError (bad config/data/output dir) or JobError."""
+    """Run (or resume) the job. Raises ConfigError (bad config/data/output dir), ClusterError or JobError."""
     import ray
 
+    t_start = time.monotonic()
     chash = config_hash(cfg)
-    out = OutputDir(cfg.output.dir or default_output_dir(cfg, chash))
+    _preflight(cfg)
+    out = OutputDir(cfg.output.dir or default_output_dir(cfg, chash), cfg.storage)
     try:
         source = open_source(cfg.data.path, cfg.data.format, cfg.data.split, cfg.data.limit)
         schema = _plan_schema(cfg, source)
@@ -184,84 +304,162 @@ def run_job(cfg: DictConfig) -> JobResult:
     except SourceError as exc:
         raise ConfigError(str(exc)) from None
     out.claim(chash, hashed_part(cfg), OmegaConf.to_container(cfg, resolve=True), cfg.output.overwrite)
-    done = out.done_shards()
-    log.info("job %s: %s rows from %s (%s) -> %s; %d shards already done",
-             chash, "?" if total_rows is None else total_rows, source.path, source.format, out.path, len(done))
+    plan = _Plan(out.part_infos())
+    log.info("job %s: %s rows from %s (%s) -> %s; %d parts already there",
+             chash, "?" if total_rows is None else total_rows, source.path, source.format, out.path, len(plan.parts))
 
     started = False
+    cap = shards_in_flight(cfg)
     try:
-        t0 = time.monotonic()
-        progress = Progress(total_rows, _rows_in(out.parts()), cfg.output.progress_interval_s)
+        progress = Progress(total_rows, sum(p.rows for p in plan.parts.values()), cfg.output.progress_interval_s)
         normalizer = RowNormalizer(cfg.data.id_column, cfg.data.prompt_column, cfg.data.params_column,
                                    cfg.data.category_column, list(cfg.data.carry_columns))
         actors: Optional[list[Any]] = None
         dispatcher: Optional[_Dispatcher] = None
-        skipped = 0
+        t_ready: Optional[float] = None
         for shard_index, rows in _iter_shards(source, normalizer, cfg.data.shard_size):
-            if shard_index in done:
-                skipped += 1
+            fingerprint = shard_fingerprint(rows)
+            if not plan.decide(shard_index, fingerprint):
                 continue
             if dispatcher is None:  # Ray and the engines start only when there is work
                 started = connect(cfg.ray)
                 check_resources(cfg.ray, started)
-                actors = _start_actors(cfg, _worker_spec(cfg, schema, out))
-                dispatcher = _Dispatcher(actors, cfg.ray.shards_in_flight_per_actor, out, cfg.output.compression, progress)
-            if dispatcher.failures:
+                n = cfg.ray.num_actors
+                if total_rows is not None:  # no more actors than shards left to run
+                    n = max(1, min(n, -(-(total_rows - shard_index * cfg.data.shard_size) // cfg.data.shard_size)))
+                actors = _start_actors(cfg, _worker_spec(cfg, schema, out), n, cap)
+                dispatcher = _Dispatcher(actors, cap, out, cfg.output.compression, progress, cfg.ray.max_restarts)
+                t_ready = time.monotonic()
+                progress.restart()
+            if not dispatcher.can_submit:
                 break
             if rows:
-                dispatcher.submit(shard_index, rows)
+                dispatcher.submit(shard_index, rows, fingerprint)
             else:  # every row was a duplicate: an empty part marks the shard done
-                dispatcher.write(shard_index, to_table([], schema))
+                dispatcher.write(shard_index, to_table([], schema), fingerprint)
+        histogram: dict[int, int] = {}
         if dispatcher is not None:
             dispatcher.drain()
+            histogram = dispatcher.batch_histogram()
             for actor in actors or []:
                 ray.kill(actor)
         progress.close()
-        wall = time.monotonic() - t0
+        t_end = time.monotonic()
+        run = _run_record(t_start, t_ready, t_end, progress.run, dispatcher, plan, histogram)
         if dispatcher is not None and dispatcher.failures:
-            raise JobError(
-                f"{len(dispatcher.failures)} shard(s) failed, e.g. {dispatcher.failures[0]}; "
-                f"finished parts are kept in {out.path}: rerun the same command to resume"
-            )
-        return _finish(cfg, chash, out, total_rows, normalizer.duplicates_dropped, progress.run, wall,
-                       dispatcher.shards_written if dispatcher else 0, skipped, CATEGORY in schema.names)
+            _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check=None)
+            raise JobError(f"{dispatcher.failure_message()}; finished parts are kept in {out.path}: "
+                           "rerun the same command to resume")
+        run["stale_parts_removed"] = _remove_stale_parts(out, plan)
+        check = _check_ids(out, normalizer.seen)
+        result = _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check)
+        if not check["complete"]:
+            raise JobError(f"output check failed: {check['problem']}; see {out.file(SUMMARY)}")
+        return result
     finally:
         if started:
             ray.shutdown()
 
 
-def _finish(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Optional[int], duplicates: int, run: Totals,
-            wall_s: float, shards_written: int, shards_skipped: int, has_category: bool) -> JobResult:
+def _remove_stale_parts(out: OutputDir, plan: _Plan) -> int:
+    """Parts beyond the input's last shard, written by this job for an input that was longer, no longer
+    belong to any shard: remove them. A part without our metadata is left for the ids check to report."""
+    stale = [p for i, p in plan.parts.items() if i >= plan.num_shards and p.fingerprint is not None]
+    for p in stale:
+        log.warning("removing %s: the input has only %d shards now", p.path, plan.num_shards)
+        out.delete_part(p.shard)
+    return len(stale)
+
+
+def _check_ids(out: OutputDir, expected: set[str]) -> dict[str, Any]:
+    """Exactly one output row per input id (after de-duplication)?"""
+    counts: collections.Counter[str] = collections.Counter()
+    where: dict[str, str] = {}
+    for path, table in out.read_columns(["id"]):
+        for rid in table.column("id").to_pylist() if "id" in table.column_names else []:
+            counts[rid] += 1
+            where.setdefault(rid, path)
+    missing = sorted(expected - counts.keys())
+    extra = sorted(counts.keys() - expected)
+    dups = sorted(r for r, n in counts.items() if n > 1)
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} input id(s) have no output row ({', '.join(missing[:_IDS_SHOWN])})")
+    if extra:
+        problems.append(f"{len(extra)} output id(s) are not in the input ({', '.join(extra[:_IDS_SHOWN])}, "
+                        f"e.g. in {where[extra[0]].rsplit('/', 1)[-1]})")
+    if dups:
+        problems.append(f"{len(dups)} id(s) appear more than once ({', '.join(dups[:_IDS_SHOWN])})")
+    return {
+        "complete": not problems, "input_ids": len(expected), "output_rows": sum(counts.values()),
+        "missing_ids": missing[:100], "unexpected_ids": extra[:100], "duplicated_ids": dups[:100],
+        "problem": "; ".join(problems) or None,
+    }
+
+
+def _run_record(t_start: float, t_ready: Optional[float], t_end: float, run: Totals, dispatcher: Optional[_Dispatcher],
+                plan: _Plan, histogram: dict[int, int]) -> dict[str, Any]:
+    startup = (t_ready if t_ready is not None else t_end) - t_start
+    gen_s = t_end - t_ready if t_ready is not None else 0.0
+    passes = sum(histogram.values())
+    return {
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "startup_s": round(startup, 3),  # input planning, Ray start/connect, actor placement, model load
+        "generation_s": round(gen_s, 3),  # engines ready -> last part written
+        "rows": run.rows,
+        "generated_tokens": run.generated_tokens,
+        "generation_tokens_per_s": run.generated_tokens / gen_s if gen_s > 0 and run.rows else None,
+        "shards_written": dispatcher.shards_written if dispatcher else 0,
+        "shards_skipped": plan.skipped,
+        "shards_regenerated": len(plan.regenerated),
+        "failed_shards": sorted(s for s, _ in dispatcher.failures) if dispatcher else [],
+        "batch_histogram": {str(k): v for k, v in histogram.items()},  # rows in the engine batch -> passes
+        "mean_batch_size": sum(k * v for k, v in histogram.items()) / passes if passes else None,
+    }
+
+
+def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Optional[int], normalizer: RowNormalizer,
+                   plan: _Plan, run: dict[str, Any], check: Optional[dict[str, Any]]) -> JobResult:
     totals = Totals()
-    for table in out.read_columns(COLUMNS + [CATEGORY]):
+    for _, table in out.read_columns(COLUMNS + [CATEGORY]):
         totals.add(table)
-    tokens_per_s = run.generated_tokens / wall_s if wall_s > 0 else None
+    previous = out.read_json(SUMMARY) or {}
+    runs = list(previous.get("runs", [])) + [run]
+    gen_tokens = sum(r["generated_tokens"] for r in runs)
+    gen_s = sum(r["generation_s"] for r in runs)
     summary: dict[str, Any] = {
-        "output_dir": str(out.path),
+        "output_dir": out.path,
+        "complete": bool(check and check["complete"]),  # exactly one output row per input id
+        "check": check,
         "parts": len(out.parts()),
+        "num_shards": plan.num_shards,
         "input_rows": input_rows,
+        "input_fingerprint": plan.fingerprints.hexdigest()[:16],  # of every shard's rows, in order
         "rows": totals.rows,
         "errors": totals.errors,
-        "duplicates_dropped": duplicates,
+        "duplicates_dropped": normalizer.duplicates_dropped,
         "prompt_tokens": totals.prompt_tokens,
         "generated_tokens": totals.generated_tokens,
         "tau": totals.tau,
-        "tokens_per_s": tokens_per_s,  # this run: tokens generated by this run / its wall time
-        "this_run": {
-            "rows": run.rows, "shards_written": shards_written, "shards_skipped": shards_skipped,
-            "generated_tokens": run.generated_tokens, "wall_s": wall_s,
-        },
+        # all runs: tokens generated / seconds the engines were generating (start-up excluded)
+        "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else None,
+        "this_run": run,
+        "runs": runs,  # one record per run, appended; earlier runs' figures are never rewritten
         "model": cfg.model.name_or_path,
         "method": cfg.engine.method,
         "config_hash": chash,
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    if has_category:
+    if totals.per_category:
         summary["tau_per_category"] = totals.tau_per_category()
-    path = out.write_summary(summary)
+    path = out.write_json(SUMMARY, summary)
     tau = "-" if totals.tau is None else f"{totals.tau:.3f}"
-    rate = "-" if tokens_per_s is None else f"{tokens_per_s:.1f}"
-    log.info("done: %d rows (%d errors, %d duplicate ids dropped), %s tok/s, tau %s -> data %s/part-*.parquet, summary %s",
-             totals.rows, totals.errors, duplicates, rate, tau, out.path, path)
+    rate = run["generation_tokens_per_s"]
+    batch = run["mean_batch_size"]
+    log.info("done: %d rows (%d errors, %d duplicate ids dropped), %s; this run: %d tokens in %.1fs = %s tok/s "
+             "generating (start-up %.1fs, mean batch %s), tau %s -> data %s/part-*.parquet, summary %s",
+             totals.rows, totals.errors, normalizer.duplicates_dropped,
+             "complete" if summary["complete"] else "INCOMPLETE", run["generated_tokens"], run["generation_s"],
+             "-" if rate is None else f"{rate:.1f}", run["startup_s"], "-" if batch is None else f"{batch:.1f}",
+             tau, out.path, path)
     return JobResult(output_dir=out.path, summary_path=path, summary=summary)

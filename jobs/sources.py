@@ -16,6 +16,8 @@ from typing import Any, Iterator, Optional
 
 import pyarrow as pa
 
+from .storage import looks_local
+
 ERROR_KEY = "__error__"
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv"}
 
@@ -44,9 +46,10 @@ def detect_format(path: str, fmt: str) -> str:
         if p.suffix.lower() in _EXTENSIONS:
             return _EXTENSIONS[p.suffix.lower()]
         raise SourceError(f"data.path={path!r}: cannot tell the format from {p.suffix!r}; set data.format")
-    if path.count("/") == 1 and not path.startswith((".", "/")):
-        return "hf_hub"
-    raise SourceError(f"data.path={path!r} does not exist")
+    if not looks_local(path) and path.count("/") == 1:
+        return "hf_hub"  # org/name
+    raise SourceError(f"data.path={path!r} does not exist; give an existing file or directory, or a hub dataset "
+                      "name such as org/name")
 
 
 @dataclass

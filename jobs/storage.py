@@ -42,6 +42,19 @@ def normalize(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
+def looks_local(path: str) -> bool:
+    """A path the user means as a local file or directory (not a hub id such as `org/name`, not a URI,
+    not a built-in name): absolute, `./`, `../`, `~`, more than one `/`, a file extension, or existing."""
+    if not path or is_uri(path):
+        return False
+    if path.startswith(("/", "./", "../", "~")) or path in (".", "..") or path.count("/") > 1:
+        return True
+    return Path(path).exists() or path.lower().endswith(_FILE_EXTENSIONS)
+
+
+_FILE_EXTENSIONS = (".parquet", ".pq", ".jsonl", ".ndjson", ".json", ".csv", ".txt", ".arrow", ".yaml", ".gz", ".zst")
+
+
 def resolve(path: str, cfg: Optional[Any] = None) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path on it) for a local path or URI; `cfg` is a StorageConfig-like object or None."""
     if not is_uri(path):
@@ -62,7 +75,7 @@ def resolve(path: str, cfg: Optional[Any] = None) -> tuple[pafs.FileSystem, str]
             return pafs.S3FileSystem(**opts), rest.rstrip("/")
         fs, p = pafs.FileSystem.from_uri(path)
         return fs, p.rstrip("/") or "/"
-    except (pafs.ArrowInvalid if hasattr(pafs, "ArrowInvalid") else ValueError, ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise StorageError(f"cannot open {path!r}: {str(exc).strip().splitlines()[0]}") from None
 
 

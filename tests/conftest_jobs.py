@@ -19,9 +19,18 @@ from typing import Any, Iterator
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path("/work/shared/data")
+SHARED_DATA = REPO.parent / "shared" / "data"  # ../shared beside the checkout
 SPEC_BENCH = SHARED_DATA / "spec_bench_dev.jsonl"
 TINY_PROMPTS = SHARED_DATA / "tiny_prompts_dev.jsonl"
+
+
+
+def shared(path: Path) -> Path:
+    """A file under ../shared beside the checkout; the test skips (with the reason) where it is absent."""
+    if not path.exists():
+        pytest.skip(f"shared data {path} is not present beside this checkout")
+    return path
+
 
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="hf-home-"))
 os.environ["HF_DATASETS_OFFLINE"] = "1"

@@ -5,9 +5,11 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pathlib import Path
+
 import pytest
 
-from conftest_jobs import SPEC_BENCH, TINY_PROMPTS, write_jsonl
+from conftest_jobs import SPEC_BENCH, shared, TINY_PROMPTS, write_jsonl
 from esp_worker.model_io import build_tiny_tokenizer
 from jobs.config import ConfigError
 from jobs.output import OutputDir
@@ -55,9 +57,9 @@ def test_format_detection_errors(tmp_path):
 
 
 def test_shared_dev_sets_and_bundled_prompts():
-    src, rows = _read(SPEC_BENCH)
+    src, rows = _read(shared(SPEC_BENCH))
     assert src.num_rows() == 240 and all(isinstance(r["turns"], list) for r in rows)
-    src, rows = _read(TINY_PROMPTS, limit=5)
+    src, rows = _read(shared(TINY_PROMPTS), limit=5)
     assert len(rows) == 5 and all("prompt" in r and "id" in r for r in rows)
     _, rows = _read(bundled_prompts())
     norm = RowNormalizer("id", "", "params", "category", [])
@@ -155,14 +157,14 @@ def test_output_dir_claims_and_writes_atomically(tmp_path):
     out.claim("h1b", {"engine": {"x": 1, "new_setting": 0}}, {}, overwrite=False)  # a key added by a newer version
     table = pa.table({"id": ["a"]})
     out.write_part(3, table, "zstd")
-    assert out.done_shards() == {3} and not list(out.path.glob(".*"))
+    assert out.done_shards() == {3} and not list(Path(out.path).glob(".*"))
     with pytest.raises(ConfigError, match=r"engine.x: 1 -> 2"):
         out.claim("h2", {"engine": {"x": 2}}, {}, overwrite=False)
-    (out.path / "notes.txt").write_text("user file")
+    (Path(out.path) / "notes.txt").write_text("user file")
     out.claim("h2", {"engine": {"x": 2}}, {}, overwrite=True)
-    assert out.done_shards() == set() and (out.path / "notes.txt").exists()
+    assert out.done_shards() == set() and (Path(out.path) / "notes.txt").exists()
     foreign = OutputDir(str(tmp_path / "f"))
-    foreign.path.mkdir()
-    pq.write_table(table, foreign.path / "part-000000.parquet")
+    Path(foreign.path).mkdir()
+    pq.write_table(table, Path(foreign.path) / "part-000000.parquet")
     with pytest.raises(ConfigError, match="no _job.json"):
         foreign.claim("h", {}, {}, overwrite=False)

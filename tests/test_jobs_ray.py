@@ -16,7 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from conftest_jobs import FAST, REPO, SPEC_BENCH, job_cfg, ray_head, read_output, write_jsonl  # noqa: F401
+from conftest_jobs import FAST, REPO, SPEC_BENCH, shared, job_cfg, ray_head, read_output, write_jsonl  # noqa: F401
 from jobs.config import ConfigError
 from jobs.runner import run_job
 from jobs.schema import BASE_FIELDS
@@ -42,7 +42,7 @@ def test_end_to_end_two_actors_then_resume(ray_head, tmp_path):
     assert all(r["error"] is None and r["num_generated_tokens"] == len(r["generated_token_ids"]) > 0 for r in rows)
     assert {r["method"] for r in rows} == {"ar"}
     assert {r["finish_reason"] for r in rows} <= {"stop", "length"}
-    s = json.loads(res.summary_path.read_text())
+    s = json.loads(Path(res.summary_path).read_text())
     assert s["rows"] == 44 and s["errors"] == 0 and s["parts"] == 6
     assert s["generated_tokens"] == sum(r["num_generated_tokens"] for r in rows)
     assert set(s["tau_per_category"]) == {"qa", "code", "math"} and s["config_hash"]
@@ -124,7 +124,7 @@ def test_bad_rows_get_errors_and_the_job_goes_on(ray_head, tmp_path):
 
 def test_spec_bench_turns(ray_head, tmp_path):
     out = tmp_path / "out"
-    res = run_job(job_cfg(out, f"data.path={SPEC_BENCH}", "data.id_column=question_id", "data.limit=6",
+    res = run_job(job_cfg(out, f"data.path={shared(SPEC_BENCH)}", "data.id_column=question_id", "data.limit=6",
                           "ray.num_actors=1", "data.carry_columns=[question_id]", "generation.max_new_tokens=3"))
     rows = read_output(out).to_pylist()
     assert len(rows) == 6 and {r["id"] for r in rows} == {str(r["question_id"]) for r in rows}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest_jobs import SPEC_BENCH, job_cfg
+from conftest_jobs import SPEC_BENCH, shared, job_cfg
 from esp_worker import ModelConfig
 from esp_worker.model_io import load_model
 from jobs.output import OutputDir
@@ -46,7 +46,7 @@ def test_prompt_rows_match_model_generate(tmp_path, tiny):
 
 
 def test_turns_answer_each_turn_with_the_earlier_ones_in_context(tmp_path, tiny):
-    worker, rows = _worker(tmp_path, f"data.path={SPEC_BENCH}", "data.id_column=question_id", "data.limit=2",
+    worker, rows = _worker(tmp_path, f"data.path={shared(SPEC_BENCH)}", "data.id_column=question_id", "data.limit=2",
                            "generation.max_new_tokens=4")
     out = worker.run_shard(0, rows).to_pylist()
     tok = tiny.tokenizer
