@@ -138,7 +138,8 @@ def _place(cfg: DictConfig, n: int) -> Any:
     return pg
 
 
-def _start_actors(cfg: DictConfig, spec: WorkerSpec, n: int, cap: int) -> list[Any]:
+def _start_actors(cfg: DictConfig, spec: WorkerSpec, n: int, cap: int) -> tuple[list[Any], Any]:
+    """(actors, their placement group or None); the caller releases both with _stop_actors."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -159,10 +160,22 @@ def _start_actors(cfg: DictConfig, spec: WorkerSpec, n: int, cap: int) -> list[A
     infos = ray.get([a.info.remote() for a in actors])
     bad = next((i["error"] for i in infos if i["error"]), None)
     if bad:
+        _stop_actors(actors, pg)
         raise JobError(f"the engine failed to load: {bad}")
     log.info("%d actor(s) ready, %d shards in flight each (max_context %s, chat template %s)", n, cap,
              infos[0]["max_context"], "on" if infos[0]["chat_template"] else "off")
-    return actors
+    return actors, pg
+
+
+def _stop_actors(actors: list[Any], pg: Any) -> None:
+    """Kill the actors and give their placement group's resources back to the cluster."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in actors:
+        ray.kill(actor)
+    if pg is not None:
+        remove_placement_group(pg)
 
 
 def _first_line(text: str, limit: int = 200) -> str:
@@ -314,7 +327,8 @@ def run_job(cfg: DictConfig) -> JobResult:
         progress = Progress(total_rows, sum(p.rows for p in plan.parts.values()), cfg.output.progress_interval_s)
         normalizer = RowNormalizer(cfg.data.id_column, cfg.data.prompt_column, cfg.data.params_column,
                                    cfg.data.category_column, list(cfg.data.carry_columns))
-        actors: Optional[list[Any]] = None
+        actors: list[Any] = []
+        pg: Any = None
         dispatcher: Optional[_Dispatcher] = None
         t_ready: Optional[float] = None
         for shard_index, rows in _iter_shards(source, normalizer, cfg.data.shard_size):
@@ -327,7 +341,7 @@ def run_job(cfg: DictConfig) -> JobResult:
                 n = cfg.ray.num_actors
                 if total_rows is not None:  # no more actors than shards left to run
                     n = max(1, min(n, -(-(total_rows - shard_index * cfg.data.shard_size) // cfg.data.shard_size)))
-                actors = _start_actors(cfg, _worker_spec(cfg, schema, out), n, cap)
+                actors, pg = _start_actors(cfg, _worker_spec(cfg, schema, out), n, cap)
                 dispatcher = _Dispatcher(actors, cap, out, cfg.output.compression, progress, cfg.ray.max_restarts)
                 t_ready = time.monotonic()
                 progress.restart()
@@ -341,8 +355,8 @@ def run_job(cfg: DictConfig) -> JobResult:
         if dispatcher is not None:
             dispatcher.drain()
             histogram = dispatcher.batch_histogram()
-            for actor in actors or []:
-                ray.kill(actor)
+        _stop_actors(actors, pg)
+        actors, pg = [], None
         progress.close()
         t_end = time.monotonic()
         run = _run_record(t_start, t_ready, t_end, progress.run, dispatcher, plan, histogram)
@@ -357,6 +371,8 @@ def run_job(cfg: DictConfig) -> JobResult:
             raise JobError(f"output check failed: {check['problem']}; see {out.file(SUMMARY)}")
         return result
     finally:
+        if actors and ray.is_initialized():  # an exception left them running
+            _stop_actors(actors, pg)
         if started:
             ray.shutdown()
 
