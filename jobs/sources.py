@@ -107,7 +107,7 @@ def _hidden(relative: str) -> bool:
     return any(part.startswith((".", "_")) for part in relative.split("/"))
 
 
-def _list_files(fs: pafs.FileSystem, base: str) -> list[str]:
+def list_files(fs: pafs.FileSystem, base: str) -> list[str]:
     """Every visible file below `base` (recursively), sorted by path."""
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     prefix = base.rstrip("/") + "/"
@@ -120,7 +120,7 @@ def _expand(fs: pafs.FileSystem, path: str, shown: str) -> tuple[list[str], bool
         static = _GLOB_CHARS.split(path, 1)[0]
         base = static.rsplit("/", 1)[0] if "/" in static else ""
         regex = glob_regex(path)
-        files = [f for f in _list_files(fs, base) if regex.match(f)]
+        files = [f for f in list_files(fs, base) if regex.match(f)]
         if not files:
             raise SourceError(f"data.path={shown!r} matches no file")
         return files, True
@@ -128,10 +128,10 @@ def _expand(fs: pafs.FileSystem, path: str, shown: str) -> tuple[list[str], bool
     if info.type == pafs.FileType.File:
         return [path], False
     if info.type == pafs.FileType.Directory:
-        return _list_files(fs, path), True
+        return list_files(fs, path), True
     if "/" in path and not isinstance(fs, pafs.LocalFileSystem):  # an object-store prefix such as s3://b/data/part-
         parent, stem = path.rsplit("/", 1)
-        files = [f for f in _list_files(fs, parent) if f[len(parent) + 1:].startswith(stem)]
+        files = [f for f in list_files(fs, parent) if f[len(parent) + 1:].startswith(stem)]
         if files:
             return files, True
     raise SourceError(f"data.path={shown!r} does not exist")
