@@ -4,7 +4,9 @@ One module, one copy of the plotting code (the style, the grouped bars, the PNG 
 
 - `write_job_report(output_dir, storage)`: reads only the job's Parquet parts and `_summary.json`
   (local directory or URI, through jobs/storage.py) and writes `report.md`, `by_category.png`,
-  `acceptance.png` and `lengths.png` beside the parts. The job calls it at its end; `esp-batch report
+  `acceptance.png` and `lengths.png` into `_report/` beside the parts. (A visible `report.md` or PNG
+  among the parts would break `pandas.read_parquet(dir)`, pyarrow and Spark, which read every file not
+  starting with `.` or `_` as Parquet.) The job calls it at its end; `esp-batch report
   OUTPUT_DIR` calls the same function, so the report can be rebuilt from the output alone, identically.
 - `write_bench_report(...)` / `bench_plots(...)`: the benchmark's report and plots (`jobs.bench`).
 
@@ -29,6 +31,7 @@ from .schema import CATEGORY
 from .storage import join, resolve
 
 REPORT = "report.md"
+REPORT_DIR = "_report"  # inside the output directory
 SUMMARY = "_summary.json"
 NO_CATEGORY = "(none)"
 JOB_PLOTS = ("by_category.png", "acceptance.png", "lengths.png")
@@ -59,6 +62,7 @@ class Sink:
 
     def __init__(self, fs: pafs.FileSystem, base: str):
         self.fs, self.base = fs, base
+        fs.create_dir(base, recursive=True)
 
     @classmethod
     def local(cls, path: Path) -> "Sink":
@@ -271,7 +275,7 @@ class ReportOutput:
 
 
 def write_job_report(output_dir: str, storage: Optional[Any] = None) -> ReportOutput:
-    """Write `report.md` and the PNGs into `output_dir` (local path or URI; `storage` = the `storage.*`
+    """Write `report.md` and the PNGs into `output_dir`/_report (local path or URI; `storage` = the `storage.*`
     config section or None) from its Parquet parts and `_summary.json` alone. Raises ValueError when the
     directory holds no part."""
     fs, base = resolve(output_dir, storage)
@@ -279,7 +283,7 @@ def write_job_report(output_dir: str, storage: Optional[Any] = None) -> ReportOu
     if num_parts == 0:
         raise ValueError(f"{output_dir!r} holds no Parquet part")
     summary = _read_summary(fs, base) or {}
-    sink = Sink(fs, base)
+    sink = Sink(fs, join(base, REPORT_DIR))
     plots = job_plots(sink, stats, summary)
     markdown = job_markdown(output_dir, stats, num_parts, summary, plots)
     path = sink.write(REPORT, markdown.encode())
