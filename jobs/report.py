@@ -527,6 +527,7 @@ def bench_plots(out: Path, records: list[dict[str, Any]], curve: Any, tolerance:
                 base = curve.seconds[i][j][curve.block_sizes.index(1)]
                 a1.plot(curve.block_sizes, [x / base for x in curve.seconds[i][j]], marker=".", label=f"batch {b}, cache {c}")
         a1.set_xscale("log", base=2)
+        a1.set_xticks(curve.block_sizes, [str(q) for q in curve.block_sizes])
         a1.set_xlabel("block size Q (new tokens per pass)")
         a1.set_ylabel("time(Q) / time(1)")
         a1.set_title("cost of one pass")
@@ -536,14 +537,19 @@ def bench_plots(out: Path, records: list[dict[str, Any]], curve: Any, tolerance:
         if pts:
             pred = [r["predicted_speedup"] for r in pts]
             meas = [r["speedup_vs_ar"] for r in pts]
-            hi = max(pred + meas) * 1.1
+            hi = max(pred + meas) * 1.3  # room for the labels
             xs = [0, hi]
             a2.plot(xs, xs, color="gray", lw=1)
             a2.fill_between(xs, [x * (1 - tolerance) for x in xs], [x * (1 + tolerance) for x in xs], color="gray",
                             alpha=0.15, label=f"±{tolerance:.0%}")
+            placed: list[tuple[float, float]] = []
             for r in pts:
-                a2.scatter(r["predicted_speedup"], r["speedup_vs_ar"], s=14)
-                a2.annotate(f"{r['setting']} b{r['batch_size']}", (r["predicted_speedup"], r["speedup_vs_ar"]), fontsize=7)
+                x, y = r["predicted_speedup"], r["speedup_vs_ar"]
+                a2.scatter(x, y, s=14)
+                near = sum(abs(x - px) < 0.03 * hi and abs(y - py) < 0.03 * hi for px, py in placed)
+                placed.append((x, y))
+                a2.annotate(f"{r['setting']} b{r['batch_size']}", (x, y), xytext=(4, 3 - 10 * near),
+                            textcoords="offset points", fontsize=7)  # labels of coinciding points stack
             a2.set_xlim(0, hi)
             a2.set_ylim(0, hi)
             a2.legend()
