@@ -128,7 +128,7 @@ def hbars(ax: Any, labels: list[str], values: list[Optional[float]], xlabel: str
     vals = [v or start for v in values]
     bars = ax.barh(ys, [v - start for v in vals], left=start, color="#4C72B0", height=0.6)
     texts = [fmt(v, digits) + (f"  ({n})" if note else "") for v, n in zip(values, note or [""] * len(values))]
-    ax.bar_label(bars, texts, fontsize=8, padding=3)
+    ax.bar_label(bars, texts, fontsize=8, padding=3, bbox=dict(fc="white", ec="none", pad=0.6))  # readable over lines
     ax.set_yticks(ys, labels)
     ax.set_xlabel(xlabel)
     ax.set_title(title)

@@ -51,8 +51,11 @@ class S3Store:
 
 def start_server() -> tuple[object, str]:
     """(ThreadedMotoServer, endpoint URL) on 127.0.0.1 and a free port."""
+    import logging
+
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
