@@ -33,8 +33,9 @@ from typing import Any, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
+from .report import ALL, bench_plots, fmt, write_bench_report
+
 log = logging.getLogger("esp_batch.bench")
-ALL = "all"
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def load_prompts(cfg: DictConfig, tokenizer: Any) -> tuple[list[Prompt], int]:
     from .sources import open_source
 
     d = cfg.data
-    source = open_source(d.path, d.format, d.split, d.limit)
+    source = open_source(d.path, d.format, d.split, d.limit, cfg.get("storage"))
     norm = RowNormalizer(d.id_column, d.prompt_column, d.params_column, d.category_column, [])
     builder = PromptBuilder(tokenizer, d.chat_template, OmegaConf.to_container(d.chat_template_kwargs))
     prompts, skipped, position = [], 0, 0
@@ -218,179 +219,12 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
     return records
 
 
-# ---- output files ------------------------------------------------------------------------------------
+# ---- output files (report.md and the plots: jobs/report.py) ------------------------------------------
 def write_table(path: Path, records: list[dict[str, Any]]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(records[0]))
         w.writeheader()
         w.writerows(records)
-
-
-def _bc_key(bc: Union[int, str]) -> tuple:
-    """Numbers first, ascending, then auto."""
-    return (1, 0) if bc == "auto" else (0, bc)
-
-
-def _fmt(x: Any, digits: int = 2) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return str(x)
-
-
-def plot_all(out: Path, records: list[dict[str, Any]], curve: Any, tolerance: float) -> list[str]:
-    """PNG plots; returns their file names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = []
-    batch = records[0]["batch_size"]
-    rows = [r for r in records if r["batch_size"] == batch]
-    cats = list(dict.fromkeys(r["category"] for r in rows if r["category"] != ALL)) or [ALL]
-    bcs = sorted({r["block_complexity"] for r in rows if r["method"] != "ar"}, key=_bc_key) or [1]
-    fig, axes = plt.subplots(len(bcs), 1, figsize=(max(6, 1.2 * len(cats) + 4), 3.2 * len(bcs)), squeeze=False)
-    for ax, bc in zip(axes[:, 0], bcs):
-        labels = [lab for lab in dict.fromkeys(r["setting"] for r in rows) if lab == "ar" or lab.endswith(f"BC{bc}")]
-        width = 0.8 / max(1, len(labels))
-        for j, lab in enumerate(labels):
-            tau = {r["category"]: r["tau"] or 0 for r in rows if r["setting"] == lab}
-            ax.bar([i + j * width for i in range(len(cats))], [tau.get(c, 0) for c in cats], width, label=lab)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20, fontsize=8)
-        ax.set_ylabel("tau")
-        ax.set_ylim(0, 1.35 * max([r["tau"] or 1 for r in rows] + [1]))  # room for the legend
-        ax.set_title(f"mean acceptance length by category, BC {bc} (batch {batch})", fontsize=9)
-        ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(out / "tau_by_category.png", dpi=110)
-    plt.close(fig)
-    names.append("tau_by_category.png")
-
-    overall = [r for r in rows if r["category"] == (ALL if len(cats) > 1 else cats[0])]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for fam in dict.fromkeys(Setting(r["method"], 0, r["num_masks"], r["tree"], r["expansion"]).family for r in overall if r["method"] != "ar"):
-        mine = [r for r in overall if r["method"] != "ar" and Setting(r["method"], 0, r["num_masks"], r["tree"], r["expansion"]).family == fam]
-        pts = sorted((r["block_complexity"], r["speedup_vs_ar"] or 0) for r in mine if r["block_complexity"] != "auto")
-        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
-        for r in mine:  # auto: a star at the mean block it chose
-            if r["block_complexity"] == "auto" and r["mean_block_size"]:
-                ax.scatter([r["mean_block_size"]], [r["speedup_vs_ar"] or 0], marker="*", s=120,
-                           color=line[0].get_color() if line else None, label=f"{fam} auto (x = mean block)")
-    ax.axhline(1.0, color="gray", lw=1, ls="--", label="ar")
-    ax.set_xlabel("block complexity (tokens fed per pass)")
-    ax.set_ylabel("speedup over ar (tokens/s)")
-    ax.set_title(f"speedup against block complexity (batch {batch})", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "speedup_vs_bc.png", dpi=110)
-    plt.close(fig)
-    names.append("speedup_vs_bc.png")
-
-    if curve is not None:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-        for i, b in enumerate(curve.batch_sizes):
-            for j, c in enumerate(curve.cache_lens):
-                base = curve.seconds[i][j][curve.block_sizes.index(1)]
-                a1.plot(curve.block_sizes, [x / base for x in curve.seconds[i][j]], marker=".", label=f"batch {b}, cache {c}")
-        a1.set_xscale("log", base=2)
-        a1.set_xlabel("block size Q (new tokens per pass)")
-        a1.set_ylabel("time(Q) / time(1)")
-        a1.set_title("cost of one pass", fontsize=9)
-        a1.legend(fontsize=7)
-        pts = [r for r in records if r["category"] == overall[0]["category"] and r["method"] != "ar"
-               and r["predicted_speedup"] and r["speedup_vs_ar"]]
-        if pts:
-            pred = [r["predicted_speedup"] for r in pts]
-            meas = [r["speedup_vs_ar"] for r in pts]
-            hi = max(pred + meas) * 1.1
-            xs = [0, hi]
-            a2.plot(xs, xs, color="gray", lw=1)
-            a2.fill_between(xs, [x * (1 - tolerance) for x in xs], [x * (1 + tolerance) for x in xs], color="gray",
-                            alpha=0.15, label=f"±{tolerance:.0%}")
-            for r in pts:
-                a2.scatter(r["predicted_speedup"], r["speedup_vs_ar"], s=14)
-                a2.annotate(f"{r['setting']} b{r['batch_size']}", (r["predicted_speedup"], r["speedup_vs_ar"]), fontsize=6)
-            a2.set_xlim(0, hi)
-            a2.set_ylim(0, hi)
-            a2.legend(fontsize=7)
-        a2.set_xlabel("predicted speedup = tau / relative cost")
-        a2.set_ylabel("measured speedup")
-        a2.set_title("prediction from the cost curve", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out / "cost_curve.png", dpi=110)
-        plt.close(fig)
-        names.append("cost_curve.png")
-    return names
-
-
-def write_report(out: Path, cfg: DictConfig, command: str, records: list[dict[str, Any]], curve: Any, plots: list[str],
-                 env: dict[str, Any], skipped: int) -> None:
-    b = cfg.bench
-    cats = list(dict.fromkeys(r["category"] for r in records if r["category"] != ALL))
-    overall = [r for r in records if r["category"] == ALL or len(cats) <= 1]
-    lines = [
-        "# Decoding benchmark", "",
-        f"Command: `{command}`", "",
-        f"Model `{cfg.model.name_or_path}` ({cfg.model.dtype}, {env['device']}), data `{cfg.data.path or 'bundled prompts'}` "
-        f"({overall[0]['num_prompts']} prompts{f', {skipped} rows skipped for errors' if skipped else ''}), "
-        f"{cfg.generation.max_new_tokens} new tokens, temperature {cfg.generation.temperature}, "
-        f"torch {env['torch']} with {env['torch_threads']} thread(s) on {env['machine']}; {b.warmup} warm-up prompt(s) per "
-        f"setting, {b.repeats} timed repeat(s) per setting run round-robin (median time). tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
-        "exact match are against `ar` in the same run.", "",
-        "## All prompts", "",
-        "| setting | batch | tau | accepted/pass | 1-1/tau | tokens fed/pass | tokens/s | speedup | predicted | "
-        "host overhead | exact match |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in overall:
-        lines.append(
-            f"| {r['setting']} | {r['batch_size']} | {_fmt(r['tau'])} | {_fmt(r['accepted_per_pass'])} | "
-            f"{_fmt(r['calls_saved'])} | {_fmt(r['mean_block_size'], 1)} | {_fmt(r['tokens_per_s'], 1)} | "
-            f"{_fmt(r['speedup_vs_ar'])} | {_fmt(r['predicted_speedup'])} | {_fmt(r['host_overhead'])} | "
-            f"{_fmt(r['exact_match_rate'])} |"
-        )
-    auto = [r for r in overall if r["block_complexity"] == "auto"]
-    if auto:
-        lines += ["", "## Block sizes chosen by block_complexity=auto", "",
-                  "Tokens fed per sequence per pass : number of passes (1 = plain decoding).", "",
-                  "| setting | batch | block sizes |", "|---|---|---|"]
-        lines += [f"| {r['setting']} | {r['batch_size']} | {r['block_sizes']} |" for r in auto]
-    if cats:
-        lines += ["", "## tau by category", "", "| setting | batch | " + " | ".join(cats) + " |",
-                  "|---|---|" + "---|" * len(cats)]
-        keys = list(dict.fromkeys((r["setting"], r["batch_size"]) for r in records))
-        for lab, bs in keys:
-            tau = {r["category"]: r["tau"] for r in records if r["setting"] == lab and r["batch_size"] == bs}
-            lines.append(f"| {lab} | {bs} | " + " | ".join(_fmt(tau.get(c)) for c in cats) + " |")
-    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    if curve is not None:
-        off = [r for r in overall if r["within_tolerance"] is False]
-        lines += [
-            "", "## Cost curve and predicted speedup", "",
-            f"One pass (forward + LM head over Q new tokens) was timed at batch {curve.batch_sizes}, cache lengths "
-            f"{curve.cache_lens} and Q = {curve.block_sizes} (median of {b.cost_repeats}); see cost_curve.csv. "
-            "Predicted speedup = tau / (time(Q) / time(1)) at the run's mean tokens fed per pass, batch size and "
-            "mean cache length. Stated tolerance: measured within "
-            f"±{b.tolerance:.0%} of predicted.", "",
-        ]
-        if off:
-            lines.append(
-                "Outside the tolerance: " + ", ".join(f"{r['setting']} (batch {r['batch_size']}: measured "
-                f"{_fmt(r['speedup_vs_ar'])} vs {_fmt(r['predicted_speedup'])})" for r in off) + ". "
-                "The prediction counts only model time. What it leaves out shows in the `host overhead` column "
-                "(share of decode time spent outside the model: building trees, n-gram and logit-store lookups, "
-                "verification, KV bookkeeping in Python). On a small model each forward takes milliseconds, so "
-                "this overhead is a large share and measured speedups fall below the prediction; the prefill "
-                "and warm-cache effects between settings add a few percent either way."
-            )
-        else:
-            lines.append("Every setting is within the tolerance.")
-    lines.append("")
-    (out / "report.md").write_text("\n".join(lines))
 
 
 def default_output_dir(cfg: DictConfig) -> str:
@@ -445,14 +279,14 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
             recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance)
             records += recs
             top = recs[-1]
-            log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s, exact %s", s.label, batch, _fmt(top["tau"]),
-                     _fmt(top["tokens_per_s"], 1), _fmt(top["speedup_vs_ar"]), _fmt(top["exact_match_rate"]))
+            log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s, exact %s", s.label, batch, fmt(top["tau"]),
+                     fmt(top["tokens_per_s"], 1), fmt(top["speedup_vs_ar"]), fmt(top["exact_match_rate"]))
     (out / "bench.json").write_text(json.dumps(records, indent=1))
     write_table(out / "bench.csv", records)
-    plots = plot_all(out, records, curve, b.tolerance)
+    plots = bench_plots(out, records, curve, b.tolerance)
     env = dict(device=str(loaded.device), torch=torch.__version__, torch_threads=torch.get_num_threads(),
                machine=f"{platform.machine()} {platform.processor() or platform.system()}")
-    write_report(out, cfg, command, records, curve, plots, env, skipped)
+    write_bench_report(out, cfg, command, records, curve, plots, env, skipped)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return out
 

@@ -1,4 +1,4 @@
-"""The `esp-batch` console script: `esp-batch generate [CONFIG.yaml] [key=value ...]`."""
+"""The `esp-batch` console script: `esp-batch generate [CONFIG.yaml] [key=value ...]`, `esp-batch report DIR`."""
 from __future__ import annotations
 
 import sys
@@ -10,9 +10,38 @@ usage: esp-batch <command> [args]
 commands:
   generate [CONFIG.yaml] [key=value ...] [--print-config]
             run or resume a generation job (same as python -m jobs.generate)
+  report OUTPUT_DIR [storage.endpoint=URL] [storage.region=R] [storage.anonymous=true]
+            (re)write OUTPUT_DIR/_report/report.md and its PNG plots from the Parquet parts and
+            _summary.json alone; OUTPUT_DIR is a local path or a URI (s3://, gs://, hdfs://, file://)
 
 run `esp-batch generate --help` for the options.
 """
+REPORT_KEYS = ("endpoint", "region", "anonymous")
+
+
+def report(args: list[str]) -> int:
+    """`esp-batch report OUTPUT_DIR [storage.key=value ...]`: exit 0 written, 2 bad arguments or no parts."""
+    from .report import write_job_report
+    from .storage import StorageConfig, StorageError
+
+    if len(args) < 1 or args[0].startswith("-") or "=" in args[0]:
+        sys.stderr.write(f"esp-batch report: error: expected OUTPUT_DIR\n{USAGE}")
+        return 2
+    storage = StorageConfig()
+    for item in args[1:]:
+        key, _, value = item.partition("=")
+        name = key.removeprefix("storage.")
+        if not _ or name not in REPORT_KEYS:
+            sys.stderr.write(f"esp-batch report: error: unknown argument {item!r}; expected storage.{{{','.join(REPORT_KEYS)}}}=...\n")
+            return 2
+        setattr(storage, name, value.lower() in ("1", "true", "yes") if name == "anonymous" else value)
+    try:
+        out = write_job_report(args[0], storage)
+    except (StorageError, ValueError, OSError) as exc:
+        sys.stderr.write(f"esp-batch report: error: {str(exc).strip().splitlines()[0]}\n")
+        return 2
+    print(out.path)
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -20,6 +49,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)
         return 0 if args else 2
+    if args[0] == "report":
+        return report(args[1:])
     if args[0] != "generate":
         sys.stderr.write(f"esp-batch: error: unknown command {args[0]!r}\n{USAGE}")
         return 2

@@ -26,6 +26,30 @@ BASE_FIELDS = [
 ]
 CATEGORY = "category"
 
+# A short description of each column, stored in the Parquet schema (field metadata key b"description")
+# so that a reader of the files alone can tell what each column means.
+DESCRIPTIONS = {
+    "id": "row id from the input's id column (as a string), or row-<position>-<hash of input> when absent",
+    "generated_text": "the generated answer; for a multi-turn (turns) input, the last turn's answer",
+    "generated_turns": "multi-turn input: every turn's answer in order; null otherwise",
+    "generated_token_ids": "token ids of the generated text (all turns concatenated)",
+    "num_prompt_tokens": "tokens in the prompt after the chat template (summed over turns)",
+    "num_generated_tokens": "tokens generated (summed over turns)",
+    "finish_reason": "stop (EOS or stop string) | length (max_new_tokens) | context (model context full); null on error",
+    "method": "decoding method: ar | esp | pld | stand | lade",
+    "num_decode_passes": "model forward passes after the prefill",
+    "num_decode_tokens": "tokens committed by decode passes (bonus included, prefill's first token not): tau's numerator",
+    "num_drafted_tokens": "draft tokens fed to the model for verification",
+    "num_accepted_drafts": "draft tokens accepted by verification",
+    "accepted_per_depth": "[d] = decode passes whose accepted draft path reached depth d+1",
+    "committed_histogram": "[n] = decode passes that committed n tokens",
+    "tau": "mean acceptance length: num_decode_tokens / num_decode_passes; null without decode passes",
+    "time_s": "seconds from the request's admission to its finish (rows share the engine's batches)",
+    "error": "one-line error message; null when the row was generated",
+    CATEGORY: "the input's category column (data.category_column), used for per-category statistics",
+}
+DESCRIPTION_KEY = b"description"
+
 
 def carry_types(names: list[str], schema: Optional[pa.Schema], sample: list[dict[str, Any]]) -> dict[str, pa.DataType]:
     """Arrow type of each carried column: from the input schema when it has one, else inferred from
@@ -43,10 +67,31 @@ def carry_types(names: list[str], schema: Optional[pa.Schema], sample: list[dict
     return types
 
 
+def describe(schema: pa.Schema, carried: Optional[list[str]] = None) -> pa.Schema:
+    """`schema` with a short description of each column in its field metadata (b"description"); carried
+    input columns (any column not in DESCRIPTIONS, or those named in `carried`) say so. Other metadata is kept.
+
+    >>> describe(pa.schema([pa.field("tau", pa.float64())])).field("tau").metadata[b"description"][:24]
+    b'mean acceptance length: '
+    """
+    fields = []
+    for f in schema:
+        text = DESCRIPTIONS.get(f.name) if f.name not in (carried or []) else None
+        text = text or f"copied from the input column {f.name!r} (data.carry_columns)"
+        fields.append(f.with_metadata({**(f.metadata or {}), DESCRIPTION_KEY: text.encode()}))
+    return pa.schema(fields, metadata=schema.metadata)
+
+
+def descriptions(schema: pa.Schema) -> dict[str, str]:
+    """{column: description} read back from a schema (e.g. `pq.read_schema(part)`); "" where none."""
+    return {f.name: (f.metadata or {}).get(DESCRIPTION_KEY, b"").decode() for f in schema}
+
+
 def output_schema(has_category: bool, carry: dict[str, pa.DataType]) -> pa.Schema:
+    """The output schema, every column described (see `describe`)."""
     extra = [pa.field(CATEGORY, pa.string())] if has_category else []
     extra += [pa.field(name, typ) for name, typ in carry.items() if name not in (CATEGORY, *(f.name for f in BASE_FIELDS))]
-    return pa.schema(BASE_FIELDS + extra)
+    return describe(pa.schema(BASE_FIELDS + extra), carried=[n for n in carry if n != CATEGORY])
 
 
 def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
