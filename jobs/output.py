@@ -4,6 +4,7 @@ the summary.
     <output.dir>/part-000000.parquet ...   data (one dataset for pyarrow / pandas / DuckDB / Spark)
     <output.dir>/_job.json                 config + hash of the job that owns the directory
     <output.dir>/_summary.json             totals, completeness check, and one record per run
+    <output.dir>/_report/                  report.md + PNG plots (jobs.report)
     <output.dir>/_faults/                  fault-injection markers (tests only)
 
 Visibility: on a local (or HDFS) filesystem a part is written as `.part-NNNNNN.<random>.tmp` and renamed
@@ -32,6 +33,7 @@ from .storage import StorageError, join, resolve
 MANIFEST = "_job.json"
 SUMMARY = "_summary.json"
 FAULTS = "_faults"
+REPORT_DIR = "_report"  # report.md + PNGs (jobs.report)
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 META_KEY = b"esp_batch"
 
@@ -126,8 +128,9 @@ class OutputDir:
             if (shard_of(name) is not None or (name.startswith(f".{PART_PREFIX}") and name.endswith(".tmp"))
                     or name in (MANIFEST, SUMMARY)):
                 self.fs.delete_file(info.path)
-        if self.fs.get_file_info(self.file(FAULTS)).type == pafs.FileType.Directory:
-            self.fs.delete_dir(self.file(FAULTS))
+        for sub in (FAULTS, REPORT_DIR):
+            if self.fs.get_file_info(self.file(sub)).type == pafs.FileType.Directory:
+                self.fs.delete_dir(self.file(sub))
 
     # ---- parts ---------------------------------------------------------------------------------------
     def _listing(self) -> list[pafs.FileInfo]:

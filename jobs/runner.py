@@ -311,7 +311,7 @@ def run_job(cfg: DictConfig) -> JobResult:
     _preflight(cfg)
     out = OutputDir(cfg.output.dir or default_output_dir(cfg, chash), cfg.storage)
     try:
-        source = open_source(cfg.data.path, cfg.data.format, cfg.data.split, cfg.data.limit)
+        source = open_source(cfg.data.path, cfg.data.format, cfg.data.split, cfg.data.limit, cfg.storage)
         schema = _plan_schema(cfg, source)
         total_rows = source.num_rows()
     except SourceError as exc:
@@ -367,6 +367,7 @@ def run_job(cfg: DictConfig) -> JobResult:
         run["stale_parts_removed"] = _remove_stale_parts(out, plan)
         check = _check_ids(out, normalizer.seen)
         result = _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check)
+        _write_report(out, cfg)
         if not check["complete"]:
             raise JobError(f"output check failed: {check['problem']}; see {out.file(SUMMARY)}")
         return result
@@ -375,6 +376,17 @@ def run_job(cfg: DictConfig) -> JobResult:
             _stop_actors(actors, pg)
         if started:
             ray.shutdown()
+
+
+def _write_report(out: OutputDir, cfg: DictConfig) -> None:
+    """report.md + PNGs in <output.dir>/_report; a plotting failure never fails a finished job."""
+    from .report import write_job_report
+
+    try:
+        rep = write_job_report(out.location if out.location != out.path else out.path, cfg.storage)
+        log.info("report: %s", rep.path)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not write the report: %s", _first_line(exc))
 
 
 def _remove_stale_parts(out: OutputDir, plan: _Plan) -> int:

@@ -20,6 +20,7 @@ BASE_FIELDS = [
     pa.field("num_drafted_tokens", pa.int64()),
     pa.field("num_accepted_drafts", pa.int64()),
     pa.field("accepted_per_depth", pa.list_(pa.int32())),  # [depth] passes whose accepted path reached depth+1
+    pa.field("committed_histogram", pa.list_(pa.int32())),  # [n] decode passes that committed n tokens
     pa.field("tau", pa.float64()),  # mean tokens committed per decode pass; null without decode passes
     pa.field("time_s", pa.float64()),  # seconds from the request's admission to its finish
     pa.field("error", pa.string()),  # null when fine
