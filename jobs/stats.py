@@ -17,7 +17,8 @@ COLUMNS = ["error", "num_prompt_tokens", "num_generated_tokens", "num_decode_tok
 
 
 def _sum(table: pa.Table, name: str) -> int:
-    return int(pc.sum(table[name]).as_py() or 0)
+    """Sum of a counter column; 0 when a part lacks it (a part the job did not write)."""
+    return int(pc.sum(table[name]).as_py() or 0) if name in table.column_names else 0
 
 
 @dataclass
@@ -34,12 +35,13 @@ class Totals:
     def add(self, table: pa.Table) -> None:
         """Add a table holding at least COLUMNS (and `category` when the job has one)."""
         self.rows += table.num_rows
-        self.errors += table.num_rows - table["error"].null_count
+        if "error" in table.column_names:
+            self.errors += table.num_rows - table["error"].null_count
         self.prompt_tokens += _sum(table, "num_prompt_tokens")
         self.generated_tokens += _sum(table, "num_generated_tokens")
         self.decode_tokens += _sum(table, "num_decode_tokens")
         self.decode_passes += _sum(table, "num_decode_passes")
-        if CATEGORY not in table.column_names:
+        if not {CATEGORY, "num_decode_tokens", "num_decode_passes"} <= set(table.column_names):
             return
         for cat, tokens, passes in zip(
             table[CATEGORY].to_pylist(), table["num_decode_tokens"].to_pylist(), table["num_decode_passes"].to_pylist()
