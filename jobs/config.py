@@ -84,6 +84,8 @@ class OutputConfig:
     overwrite: bool = False  # true: delete this job's files in dir and start over
     compression: str = "zstd"
     progress_interval_s: float = 10.0  # seconds between progress lines when stderr is not a terminal
+    # hive partitioning of the parts by output columns, e.g. [category]: <dir>/category=code/part-000000.parquet
+    partition_by: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -4,7 +4,7 @@ Runs, on the same rows (dev prompts repeated to `--rows`, each with its own `max
 `--min-new` and `--max-new` through the params column):
   - engine:     the engine in this process, `Engine.generate_iter` over every row, batch `--batch`;
   - job s=N:    the Ray job (`jobs.runner.run_job`), one actor, shard size N (8 and the default);
-  - job 2 act.: the same job on two actors.
+  - job 2 act.: the same job on two actors (at the smallest shard size, so both actors get shards).
 Each actor and this process use one torch thread. Job figures are generation tokens/s from the job's
 summary (engines ready -> last part written: Ray and model start-up excluded). Settings run round-robin,
 `--repeats` times; medians are reported with ratios to the engine and to one actor.
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [DataConfig.shard_size if s == "default" else int(s) for s in ns.shard_sizes.split(",")]
     settings: list[tuple[str, Any]] = [("engine (1 process)", None)]
     settings += [(f"job, 1 actor, shard_size={s}", (s, 1)) for s in sizes]
-    settings += [(f"job, 2 actors, shard_size={sizes[-1]}", (sizes[-1], 2))]
+    # two actors need at least two shards: compare at the smallest shard size
+    settings += [(f"job, 2 actors, shard_size={sizes[0]}", (sizes[0], 2))]
     results: dict[str, list[float]] = {name: [] for name, _ in settings}
     batches: dict[str, list[float]] = {name: [] for name, _ in settings}
     tokens = {}
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{rep + 1}/{ns.repeats}] {name}: {rate:.1f} tok/s ({n} tokens)", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     eng = med[settings[0][0]]
-    one = med[settings[-2][0]]
+    one = med[settings[1][0]]  # one actor at the same shard size as the two-actor row
     lines = [
         f"model `{Path(ns.model).name}`, {ns.rows} rows, max_new_tokens per row {ns.min_new}-{ns.max_new}, `ar`, "
         f"engine.max_batch_size={ns.batch}, one torch thread per process, median of {ns.repeats}",

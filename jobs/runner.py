@@ -94,6 +94,20 @@ def _preflight(cfg: DictConfig) -> None:
         )
 
 
+def _check_partitioning(cfg: DictConfig, schema: Any) -> None:
+    """output.partition_by names output columns of a scalar type (not the id)."""
+    import pyarrow as pa
+
+    for name in cfg.output.partition_by:
+        if name not in schema.names or name == "id":
+            raise ConfigError(f"output.partition_by: {name!r} is not a column the output can be partitioned by "
+                              f"(choose from: {', '.join(n for n in schema.names if n != 'id')})")
+        typ = schema.field(name).type
+        if not (pa.types.is_string(typ) or pa.types.is_integer(typ) or pa.types.is_boolean(typ)):
+            raise ConfigError(f"output.partition_by: column {name!r} has type {typ}; partition by a string, "
+                              "integer or boolean column")
+
+
 def _worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
     g = cfg.generation
     return WorkerSpec(
@@ -309,10 +323,11 @@ def run_job(cfg: DictConfig) -> JobResult:
     t_start = time.monotonic()
     chash = config_hash(cfg)
     _preflight(cfg)
-    out = OutputDir(cfg.output.dir or default_output_dir(cfg, chash), cfg.storage)
+    out = OutputDir(cfg.output.dir or default_output_dir(cfg, chash), cfg.storage, tuple(cfg.output.partition_by))
     try:
         source = open_source(cfg.data.path, cfg.data.format, cfg.data.split, cfg.data.limit, cfg.storage)
         schema = _plan_schema(cfg, source)
+        _check_partitioning(cfg, schema)
         total_rows = source.num_rows()
     except SourceError as exc:
         raise ConfigError(str(exc)) from None
