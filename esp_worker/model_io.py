@@ -232,9 +232,12 @@ class ModelRunner:
         self.mask_min = torch.finfo(loaded.dtype).min
         self.sliding_window = sliding_window(self.model.config)  # None = full attention
         self.model_s = 0.0  # wall seconds inside forward() and logits(): model compute, for host-overhead accounting
+        # wait for the device after each call so model_s is true model time (CUDA only; turn off to keep a
+        # pass free of synchronisations, e.g. under torch.cuda.set_sync_debug_mode("error"))
+        self.timed = True
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
+        if self.timed and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -246,18 +249,16 @@ class ModelRunner:
     def forward(
         self,
         inputs_embeds: torch.Tensor,  # [B, Q, D]
-        visible: torch.Tensor,  # [B, Q, S + Q] bool: query may attend to key
+        bias: torch.Tensor,  # [B, 1, Q, S] additive attention bias (inputs.attention_bias)
         position_ids: torch.Tensor,  # [B, Q]
-        cache: Any,  # DynamicCache holding S slots per row
+        cache: Any,  # kv_cache.KVCache, planned for this forward (rows, write slots, S)
     ) -> torch.Tensor:
-        """Returns hidden states [B, Q, D]; the cache grows by Q slots per row."""
-        assert inputs_embeds.ndim == 3 and visible.ndim == 3 and position_ids.ndim == 2
+        """Returns hidden states [B, Q, D]; the cache holds the block's keys and values where it was planned."""
+        assert inputs_embeds.ndim == 3 and bias.ndim == 4 and position_ids.ndim == 2
         t0 = time.perf_counter()
-        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        bias.masked_fill_(~visible, self.mask_min)
         out = self.base(
             inputs_embeds=inputs_embeds,
-            attention_mask=bias[:, None],
+            attention_mask=bias,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,

@@ -34,6 +34,11 @@ class DraftTree:
     def num_slots(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def path_in_place(self) -> bool:
+        """Root-only trees and chains: the accepted path is slots 0, 1, 2, ... (no KV slot ever moves)."""
+        return self.static_key is not None and self.static_key[0] in ("root", "chain")
+
     @staticmethod
     def root_only(root_tokens: torch.Tensor) -> "DraftTree":
         # root_tokens: [B]
@@ -75,6 +80,7 @@ class BlockLayout:
     depth: torch.Tensor
     num_slots: int
     num_masks: int
+    max_depth: Optional[int] = None  # deepest slot (host int), filled in for cached static layouts
 
 
 def block_layout(parents: torch.Tensor, num_masks: int) -> BlockLayout:

@@ -33,7 +33,8 @@ def verify(
     max_depth: int,
     choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],  # (logits [B, V], active [B]) -> tokens [B]
 ) -> VerifyResult:
-    """Greedy or sampled verification, vectorised over the batch; loops over depth only (<= max_depth + 1)."""
+    """Greedy or sampled verification, vectorised over the batch; loops over depth only (max_depth + 1 steps,
+    with no early exit: finding that every row stopped would need a device read)."""
     b = slot_logits.shape[0]
     dev = slot_logits.device
     rows = torch.arange(b, device=dev)
@@ -50,8 +51,6 @@ def verify(
         found = is_child.any(-1) & active
         cur = torch.where(found, is_child.long().argmax(-1), cur)
         active = found
-        if max_depth and not bool(active.any()):
-            break
     return VerifyResult(
         committed=torch.stack(committed, 1),
         num_committed=num,

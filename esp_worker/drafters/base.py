@@ -23,7 +23,7 @@ class Block:
     layout: BlockLayout  # visible [B|1, Q, Q], rel_pos [B|1, Q]
     # [B, A, D] input embeddings placed after the tree slots (ESP: T * k mask tokens); None when A = 0
     aux_embeds: Optional[torch.Tensor]
-    max_depth: int  # deepest node in any row's tree
+    max_depth: int  # deepest node in any row's tree, or an upper bound on it (host int: no device read)
 
 
 @dataclass
@@ -111,13 +111,16 @@ class Drafter(ABC):
         lay = self._layouts.get(key)
         if lay is None:
             lay = block_layout(tree.parents[:1], num_masks)
+            lay.max_depth = int(lay.depth.max())  # once per static shape
             self._layouts[key] = lay
         return lay
 
     def block(self, tree: DraftTree, aux_embeds: Optional[torch.Tensor] = None, max_depth: Optional[int] = None) -> Block:
         """A block of `tree` followed by this drafter's masks (when aux_embeds holds them, T * k inputs)."""
         lay = self.layout_for(tree, self.num_masks if aux_embeds is not None else 0)
-        depth = int(lay.depth.max()) if max_depth is None else max_depth
+        if max_depth is None:
+            max_depth = lay.max_depth if lay.max_depth is not None else int(lay.depth.max())
+        depth = max_depth
         return Block(tree=tree, layout=lay, aux_embeds=aux_embeds, max_depth=depth)
 
 
