@@ -111,16 +111,17 @@ class Drafter(ABC):
         lay = self._layouts.get(key)
         if lay is None:
             lay = block_layout(tree.parents[:1], num_masks)
-            lay.max_depth = int(lay.depth.max())  # once per static shape
             self._layouts[key] = lay
         return lay
 
     def block(self, tree: DraftTree, aux_embeds: Optional[torch.Tensor] = None, max_depth: Optional[int] = None) -> Block:
         """A block of `tree` followed by this drafter's masks (when aux_embeds holds them, T * k inputs)."""
         lay = self.layout_for(tree, self.num_masks if aux_embeds is not None else 0)
-        if max_depth is None:
-            max_depth = lay.max_depth if lay.max_depth is not None else int(lay.depth.max())
-        depth = max_depth
+        if max_depth is None and lay.max_depth is None:
+            max_depth = int(lay.depth.max())  # a device read; cached for static shapes (once per shape)
+            if tree.static_key is not None:
+                lay.max_depth = max_depth
+        depth = lay.max_depth if max_depth is None else max_depth
         return Block(tree=tree, layout=lay, aux_embeds=aux_embeds, max_depth=depth)
 
 

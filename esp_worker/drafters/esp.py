@@ -170,23 +170,24 @@ class ESPDrafter(Drafter):
         n = self.num_nodes if num_nodes is None else num_nodes
         if n < 0:
             return self.block(DraftTree.root_only(view.root), None, max_depth=0)
+        # depth: the tree's depth (static shapes) or a bound on it (a dynamic tree is never deeper than k),
+        # known on the host so that no pass reads it from the device
         if n == 0:
-            tree = DraftTree.root_only(view.root)
+            tree, depth = DraftTree.root_only(view.root), 0
         elif self.num_masks == 1:
             # one mask: Algorithm 1 keeps the n most probable depth-1 candidates, which is the static tree [n]
-            tree = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], [n])
+            tree, depth = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], [n]), 1
         elif self.tree_mode == "static":
             branches = self.branches if n == self.num_nodes else static_branches((self.num_masks + 1) * (n + 1), self.num_masks)
-            tree = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], branches)
+            tree, depth = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], branches), len(branches)
         else:
-            tree = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"], n)
+            tree, depth = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"], n), min(self.num_masks, n)
         tree.valid &= st["has_probe"][:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0)
         if self._lag:
             self._catch_up(view, self._lag)  # after plain passes m still owes their tokens
             self._lag = 0
         aux = self._mask_embeds(st["m"], tree.num_slots)
-        # a dynamic tree is never deeper than k: that bound spares a device read of its depth
-        return self.block(tree, aux, max_depth=None if tree.static_key else min(self.num_masks, n))
+        return self.block(tree, aux, max_depth=depth)
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:
         """[B, max_nodes] probe probability of each node of the largest tree, best first (0 without a probe).
