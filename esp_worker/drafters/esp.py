@@ -114,8 +114,7 @@ class ESPDrafter(Drafter):
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         st = view.state
-        # host bound on the tokens this pass committed per row (prefill: 1)
-        committed = 1 if result.block is None else result.block.max_depth + 1
+        committed = result.committed.shape[1]  # host bound on the tokens this pass committed per row
         if result.mask_hidden is not None:
             lp = torch.log_softmax(self.logits(result.mask_hidden), dim=-1)  # [B, k, V]
             top = lp.topk(min(self.num_cand, lp.shape[-1]), dim=-1)
