@@ -75,6 +75,9 @@ def verify_greedy(
     b, t = tree.tokens.shape
     dev = slot_logits.device
     target = slot_logits.argmax(-1)  # [B, T]
+    if t == 1:  # plain decoding: the argmax at the root is the bonus
+        zeros = torch.zeros((b, 1), dtype=torch.long, device=dev)
+        return VerifyResult(committed=target, num_committed=zeros[:, 0] + 1, path_slots=zeros, last_slot=zeros[:, 0])
     correct = (tree.tokens == target.gather(1, tree.parents.clamp(min=0))) & tree.valid
     correct[:, 0] = True
     accepted = ~(ancestors & ~correct[:, None, :]).any(-1)  # [B, T]: every node on the path is correct

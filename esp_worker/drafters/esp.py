@@ -181,7 +181,7 @@ class ESPDrafter(Drafter):
             tree, depth = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], branches), len(branches)
         else:
             tree, depth = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"], n), min(self.num_masks, n)
-        tree.valid &= st["has_probe"][:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0)
+        tree.valid = tree.valid & (st["has_probe"][:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0))
         if self._lag:
             self._catch_up(view, self._lag)  # after plain passes m still owes their tokens
             self._lag = 0
