@@ -181,6 +181,20 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**first, "seconds": seconds}
 
 
+def token_mismatch_rate(outputs: list[list[int]], references: list[list[int]]) -> Optional[float]:
+    """Divergences per compared token: each output is compared with its reference up to and including the first
+    token that differs (a divergence) or to the shorter end; later tokens are not comparable.
+
+    Example: [1, 2, 3] vs [1, 2, 4] and [5, 6] vs [5, 6] -> 1 divergence in 3 + 2 tokens = 0.2."""
+    diverged, compared = 0, 0
+    for out, ref in zip(outputs, references):
+        n = min(len(out), len(ref))
+        first = next((i for i in range(n) if out[i] != ref[i]), None)
+        diverged += first is not None
+        compared += n if first is None else first + 1
+    return diverged / compared if compared else None
+
+
 def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any], prompts: list[Prompt],
               curve: Any, max_new_tokens: int, tolerance: float, hf_run: Optional[dict[str, Any]] = None
               ) -> list[dict[str, Any]]:
@@ -212,6 +226,7 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
         fed = sum(q * n for q, n in st.block_size_histogram.items())
         block = fed / st.num_decode_passes if st.num_decode_passes else None
         exact = sum(o.token_ids == ar_run["outputs"][p.id].token_ids for o, p in zip(outs, ps)) / len(ps)
+        mismatch = token_mismatch_rate([o.token_ids for o in outs], [ar_run["outputs"][p.id].token_ids for p in ps])
         rec = dict(
             method=s.method, setting=s.label, block_complexity=s.block_complexity, num_masks=s.num_masks,
             tree=s.tree, expansion=s.expansion, batch_size=batch, category=cat, num_prompts=len(ps), num_generated_tokens=tokens,
@@ -220,6 +235,7 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
             calls_saved=(1 - 1 / tau if tau else None), mean_block_size=block, time_s=secs, tokens_per_s=tps,
             speedup_vs_ar=(tps / ar_tps[cat] if tps and ar_tps[cat] else None),
             speedup_vs_hf=(tps / hf_tps if tps and hf_tps else None), exact_match_rate=exact,
+            token_mismatch_rate=mismatch,
             errors=sum(o.error is not None for o in outs),
             # tokens fed per sequence per pass -> passes (shows what block_complexity=auto chose)
             block_sizes=" ".join(f"{q}:{n}" for q, n in sorted(st.block_size_histogram.items())),
@@ -368,8 +384,8 @@ def write_report(out: Path, cfg: DictConfig, command: str, records: list[dict[st
         "exact match are against `ar` in the same run.", "",
         "## All prompts", "",
         "| setting | batch | tau | accepted/pass | 1-1/tau | tokens fed/pass | tokens/s | speedup | vs hf | predicted | "
-        "host overhead | KV cache MB (vs ar) | exact match |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "host overhead | KV cache MB (vs ar) | exact match | token mismatch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in overall:
         mem = f"{_fmt(r['peak_cache_mb'], 1)} ({_fmt(r['cache_vs_ar'])})" if r["peak_cache_mb"] else "-"
@@ -377,7 +393,7 @@ def write_report(out: Path, cfg: DictConfig, command: str, records: list[dict[st
             f"| {r['setting']} | {r['batch_size']} | {_fmt(r['tau'])} | {_fmt(r['accepted_per_pass'])} | "
             f"{_fmt(r['calls_saved'])} | {_fmt(r['mean_block_size'], 1)} | {_fmt(r['tokens_per_s'], 1)} | "
             f"{_fmt(r['speedup_vs_ar'])} | {_fmt(r['speedup_vs_hf'])} | {_fmt(r['predicted_speedup'])} | "
-            f"{_fmt(r['host_overhead'])} | {mem} | {_fmt(r['exact_match_rate'])} |"
+            f"{_fmt(r['host_overhead'])} | {mem} | {_fmt(r['exact_match_rate'])} | {_fmt(r['token_mismatch_rate'], 4)} |"
         )
     auto = [r for r in overall if r["block_complexity"] == "auto"]
     if auto:

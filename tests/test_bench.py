@@ -91,3 +91,10 @@ def test_cost_curve_interpolation(batch, block, cache, expected):
 def test_predict_speedup():
     curve = CostCurve([1], [100], [1, 16], [[[0.01, 0.016]]])
     assert predict_speedup(2.0, 16, curve) == pytest.approx(1.25)
+
+
+def test_token_mismatch_rate():
+    from jobs.bench import token_mismatch_rate
+
+    assert token_mismatch_rate([[1, 2, 3], [5, 6]], [[1, 2, 4], [5, 6]]) == pytest.approx(0.2)
+    assert token_mismatch_rate([[1, 2]], [[1, 2, 3]]) == 0.0
