@@ -14,7 +14,9 @@ ATTN_IMPLS = ("sdpa", "eager")
 
 @dataclass
 class ModelConfig:
-    # Local path, hub id, or "tiny-random-<arch>" (llama | qwen2 | qwen3 | mistral) for offline demos/tests.
+    # Local path, hub id, "tiny-random-<arch>" (llama | qwen2 | qwen3 | mistral) for offline demos/tests, or
+    # "random:<shape>" (llama-1b | llama-3b | llama-8b | qwen3-1.7b | qwen3-8b | path/to/config.json): real-size
+    # architecture, random weights, offline (throughput and cost curves only).
     name_or_path: str = "tiny-random-llama"
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
     device: str = "auto"  # cpu | cuda | cuda:N | auto

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import kv_cache
+from .inputs import attention_bias
 from .model_io import ModelRunner
 
 
@@ -123,7 +124,7 @@ def measure_cost_curve(
     """Time one pass of Q new tokens (causal among themselves, seeing the whole cache) on every grid point.
 
     For each (batch, cache length) a cache is filled once by a prefill of token-id-0 inputs; every timed
-    pass appends Q tokens and is then truncated back, so all passes see the same cache. Each point is the
+    pass writes Q tokens at slots s .. s+Q-1 (overwritten by the next), so all passes see the same cache. Each point is the
     median of `repeats` passes after `warmup` untimed ones. Block sizes must include 1 (the baseline).
     """
     if 1 not in block_sizes:
@@ -137,29 +138,31 @@ def measure_cost_curve(
     for b in batch_sizes:
         per_cache = []
         for s in cache_lens:
-            cache = kv_cache.new_cache()
+            cache = kv_cache.new_cache(runner.model.config.get_text_config().num_hidden_layers)
+            cache.reserve(b, s + block_sizes[-1])
+            cache.add_rows(b)
             ids = torch.zeros((b, s), dtype=torch.long, device=dev)
             pos = torch.arange(s, device=dev)[None].expand(b, -1)
-            causal = torch.ones((s, s), dtype=torch.bool, device=dev).tril()[None].expand(b, -1, -1)
-            runner.forward(runner.embed_ids(ids), causal, pos, cache)
+            causal = torch.ones((s, s), dtype=torch.bool, device=dev).tril()[None]
+            cache.plan(0, b, s, 0)
+            runner.forward(runner.embed_ids(ids), attention_bias(causal, None, pos, s, runner.dtype), pos, cache)
             per_block = []
             for q in block_sizes:
                 new = torch.zeros((b, q), dtype=torch.long, device=dev)
-                visible = torch.cat(
-                    [torch.ones((b, q, s), dtype=torch.bool, device=dev),
-                     torch.ones((q, q), dtype=torch.bool, device=dev).tril()[None].expand(b, -1, -1)], -1
-                )
                 qpos = (s + torch.arange(q, device=dev))[None].expand(b, -1)
+                in_block = torch.ones((q, q), dtype=torch.bool, device=dev).tril()[None]
+                cache_len = torch.full((b,), s, dtype=torch.long, device=dev)
                 times = []
                 for i in range(warmup + repeats):
                     _sync(dev)
                     t0 = time.perf_counter()
-                    hidden = runner.forward(runner.embed_ids(new), visible, qpos, cache)
+                    cache.plan(0, b, s + q, s)  # the block overwrites slots s .. s+q-1 every time
+                    bias = attention_bias(in_block, cache_len, qpos, s + q, runner.dtype)
+                    hidden = runner.forward(runner.embed_ids(new), bias, qpos, cache)
                     runner.logits(hidden)
                     _sync(dev)
                     if i >= warmup:
                         times.append(time.perf_counter() - t0)
-                    kv_cache.truncate(cache, s)
                 per_block.append(statistics.median(times))
             per_cache.append(per_block)
         seconds.append(per_cache)

@@ -1,90 +1,36 @@
-"""The generation loop: prefill -> (propose -> forward -> verify -> keep -> observe)* over a batch of rows.
+"""The generation loop: prefill -> (propose -> forward -> verify -> keep -> commit -> observe -> count)* over a
+batch of rows.
 
 Each row has its own cache length, mask vector / drafter state, sampling stream and stop state. Finished
 rows leave the batch and waiting requests take their slots (continuous batching up to max_batch_size).
+A decode pass never reads the device between propose and commit; at its end the host reads one small
+tensor (every row's length and finish reason, `Rows.read_back`).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
+import collections
 import itertools
 import time
 import zlib
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
 from . import kv_cache
+from .batch import PassCounter, Rows, Seq, finish_stats, new_counters
 from .config import EngineConfig, ModelConfig
-from .feed import RequestFeed
-from .drafters import Block, Drafter, PassResult, RowsView, make_drafter
 from .cost_model import CostCurve
+from .drafters import Block, Drafter, PassResult, RowsView, make_drafter
+from .feed import RequestFeed
+from .inputs import attention_bias
 from .model_io import LoadedModel, ModelRunner, load_model
 from .policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
+from .stops import REASONS, apply_stop_strings, apply_stops
 from .tree import mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
-from .verify import verify, verify_greedy
-
-REASONS = (None, "stop", "length", "context")
-
-
-@dataclass
-class _Seq:
-    req: Request
-    prompt_ids: list[int]
-    seed: int
-    stats: RequestStats
-    t0: float = 0.0
-    finish: Optional[str] = None
-
-
-@dataclass
-class _Rows:
-    """Row-indexed batch state; every tensor is [B, ...] and moves with `select` / `extend`."""
-
-    seqs: list[_Seq]
-    t: dict[str, torch.Tensor]  # hist, hist_len, prompt_len, max_total, temperature, top_p, top_k, stop_ids
-    state: dict[str, torch.Tensor]  # drafter state
-    uniforms: UniformStreams
-    cache: object = None
-    reason: Optional[torch.Tensor] = None  # [B] finish reason code (0 = running)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def view(self) -> RowsView:
-        t = self.t
-        return RowsView(t["hist"], t["hist_len"], t["prompt_len"], [s.seed for s in self.seqs], self.state)
-
-    def select(self, rows: torch.Tensor) -> None:
-        idx = rows.tolist()
-        self.seqs = [self.seqs[i] for i in idx]
-        self.t = {k: v.index_select(0, rows) for k, v in self.t.items()}
-        self.state = {k: v.index_select(0, rows) for k, v in self.state.items()}
-        self.uniforms.select(rows)
-        kv_cache.select_rows(self.cache, rows)
-        self.reason = self.reason.index_select(0, rows)
-
-    def extend(self, other: "_Rows") -> None:
-        if not self.seqs:
-            self.seqs, self.t, self.state, self.cache, self.reason = other.seqs, other.t, other.state, other.cache, other.reason
-            self.uniforms = other.uniforms
-            return
-        self.seqs = self.seqs + other.seqs
-        self.t = {k: _cat_rows(v, other.t[k], -1 if k == "stop_ids" else 0) for k, v in self.t.items()}
-        self.state = {k: _cat_rows(v, other.state[k], 0) for k, v in self.state.items()}
-        self.uniforms.append_from(other.uniforms)
-        self.cache = kv_cache.append_rows(self.cache, other.cache)
-        self.reason = torch.cat([self.reason, other.reason])
-
-    def ensure_capacity(self, extra: int) -> None:
-        hist = self.t["hist"]
-        need = int(self.t["hist_len"].max()) + extra
-        if need > hist.shape[1]:
-            cap = max(need, 2 * hist.shape[1])
-            self.t["hist"] = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
+from .verify import VerifyResult, verify, verify_greedy
 
 
 def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[int, bool], tuple[list[Request], bool]]:
@@ -98,15 +44,6 @@ def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[in
         return taken, len(taken) < n
 
     return take
-
-
-def _cat_rows(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:
-    if a.ndim >= 2 and a.shape[1:] != b.shape[1:]:
-        # pad dim 1 (history capacity, stop-id lists) to the larger size
-        width = max(a.shape[1], b.shape[1])
-        a = torch.nn.functional.pad(a, (0, 0) * (a.ndim - 2) + (0, width - a.shape[1]), value=fill)
-        b = torch.nn.functional.pad(b, (0, 0) * (b.ndim - 2) + (0, width - b.shape[1]), value=fill)
-    return torch.cat([a, b])
 
 
 class Engine:
@@ -134,6 +71,8 @@ class Engine:
         # seconds spent in decode passes, and the part of it inside the model (forward + LM head)
         self.timing = {"decode_s": 0.0, "model_s": 0.0, "decode_passes": 0, "peak_cache_bytes": 0}
         self.batch_histogram: collections.Counter[int] = collections.Counter()  # rows in the batch -> decode passes
+        self.passes = PassCounter()  # decode passes and block sizes, for per-row statistics
+        self.num_layers = loaded.model.config.get_text_config().num_hidden_layers
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> "Engine":
@@ -159,10 +98,10 @@ class Engine:
         `requests` is an iterable (read lazily, as slots free up) or a RequestFeed that other threads
         fill while the loop runs; with a feed the loop ends when the feed is closed and drained."""
         take = _feed_taker(requests)
-        rows = _Rows([], {}, {}, UniformStreams(self.device))
+        rows = Rows([], {}, {}, UniformStreams(self.device), kv_cache.new_cache(self.num_layers))
         exhausted = False
         while True:
-            admit: list[_Seq] = []
+            admit: list[Seq] = []
             if not exhausted:
                 reqs, exhausted = take(self.cfg.max_batch_size - len(rows), not len(rows))
                 for req in reqs:
@@ -172,7 +111,7 @@ class Engine:
                     else:
                         admit.append(prepared)
             for chunk in self._prefill_chunks(admit):
-                rows.extend(self._prefill(chunk))
+                rows.extend(self._prefill(chunk, rows))
             yield from self._retire(rows)
             if not len(rows):
                 if exhausted:
@@ -186,7 +125,7 @@ class Engine:
     def _error(self, req_id: str, msg: str) -> RequestOutput:
         return RequestOutput(id=req_id, token_ids=[], text="", finish_reason=None, stats=RequestStats(), error=msg)
 
-    def _prepare(self, req: Request) -> Union[_Seq, RequestOutput]:
+    def _prepare(self, req: Request) -> Union[Seq, RequestOutput]:
         rid = str(req.id)
         params = req.params if req.params is not None else GenerationParams()
         if not isinstance(params, GenerationParams):
@@ -217,10 +156,10 @@ class Engine:
             )
         seed = params.seed if params.seed is not None else zlib.crc32(f"{self.cfg.seed}:{rid}".encode())
         stats = RequestStats(num_prompt_tokens=len(ids))
-        return _Seq(req=Request(rid, req.prompt, ids, params), prompt_ids=ids, seed=seed, stats=stats)
+        return Seq(req=Request(rid, req.prompt, ids, params), prompt_ids=ids, seed=seed, stats=stats)
 
-    def _prefill_chunks(self, seqs: list[_Seq]) -> Iterator[list[_Seq]]:
-        chunk: list[_Seq] = []
+    def _prefill_chunks(self, seqs: list[Seq]) -> Iterator[list[Seq]]:
+        chunk: list[Seq] = []
         longest = 0
         for s in seqs:
             n = len(s.prompt_ids)
@@ -232,13 +171,14 @@ class Engine:
         if chunk:
             yield chunk
 
-    def _new_rows(self, seqs: list[_Seq]) -> _Rows:
+    def _new_rows(self, seqs: list[Seq], cache: kv_cache.KVCache) -> Rows:
         dev = self.device
         lens = [len(s.prompt_ids) for s in seqs]
         cap = max(lens) + 64
         hist = torch.zeros((len(seqs), cap), dtype=torch.long)
         for i, s in enumerate(seqs):
             hist[i, : lens[i]] = torch.tensor(s.prompt_ids)
+            s.passes0, s.sizes0 = self.passes.passes, dict(self.passes.sizes)
         p = [s.req.params for s in seqs]
         extra = [list(x.stop_token_ids) + ([] if x.ignore_eos else self.eos.tolist()) for x in p]
         width = max(1, max(len(e) for e in extra))
@@ -255,23 +195,26 @@ class Engine:
             "top_p": torch.tensor([float(x.top_p) for x in p], device=dev),
             "top_k": torch.tensor([int(x.top_k) for x in p], device=dev),
             "stop_ids": stop_ids.to(dev),
+            **new_counters(len(seqs), dev),
         }
         uni = UniformStreams(dev)
         uni.append([UniformStreams.generator(s.seed) if x.temperature > 0 else None for s, x in zip(seqs, p)])
-        return _Rows(seqs, t, {}, uni, kv_cache.new_cache(), torch.zeros(len(seqs), dtype=torch.long, device=dev))
+        reason = torch.zeros(len(seqs), dtype=torch.long, device=dev)
+        return Rows(seqs, t, {}, uni, cache, reason, lens=list(lens), done=[0] * len(seqs))
 
     # ---- prefill -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _prefill(self, seqs: list[_Seq]) -> _Rows:
+    def _prefill(self, seqs: list[Seq], batch: Rows) -> Rows:
+        """Prefill `seqs` into rows len(batch) .. of the batch's cache; returns their rows (not yet joined)."""
         now = time.perf_counter()
         for s in seqs:
             s.t0 = now
-        rows = self._new_rows(seqs)
+        cache = batch.cache
+        rows = self._new_rows(seqs, cache)
         dev = self.device
-        view = rows.view()
-        aux = self.drafter.start_rows(view)  # [R, A, D] masks owned by the last prompt token, or None
+        aux = self.drafter.start_rows(rows.view())  # [R, A, D] masks owned by the last prompt token, or None
         lens = rows.t["prompt_len"]
-        r, lmax = len(seqs), int(lens.max())
+        r, lmax = len(seqs), max(rows.lens)
         a = 0 if aux is None else aux.shape[1]
         embeds = self.runner.embed_ids(rows.t["hist"][:, :lmax])
         if a:
@@ -279,118 +222,105 @@ class Engine:
         q = lmax + a
         i = torch.arange(q, device=dev)
         key_ok = (i[None] < lens[:, None]) | (i[None] >= lmax)  # [R, Q] prompt keys that exist, and masks
-        causal = i[:, None] >= i[None, :]  # [Q, Q]
-        visible = causal[None] & key_ok[:, None, :]
+        visible = (i[:, None] >= i[None, :])[None] & key_ok[:, None, :]  # [R, Q, Q] causal
         visible |= torch.eye(q, dtype=torch.bool, device=dev)[None]  # padding rows see themselves
         pos = i[None].expand(r, q).clone()
         if a:
             pos[:, lmax:] = lens[:, None] - 1 + torch.arange(1, a + 1, device=dev)
         pos = pos.clamp(max=self.loaded.max_context - 1)
-        visible = self._in_window(visible, pos, pos)
-        hidden = self.runner.forward(embeds, visible, pos, rows.cache)  # [R, Q, D]
-        kv_cache.truncate(rows.cache, lmax)
+        cache.reserve(len(batch) + r, max([q] + [n + 1 for n in batch.lens]))
+        cache.plan(len(batch), r, q, 0)
+        bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
+        hidden = self.runner.forward(embeds, bias, pos, cache)  # [R, Q, D]
         last = hidden[torch.arange(r, device=dev), lens - 1]  # [R, D]
         logits = self.runner.logits(last)  # [R, V]
-        rows.uniforms.ensure(1)
+        rows.uniforms.ensure(1, rows.consumed())
         tok = self._chooser(rows)(logits, torch.ones(r, dtype=torch.bool, device=dev))
         committed = tok[:, None]
         n = torch.ones(r, dtype=torch.long, device=dev)
-        n_fin, reason = self._apply_stops(rows, committed, n)
+        n_fin, reason = self._stops(rows, committed, n)
         self._commit(rows, committed, n_fin, reason)
         aux_hidden = hidden[:, lmax:] if a else None
         mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
         self.drafter.observe(rows.view(), PassResult(committed, n_fin, aux_hidden, mask_hidden, prefill=True))
-        for s in seqs:
-            s.stats.num_generated_tokens = 1
+        rows.read_back()
         return rows
 
     # ---- one decode pass ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def _step(self, rows: _Rows) -> None:
-        t_start = time.perf_counter()
-        dev = self.device
-        b = len(rows)
-        view = rows.view()
-        mass, n_nodes = None, None
-        if self.policy is not None:
-            n_nodes, mass = self._choose_size(view)
-        block: Block = self.drafter.propose(view, n_nodes)
-        tree, lay = block.tree, block.layout
-        t_slots = tree.num_slots
-        embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
-        if block.aux_embeds is not None:
-            embeds = torch.cat([embeds, block.aux_embeds.to(embeds.dtype)], 1)
-        q = embeds.shape[1]
-        s_old = kv_cache.seq_len(rows.cache)
-        cache_len = rows.t["hist_len"] - 1  # [B] the root is not cached
-        pos = (cache_len[:, None] + lay.rel_pos).clamp(max=self.loaded.max_context - 1)  # [B, Q]
-        slots = torch.arange(s_old, device=dev)
-        prefix = (slots[None] < cache_len[:, None])[:, None, :].expand(b, q, s_old)
-        prefix = self._in_window(prefix, pos, slots[None].expand(b, -1))  # cache slot s holds position s
-        visible = torch.cat([prefix, lay.visible.expand(b, q, q)], -1)  # [B, Q, S + Q]
-        model_s0 = self.runner.model_s
-        hidden = self.runner.forward(embeds, visible, pos, rows.cache)
-        slot_logits = self.runner.logits(hidden[:, :t_slots])  # [B, T, V]
-        self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], kv_cache.nbytes(rows.cache))
-        if bool((rows.t["temperature"] > 0).any()):
-            rows.uniforms.ensure(block.max_depth + 1)
-            res = verify(tree, slot_logits, block.max_depth, self._chooser(rows))
-        else:
-            res = verify_greedy(tree, slot_logits, lay.visible[:, :t_slots, :t_slots], lay.depth, block.max_depth)
-        n_raw = res.num_committed
-        n_fin, reason = self._apply_stops(rows, res.committed, n_raw)
-        # cache: root + accepted nodes (block slots S_old + path) move right behind each row's prefix
-        steps = torch.arange(res.path_slots.shape[1], device=dev)[None]
-        dst = cache_len[:, None] + steps  # [B, P]
-        src = torch.where(steps < n_raw[:, None], s_old + res.path_slots, dst)
-        kv_cache.keep(rows.cache, dst, src, int((cache_len + n_raw).max()))
+    def _step(self, rows: Rows) -> None:
+        """One decode pass over every row: named phases, no host read until `read_back`."""
+        t_start, model_s0 = time.perf_counter(), self.runner.model_s
+        block = self._propose(rows)
+        hidden, slot_logits = self._forward(rows, block)
+        res = self._verify(rows, block, slot_logits)
+        n_fin, reason = self._stops(rows, res.committed, res.num_committed)
+        self._keep(rows, block, res)
         self._commit(rows, res.committed, n_fin, reason)
-        k = self.drafter.num_masks
-        mask_hidden = None
-        if k and block.aux_embeds is not None:
-            idx = mask_indices(res.last_slot, t_slots, k)  # [B, k]
-            mask_hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-        self.drafter.observe(
-            rows.view(),
-            PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block),
-        )
-        # statistics
-        acc = torch.minimum(n_raw - 1, n_fin)
-        if mass is not None and n_nodes > 0:
-            self.policy.observe(float(mass[:, :n_nodes].sum()), float((n_raw - 1).sum()))
-        drafted = (tree.valid[:, 1:]).sum(-1)
-        for s, nf, ac, dr in zip(rows.seqs, n_fin.tolist(), acc.tolist(), drafted.tolist()):
-            st = s.stats
-            st.num_decode_passes += 1
-            st.num_decode_tokens += nf
-            st.num_generated_tokens += nf
-            st.num_drafted_tokens += dr
-            st.num_accepted_drafts += ac
-            if ac > len(st.accepted_per_depth):
-                st.accepted_per_depth.extend([0] * (ac - len(st.accepted_per_depth)))
-            for d in range(ac):
-                st.accepted_per_depth[d] += 1
-            if nf >= len(st.committed_histogram):
-                st.committed_histogram.extend([0] * (nf + 1 - len(st.committed_histogram)))
-            st.committed_histogram[nf] += 1
-            st.block_size_histogram[q] = st.block_size_histogram.get(q, 0) + 1
-        self._sync()
+        self._observe(rows, block, res, hidden, slot_logits, n_fin)
+        rows.count(n_fin, res.num_committed, block.tree.valid[:, 1:].sum(-1), block.max_depth + 1)
+        self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
+        rows.read_back()  # the one host read of the pass: lengths and finish reasons
         self.timing["decode_s"] += time.perf_counter() - t_start
         self.timing["model_s"] += self.runner.model_s - model_s0  # includes the drafter's LM-head calls
         self.timing["decode_passes"] += 1
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _propose(self, rows: Rows) -> Block:
+        view = rows.view()
+        n_nodes = None
+        self._mass = None
+        if self.policy is not None:
+            n_nodes, self._mass = self._choose_size(view)
+        self._n_nodes = n_nodes
+        return self.drafter.propose(view, n_nodes)
+
+    def _forward(self, rows: Rows, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [B, Q, D] of the block and logits [B, T, V] at its tree slots; writes the block's KV."""
+        tree, lay = block.tree, block.layout
+        embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
+        if block.aux_embeds is not None:
+            embeds = torch.cat([embeds, block.aux_embeds.to(embeds.dtype)], 1)
+        b, q = embeds.shape[:2]
+        cache_len = rows.t["hist_len"] - 1  # [B] the root is not cached
+        pos = (cache_len[:, None] + lay.rel_pos).clamp(max=self.loaded.max_context - 1)  # [B, Q]
+        s_max, s_min = max(rows.lens) - 1, min(rows.lens) - 1
+        view_len = s_max + q
+        rows.cache.reserve(b, view_len)
+        rows.cache.plan(0, b, view_len, s_max if s_min == s_max else cache_len)  # rows of one length: a slice write
+        bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window)
+        hidden = self.runner.forward(embeds, bias, pos, rows.cache)
+        self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
+        return hidden, self.runner.logits(hidden[:, : tree.num_slots])
+
+    def _verify(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> VerifyResult:
+        if rows.sampling:
+            rows.uniforms.ensure(block.max_depth + 1, rows.consumed())
+            return verify(block.tree, slot_logits, block.max_depth, self._chooser(rows))
+        t = block.tree.num_slots
+        return verify_greedy(block.tree, slot_logits, block.layout.visible[:, :t, :t], block.layout.depth, block.max_depth)
+
+    def _keep(self, rows: Rows, block: Block, res: VerifyResult) -> None:
+        """Cache: root + accepted nodes move right behind each row's prefix (a chain is already in place)."""
+        if block.tree.path_in_place:
+            return
+        cache_len = rows.t["hist_len"][:, None] - 1  # [B, 1]
+        steps = torch.arange(res.path_slots.shape[1], device=self.device)[None]
+        dst = cache_len + steps  # [B, P]
+        src = torch.where(steps < res.num_committed[:, None], cache_len + res.path_slots, dst)
+        rows.cache.keep(dst, src)
+
+    def _observe(self, rows: Rows, block: Block, res: VerifyResult, hidden, slot_logits, n_fin) -> None:
+        t_slots, k = block.tree.num_slots, self.drafter.num_masks
+        mask_hidden = None
+        if k and block.aux_embeds is not None:
+            idx = mask_indices(res.last_slot, t_slots, k)  # [B, k]
+            mask_hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+        result = PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block)
+        self.drafter.observe(rows.view(), result)
+        if self._mass is not None and self._n_nodes > 0:
+            self.policy.observe(float(self._mass[:, : self._n_nodes].sum()), float((res.num_committed - 1).sum()))
 
     # ---- helpers -----------------------------------------------------------------------------------
-    def _in_window(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """visible [B, Q, K] restricted to keys within the model's sliding window (q_pos [B, Q], k_pos [B, K])."""
-        w = self.runner.sliding_window
-        if w is None:
-            return visible
-        return visible & ((q_pos[:, :, None] - k_pos[:, None, :]) < w)
-
     def _choose_size(self, view: RowsView):
         """(draft nodes for this pass, [B, max_nodes] node probabilities or None) under block_complexity=auto."""
         if self.drafter.num_masks and not bool(view.state["has_probe"].any()):
@@ -411,9 +341,9 @@ class Engine:
             self._probe_interval = base if n > 0 else min(2 * self._probe_interval, 64 * base)
         return n, mass
 
-    def _chooser(self, rows: _Rows):
+    def _chooser(self, rows: Rows):
         t = rows.t
-        sampling = bool((t["temperature"] > 0).any())
+        sampling = rows.sampling
 
         def choose(logits: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
             u = rows.uniforms.take(active) if sampling else None
@@ -421,53 +351,17 @@ class Engine:
 
         return choose
 
-    def _apply_stops(self, rows: _Rows, committed: torch.Tensor, n: torch.Tensor):
-        """Truncate each row's committed tokens at its first stop id / max_new_tokens / context limit.
-
-        Returns (n_final [B], reason [B]: 0 running, 1 stop, 2 length, 3 context).
-        """
+    def _stops(self, rows: Rows, committed: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_final [B], reason [B]) after stop ids, lengths, the context limit and stop strings."""
         t = rows.t
-        s = committed.shape[1]
-        i = torch.arange(s, device=committed.device)[None]
-        is_stop = (committed[..., None] == t["stop_ids"][:, None, :]).any(-1) & (i < n[:, None])  # [B, S]
-        big = torch.full_like(n, 1 << 30)
-        n_stop = torch.where(is_stop.any(-1), is_stop.long().argmax(-1) + 1, big)
-        n_len = t["max_total"] - t["hist_len"]
-        n_ctx = self.loaded.max_context - t["hist_len"]
-        n_fin = torch.minimum(torch.minimum(n, n_stop), torch.minimum(n_len, n_ctx))
-        reason = torch.zeros_like(n)
-        reason = torch.where(n_fin == n_ctx, 3, reason)
-        reason = torch.where(n_fin == n_len, 2, reason)
-        reason = torch.where(n_fin == n_stop, 1, reason)
-        n_fin, reason = self._stop_strings(rows, committed, n_fin, reason)
+        n_fin, reason = apply_stops(committed, n, t["stop_ids"], t["hist_len"], t["max_total"], self.loaded.max_context)
+        if rows.has_stop_strings:
+            stops = [s.req.params.stop_strings for s in rows.seqs]
+            gen = [t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist() if stops[r] else [] for r, s in enumerate(rows.seqs)]
+            n_fin, reason = apply_stop_strings(self.tokenizer, stops, gen, committed, n_fin, reason)
         return n_fin, reason
 
-    def _stop_strings(self, rows: _Rows, committed, n_fin, reason):
-        if not any(s.req.params.stop_strings for s in rows.seqs):
-            return n_fin, reason
-        t = rows.t
-        n_list = n_fin.tolist()
-        for r, s in enumerate(rows.seqs):
-            stops = s.req.params.stop_strings
-            if not stops or n_list[r] <= 0:
-                continue
-            h0, p0 = int(t["hist_len"][r]), int(t["prompt_len"][r])
-            # generated so far (root included) and the new tokens
-            gen = t["hist"][r, p0:h0].tolist()
-            new = committed[r, : n_list[r]].tolist()
-            window = max(len(x) for x in stops) + 16
-            base = gen[-window:]
-            before = self.tokenizer.decode(base, skip_special_tokens=True)
-            for j in range(1, len(new) + 1):
-                text = self.tokenizer.decode(base + new[:j], skip_special_tokens=True)
-                tail = text[max(0, len(before) - max(len(x) for x in stops)) :]
-                if any(x in tail for x in stops):
-                    n_fin[r] = j
-                    reason[r] = 1
-                    break
-        return n_fin, reason
-
-    def _commit(self, rows: _Rows, committed: torch.Tensor, n_fin: torch.Tensor, reason: torch.Tensor) -> None:
+    def _commit(self, rows: Rows, committed: torch.Tensor, n_fin: torch.Tensor, reason: torch.Tensor) -> None:
         t = rows.t
         s = committed.shape[1]
         rows.ensure_capacity(s)
@@ -479,22 +373,19 @@ class Engine:
         t["hist_len"] = t["hist_len"] + n_fin
         rows.reason = torch.where(rows.reason == 0, reason, rows.reason)
 
-    def _retire(self, rows: _Rows) -> Iterator[RequestOutput]:
-        if not len(rows):
-            return
-        done = rows.reason != 0
-        if not bool(done.any()):
+    def _retire(self, rows: Rows) -> Iterator[RequestOutput]:
+        """Outputs of the rows that finished (known on the host since the last read_back); they leave the batch."""
+        done = [r for r, code in enumerate(rows.done) if code]
+        if not done:
             return
         t = rows.t
         now = time.perf_counter()
-        for r in done.nonzero().flatten().tolist():
+        for r in done:
             s = rows.seqs[r]
-            p0, h = int(t["prompt_len"][r]), int(t["hist_len"][r])
-            ids = t["hist"][r, p0:h].tolist()
-            s.stats.num_generated_tokens = len(ids)
+            ids = t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist()
+            counters = [int(t["drafted"][r]), int(t["accepted"][r]), t["acc_depth"][r].tolist(), t["committed_hist"][r].tolist()]
+            finish_stats(s.stats, counters, len(ids), *self.passes.since(s))
             s.stats.time_s = now - s.t0
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            yield RequestOutput(
-                id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[int(rows.reason[r])], stats=s.stats
-            )
-        rows.select((~done).nonzero().flatten())
+            yield RequestOutput(id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[rows.done[r]], stats=s.stats)
+        rows.select([r for r, code in enumerate(rows.done) if not code])

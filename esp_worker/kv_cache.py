@@ -1,84 +1,166 @@
-"""The only code that touches the Hugging Face cache object.
+"""The only code that touches the KV cache: a preallocated slab that presents itself as a transformers Cache.
 
-Layout: every layer holds keys/values [B, H, S, D]. Row b's valid slots are 0 .. cache_len[b]-1, packed to
-the front in position order (slot s holds position s); slots >= cache_len[b] are stale and masked out.
-A decode pass appends Q slots per row; `keep` then packs root + accepted nodes behind each row's prefix.
+Layout: every layer holds key and value buffers [R, H, C, D] (R rows of capacity, C slots of capacity).
+Rows 0 .. num_rows-1 are the batch in flight. Row b's valid slots are 0 .. cache_len[b]-1, packed to the
+front in position order (slot s holds position s); later slots are stale and masked out by the caller.
+
+A forward pass is planned first (`plan`): which rows it covers, where each row writes its Q new keys and
+how many slots the model sees. Each layer's `update` then writes the block in place (no concatenation, no
+copy of the cached prefix) and hands the model a view [B, H, S, D] of the buffers. A decode pass writes
+row b's block at slots cache_len[b] .. cache_len[b]+Q-1, so the root lands where it belongs and plain
+decoding never moves a slot; `keep` packs the accepted nodes of a tree behind the root.
+
+Capacity grows in buckets (about 1/8 of the length, so at most ~12% above what is needed) and shrinks
+when the live rows need much less; rows that leave are compacted in place (`select_rows`).
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-def new_cache() -> DynamicCache:
-    return DynamicCache()
+def bucket(n: int, minimum: int = 16) -> int:
+    """n rounded up to a multiple of max(minimum, 2^(floor(log2 n) - 3)): 100 -> 112, 1000 -> 1024, 1100 -> 1152."""
+    step = max(minimum, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
 
 
-def _layers(cache: DynamicCache) -> list[Any]:
-    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+@dataclass
+class _Plan:
+    """What the next forward writes and reads (set by KVCache.plan, read by every layer's update)."""
+
+    row0: int = 0
+    num_rows: int = 0
+    view_len: int = 0  # slots the model sees: S_old + Q
+    # int: every row writes its block at slots [write_at, write_at + Q); tensor [B]: row b at write_at[b]
+    write_at: Union[int, torch.Tensor] = 0
+    index: Optional[torch.Tensor] = None  # [B, H, Q, D] scatter index for a per-row write, built once per pass
 
 
-def seq_len(cache: DynamicCache) -> int:
-    layers = _layers(cache)
-    return layers[0].keys.shape[-2] if layers else 0
+class _SlabLayer(CacheLayerMixin):
+    """One layer: `keys` / `values` are the whole buffers [R, H, C, D]; `update` writes per the shared plan."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: "KVCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        r, c = self.owner.capacity
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_zeros((r, h, c, d))
+        self.values = value_states.new_zeros((r, h, c, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [B, H, Q, D] -> keys [B, H, S, D] (views of the buffers)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        p = self.owner.plan_
+        rows = slice(p.row0, p.row0 + p.num_rows)
+        k, v = self.keys[rows], self.values[rows]
+        q = key_states.shape[2]
+        if isinstance(p.write_at, int):
+            k[:, :, p.write_at: p.write_at + q] = key_states
+            v[:, :, p.write_at: p.write_at + q] = value_states
+        else:
+            if p.index is None or p.index.shape != key_states.shape:
+                slots = p.write_at[:, None] + torch.arange(q, device=key_states.device)  # [B, Q]
+                p.index = slots[:, None, :, None].expand(key_states.shape)
+            k.scatter_(2, p.index, key_states)
+            v.scatter_(2, p.index, value_states)
+        return k[:, :, : p.view_len], v[:, :, : p.view_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.plan_.view_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.plan_.view_len
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity[1]
 
 
-def keep(cache: DynamicCache, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
-    """Copy slots `src` to slots `dst` in every row, then cut every row to `length` slots.
+class KVCache(Cache):
+    """Preallocated per-layer key/value buffers for the rows in flight (see the module docstring)."""
 
-    dst, src: [B, P] slot indices. Only the P moved slots per row are touched (P = accepted path + 1), so
-    the cost of a pass does not grow with the cache or with the spread of row lengths.
-    Example: rows with cache_len [3, 5] and a pass of Q=4 appended at slots 6..9. Row 0 keeps the root and
-    the node at block index 2: dst [3, 4], src [6, 8]. Row 1 keeps the root only: dst [5, 6], src [6, x]
-    (slot 6 of row 1 is beyond its new length 6, so whatever lands there is stale). length = 6.
-    """
-    b, p = src.shape
-    if bool((src == dst).all()):  # nothing accepted beyond the root, already in place: just cut
-        truncate(cache, length)
-        return
-    for layer in _layers(cache):
-        for name in ("keys", "values"):
-            t = getattr(layer, name)  # [B, H, S, D]
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[_SlabLayer(self) for _ in range(num_layers)])
+        self.num_rows = 0  # rows of the batch in flight (0 .. num_rows-1)
+        self.capacity = (0, 0)  # (rows R, slots C) of every buffer
+        self.plan_ = _Plan()
+
+    # ---- capacity ----------------------------------------------------------------------------------
+    def _buffers(self):
+        return [(l, n) for l in self.layers if l.is_initialized for n in ("keys", "values")]
+
+    @torch.inference_mode()
+    def reserve(self, num_rows: int, length: int) -> None:
+        """Make room for `num_rows` rows of `length` slots; keeps rows 0 .. self.num_rows-1 and their slots."""
+        r, c = self.capacity
+        need_c = bucket(length)
+        grow = num_rows > r or length > c
+        # shrink when the live rows use less than ~2/3 of the buffers (hysteresis: no churn at steady state)
+        shrink = r * c > 1.5 * num_rows * need_c
+        if not (grow or shrink):
+            return
+        new_r, new_c = num_rows, max(need_c, length)
+        self.capacity = (new_r, new_c)
+        keep_r, keep_c = min(self.num_rows, new_r), min(c, new_c)
+        for layer, name in self._buffers():
+            old = getattr(layer, name)  # [R, H, C, D]
+            new = old.new_zeros((new_r, old.shape[1], new_c, old.shape[3]))
+            new[:keep_r, :, :keep_c] = old[:keep_r, :, :keep_c]
+            setattr(layer, name, new)
+
+    def nbytes(self) -> int:
+        return sum(getattr(l, n).numel() * getattr(l, n).element_size() for l, n in self._buffers())
+
+    # ---- one forward -------------------------------------------------------------------------------
+    def plan(self, row0: int, num_rows: int, view_len: int, write_at: Union[int, torch.Tensor]) -> None:
+        """The next forward covers rows row0 .. row0+num_rows-1, writes each row's Q new slots at `write_at`
+        (an int for all rows, or [B] per row) and shows the model slots 0 .. view_len-1."""
+        assert row0 + num_rows <= self.capacity[0] and view_len <= self.capacity[1], "reserve() first"
+        self.plan_ = _Plan(row0, num_rows, view_len, write_at)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.plan_.view_len
+
+    # ---- bookkeeping after a pass ------------------------------------------------------------------
+    @torch.inference_mode()
+    def keep(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy slots `src` to slots `dst` in every row of the batch (dst, src: [B, P] slot indices).
+
+        Only the P moved slots per row are touched (P = accepted path + 1), so the cost of a pass does not
+        grow with the cache. Example: cache_len [3, 5], a pass of Q=4 wrote row 0 at slots 3..6 and row 1 at
+        5..8. Row 0 keeps the root and the node at block index 2: dst [3, 4], src [3, 5]. Row 1 keeps the
+        root only: dst [5, 6], src [5, 6] (slot 6 is beyond its new length, whatever lands there is stale).
+        """
+        b, p = src.shape
+        for layer, name in self._buffers():
+            t = getattr(layer, name)[:b]  # [B, H, C, D]
             h, d = t.shape[1], t.shape[3]
             moved = torch.gather(t, 2, src[:, None, :, None].expand(b, h, p, d))  # [B, H, P, D]
             t.scatter_(2, dst[:, None, :, None].expand(b, h, p, d), moved)
-            setattr(layer, name, t[:, :, :length])
+
+    @torch.inference_mode()
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` ([R] long, increasing or not), compacted to the front in that order."""
+        n = rows.shape[0]
+        for layer, name in self._buffers():
+            t = getattr(layer, name)
+            t[:n] = t.index_select(0, rows)
+        self.num_rows = n
+
+    def add_rows(self, n: int) -> None:
+        """Rows num_rows .. num_rows+n-1 (already written by a prefill plan) join the batch."""
+        self.num_rows += n
 
 
-def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    """Keep only batch rows `rows` ([R] long), in that order."""
-    for layer in _layers(cache):
-        layer.keys = layer.keys.index_select(0, rows)
-        layer.values = layer.values.index_select(0, rows)
-
-
-def _pad_seq(t: torch.Tensor, length: int) -> torch.Tensor:
-    if t.shape[2] == length:
-        return t
-    pad = t.new_zeros((t.shape[0], t.shape[1], length - t.shape[2], t.shape[3]))
-    return torch.cat([t, pad], dim=2)
-
-
-def append_rows(cache: DynamicCache, other: DynamicCache) -> DynamicCache:
-    """Rows of `other` appended after the rows of `cache` (seq dims padded with stale slots)."""
-    a, b = _layers(cache), _layers(other)
-    if not a:
-        return other
-    length = max(seq_len(cache), seq_len(other))
-    for la, lb in zip(a, b):
-        la.keys = torch.cat([_pad_seq(la.keys, length), _pad_seq(lb.keys, length)], dim=0)
-        la.values = torch.cat([_pad_seq(la.values, length), _pad_seq(lb.values, length)], dim=0)
-    return cache
-
-
-def truncate(cache: DynamicCache, length: int) -> None:
-    """Drop slots >= length in every row."""
-    for layer in _layers(cache):
-        layer.keys = layer.keys[:, :, :length]
-        layer.values = layer.values[:, :, :length]
-
-
-def nbytes(cache: DynamicCache) -> int:
-    return sum(l.keys.numel() * l.keys.element_size() * 2 for l in _layers(cache))
+def new_cache(num_layers: int) -> KVCache:
+    return KVCache(num_layers)

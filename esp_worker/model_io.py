@@ -3,12 +3,17 @@
 The only module that knows how a Hugging Face model is called. Sources:
 - a local directory or hub id (``AutoModelForCausalLM``; ``trust_remote_code`` only when configured);
 - ``tiny-random-<arch>`` for arch in llama | qwen2 | qwen3 | mistral: a small model built from a config with
-  a fixed seed and a byte-level tokenizer built in memory (no download), for offline demos and tests.
+  a fixed seed and a byte-level tokenizer built in memory (no download), for offline demos and tests;
+- ``random:<shape>``: a real-size architecture with random weights, offline, for throughput and cost curves
+  where no weights can be downloaded. <shape> is a config shipped in esp_worker/model_configs (llama-1b,
+  llama-3b, llama-8b, qwen3-1.7b, qwen3-8b) or a local config.json path; the byte-level tokenizer is used.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -16,6 +21,8 @@ import torch
 from .config import ATTN_IMPLS, DTYPES, ModelConfig
 
 TINY_PREFIX = "tiny-random-"
+RANDOM_PREFIX = "random:"
+SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -121,6 +128,42 @@ def build_tiny_model(arch: str, seed: int = 0) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def random_config_path(shape: str) -> Path:
+    """`llama-1b` -> the shipped JSON; anything else must be a local config.json (or a directory holding one)."""
+    shipped = SHIPPED_CONFIGS / f"{shape}.json"
+    if shipped.is_file():
+        return shipped
+    path = Path(shape).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json")))
+        raise ModelLoadError(f"model.name_or_path=random:{shape}: no such config; use one of {names} or a local config.json")
+    return path
+
+
+def build_random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> tuple[Any, Any]:
+    """A model of a real architecture and size with random weights (normal, the config's initializer_range),
+    built on `device` without downloading anything, and the byte-level tokenizer (ids 0..258; the model's
+    vocabulary keeps its real size, so the LM head costs what it costs in the real model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = json.loads(random_config_path(shape).read_text())
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    model_type = raw.pop("model_type", None)
+    if model_type is None:
+        raise ModelLoadError(f"random:{shape}: the config has no model_type")
+    raw.update(bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the byte-level tokenizer's specials
+    config = AutoConfig.for_model(model_type, **raw)
+    tokenizer = build_tiny_tokenizer()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        setattr(model.generation_config, key, getattr(config, key))
+    return model, tokenizer
+
+
 def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     ids: list[int] = []
     gen = getattr(model, "generation_config", None)
@@ -167,6 +210,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model, tokenizer = build_tiny_model(arch, seed=cfg.seed)
         model.config._attn_implementation = cfg.attn_implementation
         model = model.to(device=device, dtype=dtype)
+    elif name.startswith(RANDOM_PREFIX):
+        model, tokenizer = build_random_model(name[len(RANDOM_PREFIX):], dtype, device, seed=cfg.seed)
+        model.config._attn_implementation = cfg.attn_implementation
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -232,9 +278,12 @@ class ModelRunner:
         self.mask_min = torch.finfo(loaded.dtype).min
         self.sliding_window = sliding_window(self.model.config)  # None = full attention
         self.model_s = 0.0  # wall seconds inside forward() and logits(): model compute, for host-overhead accounting
+        # wait for the device after each call so model_s is true model time (CUDA only; turn off to keep a
+        # pass free of synchronisations, e.g. under torch.cuda.set_sync_debug_mode("error"))
+        self.timed = True
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
+        if self.timed and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -246,18 +295,16 @@ class ModelRunner:
     def forward(
         self,
         inputs_embeds: torch.Tensor,  # [B, Q, D]
-        visible: torch.Tensor,  # [B, Q, S + Q] bool: query may attend to key
+        bias: torch.Tensor,  # [B, 1, Q, S] additive attention bias (inputs.attention_bias)
         position_ids: torch.Tensor,  # [B, Q]
-        cache: Any,  # DynamicCache holding S slots per row
+        cache: Any,  # kv_cache.KVCache, planned for this forward (rows, write slots, S)
     ) -> torch.Tensor:
-        """Returns hidden states [B, Q, D]; the cache grows by Q slots per row."""
-        assert inputs_embeds.ndim == 3 and visible.ndim == 3 and position_ids.ndim == 2
+        """Returns hidden states [B, Q, D]; the cache holds the block's keys and values where it was planned."""
+        assert inputs_embeds.ndim == 3 and bias.ndim == 4 and position_ids.ndim == 2
         t0 = time.perf_counter()
-        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        bias.masked_fill_(~visible, self.mask_min)
         out = self.base(
             inputs_embeds=inputs_embeds,
-            attention_mask=bias[:, None],
+            attention_mask=bias,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,

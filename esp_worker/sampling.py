@@ -43,13 +43,19 @@ def choose_tokens(
 
 
 class UniformStreams:
-    """Per-row buffers of uniforms drawn from per-request generators; consumption is per committed token."""
+    """Per-row buffers of uniforms drawn from per-request generators; consumption is per committed token.
+
+    The host knows how many uniforms each row has consumed (one per generated token, `Rows.consumed`), so
+    refills are decided on the host without reading the device pointer; `base[b]` is the stream index of
+    buffer column 0 of row b.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.generators: list[Optional[torch.Generator]] = []
+        self.base: list[int] = []  # [B] host: stream index of buffer column 0
         self.buf = torch.zeros((0, UNIFORM_CHUNK), device=device)  # [B, U]
-        self.ptr = torch.zeros((0,), dtype=torch.long, device=device)  # [B]
+        self.ptr = torch.zeros((0,), dtype=torch.long, device=device)  # [B] next unread column
 
     @staticmethod
     def generator(seed: int) -> torch.Generator:
@@ -62,32 +68,33 @@ class UniformStreams:
             [torch.rand(UNIFORM_CHUNK, generator=g) if g is not None else torch.zeros(UNIFORM_CHUNK) for g in generators]
         ).to(self.device)
         self.generators.extend(generators)
+        self.base.extend([0] * len(generators))
         self.buf = torch.cat([self.buf, fresh])
         self.ptr = torch.cat([self.ptr, torch.zeros(len(generators), dtype=torch.long, device=self.device)])
 
     def append_from(self, other: "UniformStreams") -> None:
         self.generators.extend(other.generators)
+        self.base.extend(other.base)
         self.buf = torch.cat([self.buf, other.buf])
         self.ptr = torch.cat([self.ptr, other.ptr])
 
-    def select(self, rows: torch.Tensor) -> None:
-        idx = rows.tolist()
-        self.generators = [self.generators[i] for i in idx]
+    def select(self, rows: torch.Tensor, keep: list[int]) -> None:
+        self.generators = [self.generators[i] for i in keep]
+        self.base = [self.base[i] for i in keep]
         self.buf = self.buf.index_select(0, rows)
         self.ptr = self.ptr.index_select(0, rows)
 
-    def ensure(self, needed: int) -> None:
-        """Make sure each sampling row has at least `needed` unread uniforms."""
-        low = (self.ptr > UNIFORM_CHUNK - needed).nonzero().flatten().tolist()
-        for i in low:
-            g = self.generators[i]
-            if g is None:
-                self.ptr[i] = 0
+    def ensure(self, needed: int, consumed: list[int]) -> None:
+        """Make sure each sampling row has at least `needed` unread uniforms (consumed: [B] host counts)."""
+        for i, g in enumerate(self.generators):
+            p = consumed[i] - self.base[i]  # the device pointer of row i, known on the host
+            if p + needed <= UNIFORM_CHUNK:
                 continue
-            p = int(self.ptr[i])
-            fresh = torch.rand(UNIFORM_CHUNK, generator=g).to(self.device)
-            self.buf[i] = torch.cat([self.buf[i, p:], fresh])[:UNIFORM_CHUNK]
+            if g is not None:  # greedy rows in a sampling batch only need a valid pointer
+                fresh = torch.rand(UNIFORM_CHUNK, generator=g).to(self.device)
+                self.buf[i] = torch.cat([self.buf[i, p:], fresh])[:UNIFORM_CHUNK]
             self.ptr[i] = 0
+            self.base[i] += p
 
     def take(self, active: torch.Tensor) -> torch.Tensor:
         """[B] uniforms for this step; advances the pointer of active rows only."""

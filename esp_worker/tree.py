@@ -34,17 +34,25 @@ class DraftTree:
     def num_slots(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def path_in_place(self) -> bool:
+        """Root-only trees and chains: the accepted path is slots 0, 1, 2, ... (no KV slot ever moves)."""
+        return self.static_key is not None and self.static_key[0] in ("root", "chain")
+
     @staticmethod
     def root_only(root_tokens: torch.Tensor) -> "DraftTree":
-        # root_tokens: [B]
+        # root_tokens: [B]; parents and valid are shared constants per (B, device): never modify them in place
         b = root_tokens.shape[0]
         dev = root_tokens.device
-        return DraftTree(
-            tokens=root_tokens[:, None].clone(),
-            parents=torch.full((b, 1), -1, dtype=torch.long, device=dev),
-            valid=torch.ones((b, 1), dtype=torch.bool, device=dev),
-            static_key=("root",),
-        )
+        key = (b, dev)
+        if key not in _ROOT_ONLY:
+            _ROOT_ONLY[key] = (torch.full((b, 1), -1, dtype=torch.long, device=dev),
+                               torch.ones((b, 1), dtype=torch.bool, device=dev))
+        parents, valid = _ROOT_ONLY[key]
+        return DraftTree(tokens=root_tokens[:, None], parents=parents, valid=valid, static_key=("root",))
+
+
+_ROOT_ONLY: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
@@ -75,6 +83,7 @@ class BlockLayout:
     depth: torch.Tensor
     num_slots: int
     num_masks: int
+    max_depth: Optional[int] = None  # deepest slot (host int), filled in for cached static layouts
 
 
 def block_layout(parents: torch.Tensor, num_masks: int) -> BlockLayout:

@@ -33,7 +33,8 @@ def verify(
     max_depth: int,
     choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],  # (logits [B, V], active [B]) -> tokens [B]
 ) -> VerifyResult:
-    """Greedy or sampled verification, vectorised over the batch; loops over depth only (<= max_depth + 1)."""
+    """Greedy or sampled verification, vectorised over the batch; loops over depth only (max_depth + 1 steps,
+    with no early exit: finding that every row stopped would need a device read)."""
     b = slot_logits.shape[0]
     dev = slot_logits.device
     rows = torch.arange(b, device=dev)
@@ -50,8 +51,6 @@ def verify(
         found = is_child.any(-1) & active
         cur = torch.where(found, is_child.long().argmax(-1), cur)
         active = found
-        if max_depth and not bool(active.any()):
-            break
     return VerifyResult(
         committed=torch.stack(committed, 1),
         num_committed=num,
@@ -76,6 +75,9 @@ def verify_greedy(
     b, t = tree.tokens.shape
     dev = slot_logits.device
     target = slot_logits.argmax(-1)  # [B, T]
+    if t == 1:  # plain decoding: the argmax at the root is the bonus
+        zeros = torch.zeros((b, 1), dtype=torch.long, device=dev)
+        return VerifyResult(committed=target, num_committed=zeros[:, 0] + 1, path_slots=zeros, last_slot=zeros[:, 0])
     correct = (tree.tokens == target.gather(1, tree.parents.clamp(min=0))) & tree.valid
     correct[:, 0] = True
     accepted = ~(ancestors & ~correct[:, None, :]).any(-1)  # [B, T]: every node on the path is correct

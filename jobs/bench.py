@@ -49,8 +49,8 @@ class Setting:
 
     @property
     def label(self) -> str:
-        if self.method == "ar":
-            return "ar"
+        if self.method in ("ar", "hf"):
+            return {"ar": "ar", "hf": "hf generate"}[self.method]
         if self.method == "esp":
             tree = self.tree if self.expansion == "top1" else f"{self.tree}-{self.expansion}"
             return f"esp k{self.num_masks} {tree} BC{self.block_complexity}"
@@ -78,7 +78,7 @@ def grid(bench: DictConfig) -> list[Setting]:
     Example: methods [ar, pld, esp], BCs [10, 30], num_masks [1], trees [static] ->
     ar, pld BC10, pld BC30, esp k1 static BC10, esp k1 static BC30.
     """
-    out = [Setting("ar", 1, 0, "")]
+    out = [Setting("ar", 1, 0, "")] + ([Setting("hf", 1, 0, "")] if bench.hf_baseline else [])
     for m in bench.methods:
         if m == "ar":
             continue
@@ -132,6 +132,17 @@ def _requests(prompts: list[Prompt], generation: dict[str, Any]) -> list[Any]:
     return [Request(id=p.id, prompt_ids=p.ids, params=GenerationParams(**{**generation, **p.params})) for p in prompts]
 
 
+def mix_lengths(prompts: list[Prompt], lo_hi: Sequence[int]) -> None:
+    """Give each prompt its own max_new_tokens in [lo, hi] (deterministic per id), unless its row set one.
+
+    Example: [16, 128] -> ids "a", "b" get e.g. 93 and 27, every run and every method alike."""
+    import zlib
+
+    lo, hi = int(lo_hi[0]), int(lo_hi[1])
+    for p in prompts:
+        p.params.setdefault("max_new_tokens", lo + zlib.crc32(p.id.encode()) % (hi - lo + 1))
+
+
 def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Prompt], generation: dict[str, Any],
                 warmup: int, curve: Any = None) -> dict[str, Any]:
     """Generate every prompt with one setting; categories run one after another and are timed apart.
@@ -139,6 +150,11 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
     Returns {"outputs": {id: RequestOutput}, "seconds": {category: s}, "timing": engine.timing}.
     """
     from esp_worker import Engine
+
+    if s.method == "hf":
+        from .hf_baseline import run_hf
+
+        return run_hf(loaded, batch, prompts, generation, warmup)
 
     cfg = dataclasses.replace(
         base, method=s.method, num_masks=max(s.num_masks, 1), tree=s.tree or base.tree, max_batch_size=batch,
@@ -166,8 +182,23 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**first, "seconds": seconds}
 
 
+def token_mismatch_rate(outputs: list[list[int]], references: list[list[int]]) -> Optional[float]:
+    """Divergences per compared token: each output is compared with its reference up to and including the first
+    token that differs (a divergence) or to the shorter end; later tokens are not comparable.
+
+    Example: [1, 2, 3] vs [1, 2, 4] and [5, 6] vs [5, 6] -> 1 divergence in 3 + 2 tokens = 0.2."""
+    diverged, compared = 0, 0
+    for out, ref in zip(outputs, references):
+        n = min(len(out), len(ref))
+        first = next((i for i in range(n) if out[i] != ref[i]), None)
+        diverged += first is not None
+        compared += n if first is None else first + 1
+    return diverged / compared if compared else None
+
+
 def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any], prompts: list[Prompt],
-              curve: Any, max_new_tokens: int, tolerance: float) -> list[dict[str, Any]]:
+              curve: Any, max_new_tokens: int, tolerance: float, hf_run: Optional[dict[str, Any]] = None
+              ) -> list[dict[str, Any]]:
     """One record per category and one for ALL."""
     from esp_worker import RequestStats
     from esp_worker.cost_model import predict_speedup
@@ -186,35 +217,44 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
         ar_secs = sum(ar_run["seconds"][c] for c in {p.category for p in ps})
         ar_tokens = sum(len(ar_run["outputs"][p.id].token_ids) for p in ps)
         ar_tps[cat] = ar_tokens / ar_secs if ar_secs else None
+        hf_tps = None
+        if hf_run is not None:
+            hf_secs = sum(hf_run["seconds"][c] for c in {p.category for p in ps})
+            hf_tps = sum(len(hf_run["outputs"][p.id].token_ids) for p in ps) / hf_secs if hf_secs else None
         tokens = sum(len(o.token_ids) for o in outs)
         tps = tokens / secs if secs else None
         tau = st.tau
         fed = sum(q * n for q, n in st.block_size_histogram.items())
         block = fed / st.num_decode_passes if st.num_decode_passes else None
         exact = sum(o.token_ids == ar_run["outputs"][p.id].token_ids for o, p in zip(outs, ps)) / len(ps)
+        mismatch = token_mismatch_rate([o.token_ids for o in outs], [ar_run["outputs"][p.id].token_ids for p in ps])
         rec = dict(
             method=s.method, setting=s.label, block_complexity=s.block_complexity, num_masks=s.num_masks,
             tree=s.tree, expansion=s.expansion, batch_size=batch, category=cat, num_prompts=len(ps), num_generated_tokens=tokens,
             num_decode_passes=st.num_decode_passes, tau=tau,
             accepted_per_pass=(st.num_accepted_drafts / st.num_decode_passes if st.num_decode_passes else None),
             calls_saved=(1 - 1 / tau if tau else None), mean_block_size=block, time_s=secs, tokens_per_s=tps,
-            speedup_vs_ar=(tps / ar_tps[cat] if tps and ar_tps[cat] else None), exact_match_rate=exact,
+            speedup_vs_ar=(tps / ar_tps[cat] if tps and ar_tps[cat] else None),
+            speedup_vs_hf=(tps / hf_tps if tps and hf_tps else None), exact_match_rate=exact,
+            token_mismatch_rate=mismatch,
             errors=sum(o.error is not None for o in outs),
             # tokens fed per sequence per pass -> passes (shows what block_complexity=auto chose)
             block_sizes=" ".join(f"{q}:{n}" for q, n in sorted(st.block_size_histogram.items())),
         )
         rec["predicted_speedup"] = None
         rec["within_tolerance"] = None
-        if curve is not None and tau and block:
+        if curve is not None and tau and block and s.method != "hf":
             cache = sum(len(p.ids) for p in ps) / len(ps) + max_new_tokens / 2
             rec["predicted_speedup"] = predict_speedup(tau, block, curve, batch=batch, cache_len=cache)
             if rec["speedup_vs_ar"]:
                 rec["within_tolerance"] = abs(rec["speedup_vs_ar"] / rec["predicted_speedup"] - 1) <= tolerance
-        if cat == ALL or len(groups) == 1:
-            t = run["timing"]
-            rec["host_overhead"] = (t["decode_s"] - t["model_s"]) / t["decode_s"] if t.get("decode_s") else None
-        else:
-            rec["host_overhead"] = None
+        t, t_ar = run["timing"], ar_run["timing"]
+        whole = cat == ALL or len(groups) == 1
+        rec["host_overhead"] = (t["decode_s"] - t["model_s"]) / t["decode_s"] if whole and t.get("decode_s") else None
+        # peak KV-cache bytes of the run (the whole run, so on every record), and against ar's
+        rec["peak_cache_mb"] = t["peak_cache_bytes"] / 2**20 if t.get("peak_cache_bytes") else None
+        rec["cache_vs_ar"] = (t["peak_cache_bytes"] / t_ar["peak_cache_bytes"]
+                              if t.get("peak_cache_bytes") and t_ar.get("peak_cache_bytes") else None)
         records.append(rec)
     return records
 
@@ -252,6 +292,8 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     prompts, skipped = load_prompts(cfg, loaded.tokenizer)
     if not prompts:
         raise ValueError(f"no usable prompt in {cfg.data.path or 'the bundled prompts'}")
+    if b.mixed_max_new_tokens:
+        mix_lengths(prompts, b.mixed_max_new_tokens)
     g = cfg.generation
     generation = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                       stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos)
@@ -275,12 +317,15 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
                 runs[s].append(run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve))
                 log.info("%-24s batch %d repeat %d/%d (%.1fs)", s.label, batch, r + 1, b.repeats, time.perf_counter() - t0)
         ar_run = median_run(runs[settings[0]])
+        hf = [s for s in settings if s.method == "hf"]
+        hf_run = median_run(runs[hf[0]]) if hf else None
         for s in settings:
-            recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance)
+            recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance, hf_run)
             records += recs
             top = recs[-1]
-            log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s, exact %s", s.label, batch, fmt(top["tau"]),
-                     fmt(top["tokens_per_s"], 1), fmt(top["speedup_vs_ar"]), fmt(top["exact_match_rate"]))
+            log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s (vs hf %s), exact %s", s.label, batch,
+                     fmt(top["tau"]), fmt(top["tokens_per_s"], 1), fmt(top["speedup_vs_ar"]),
+                     fmt(top["speedup_vs_hf"]), fmt(top["exact_match_rate"]))
     (out / "bench.json").write_text(json.dumps(records, indent=1))
     write_table(out / "bench.csv", records)
     plots = bench_plots(out, records, curve, b.tolerance)
@@ -296,7 +341,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="python -m jobs.bench",
         description="Benchmark ar/pld/stand/lade/esp on the same prompts: tau, tokens/s, speedup, exact match.",
         epilog="examples:\n  python -m jobs.bench data.path=prompts.jsonl bench.methods=[ar,pld,esp] "
-        "bench.block_complexities=[30]\n\nsections: model.* data.* engine.* generation.* output.* bench.*",
+        "bench.block_complexities=[30]\n\n"
+        "only the Hugging Face comparison rows (hf generate, ar, esp BC 30), quickly:\n"
+        "  batch 1:  python -m jobs.bench MODEL DATA bench.methods=[ar,esp] bench.block_complexities=[30] "
+        "bench.num_masks=[1] bench.trees=[static] bench.cost_curve=false bench.repeats=3 data.limit=12\n"
+        "  batch 16, mixed lengths: the same with bench.batch_sizes=[16] bench.mixed_max_new_tokens=[16,128]\n"
+        "  (MODEL = model.name_or_path=..., DATA = data.path=...; bench.hf_baseline=false drops the hf row)\n\n"
+        "sections: model.* data.* engine.* generation.* output.* bench.*",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")

@@ -34,6 +34,9 @@ class BenchSection:
     cost_max_block: int = 128  # blocks Q = 1, 2, 4, ... up to this
     cost_repeats: int = 5
     tolerance: float = 0.25  # |measured / predicted speedup - 1| allowed before the report flags a setting
+    hf_baseline: bool = True  # also run Hugging Face model.generate on the same prompts (row "hf generate")
+    # [lo, hi]: each prompt asks for its own max_new_tokens in [lo, hi] (deterministic per id); [] = generation.*
+    mixed_max_new_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -73,3 +76,5 @@ def validate_bench(cfg: DictConfig) -> None:
     need(b.cost_max_block >= 1 and b.cost_repeats >= 1, "bench.cost_max_block and bench.cost_repeats must be >= 1")
     need(len(b.cost_cache_lens) > 0 and all(c >= 1 for c in b.cost_cache_lens), "bench.cost_cache_lens must be >= 1")
     need(b.tolerance > 0, "bench.tolerance must be > 0")
+    m = list(b.mixed_max_new_tokens)
+    need(not m or (len(m) == 2 and 1 <= m[0] <= m[1]), "bench.mixed_max_new_tokens must be [] or [lo, hi] with 1 <= lo <= hi")

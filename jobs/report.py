@@ -496,6 +496,7 @@ def bench_plots(out: Path, records: list[dict[str, Any]], curve: Any, tolerance:
     batch = records[0]["batch_size"]
     rows = [r for r in records if r["batch_size"] == batch]
     cats = list(dict.fromkeys(r["category"] for r in rows if r["category"] != ALL)) or [ALL]
+    rows = [r for r in rows if r["method"] != "hf"]  # hf generate has no tau or block size
     bcs = sorted({r["block_complexity"] for r in rows if r["method"] != "ar"}, key=_bc_key) or [1]
     fig, axes = plt.subplots(len(bcs), 1, figsize=(max(7, 1.3 * len(cats) + 4), 3.4 * len(bcs)), squeeze=False)
     for ax, bc in zip(axes[:, 0], bcs):
@@ -536,7 +537,7 @@ def bench_plots(out: Path, records: list[dict[str, Any]], curve: Any, tolerance:
         a1.set_ylabel("time(Q) / time(1)")
         a1.set_title("cost of one pass")
         a1.legend()
-        pts = [r for r in records if r["category"] == overall[0]["category"] and r["method"] != "ar"
+        pts = [r for r in records if r["category"] == overall[0]["category"] and r["method"] not in ("ar", "hf")
                and r["predicted_speedup"] and r["speedup_vs_ar"]]
         if pts:
             pred = [r["predicted_speedup"] for r in pts]
@@ -564,6 +565,13 @@ def bench_plots(out: Path, records: list[dict[str, Any]], curve: Any, tolerance:
     return names
 
 
+def _length_note(cfg: Any) -> str:
+    lo_hi = cfg.bench.get("mixed_max_new_tokens") if hasattr(cfg.bench, "get") else None
+    if lo_hi:
+        return f"max_new_tokens drawn per prompt in [{lo_hi[0]}, {lo_hi[1]}] (hf generate runs each batch to its longest)"
+    return f"{cfg.generation.max_new_tokens} new tokens"
+
+
 def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str, Any]], curve: Any, plots: list[str],
                        env: dict[str, Any], skipped: int) -> None:
     """The benchmark's report.md in `out` (see jobs/bench.py for the records)."""
@@ -575,21 +583,22 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
         f"Command: `{command}`", "",
         f"Model `{cfg.model.name_or_path}` ({cfg.model.dtype}, {env['device']}), data `{cfg.data.path or 'bundled prompts'}` "
         f"({overall[0]['num_prompts']} prompts{f', {skipped} rows skipped for errors' if skipped else ''}), "
-        f"{cfg.generation.max_new_tokens} new tokens, temperature {cfg.generation.temperature}, "
+        f"{_length_note(cfg)}, temperature {cfg.generation.temperature}, "
         f"torch {env['torch']} with {env['torch_threads']} thread(s) on {env['machine']}; {b.warmup} warm-up prompt(s) per "
         f"setting, {b.repeats} timed repeat(s) per setting run round-robin (median time). tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
         "exact match are against `ar` in the same run.", "",
         "## All prompts", "",
-        "| setting | batch | tau | accepted/pass | 1-1/tau | tokens fed/pass | tokens/s | speedup | predicted | "
-        "host overhead | exact match |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | batch | tau | accepted/pass | 1-1/tau | tokens fed/pass | tokens/s | speedup | vs hf | predicted | "
+        "host overhead | KV cache MB (vs ar) | exact match | token mismatch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in overall:
+        mem = f"{fmt(r.get('peak_cache_mb'), 1)} ({fmt(r.get('cache_vs_ar'))})" if r.get("peak_cache_mb") else "-"
         lines.append(
             f"| {r['setting']} | {r['batch_size']} | {fmt(r['tau'])} | {fmt(r['accepted_per_pass'])} | "
             f"{fmt(r['calls_saved'])} | {fmt(r['mean_block_size'], 1)} | {fmt(r['tokens_per_s'], 1)} | "
-            f"{fmt(r['speedup_vs_ar'])} | {fmt(r['predicted_speedup'])} | {fmt(r['host_overhead'])} | "
-            f"{fmt(r['exact_match_rate'])} |"
+            f"{fmt(r['speedup_vs_ar'])} | {fmt(r.get('speedup_vs_hf'))} | {fmt(r['predicted_speedup'])} | "
+            f"{fmt(r['host_overhead'])} | {mem} | {fmt(r['exact_match_rate'])} | {fmt(r.get('token_mismatch_rate'), 4)} |"
         )
     auto = [r for r in overall if r["block_complexity"] == "auto"]
     if auto:

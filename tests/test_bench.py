@@ -31,22 +31,41 @@ def test_bench_end_to_end(tmp_path):
     ])
     assert code == 0
     records = json.loads((out / "bench.json").read_text())
-    assert {r["setting"] for r in records} == {"ar", "pld BC10", "esp k1 static BC10"}
+    assert {r["setting"] for r in records} == {"ar", "hf generate", "pld BC10", "esp k1 static BC10"}
     assert {r["category"] for r in records} == {"code", "mt-bench", "all"}
     for r in records:
         assert REQUIRED <= set(r)
         assert r["exact_match_rate"] == 1.0  # float32: every method reproduces ar
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0
     assert all(r["speedup_vs_ar"] == 1.0 for r in records if r["method"] == "ar")
+    assert all(r["speedup_vs_hf"] == 1.0 for r in records if r["method"] == "hf")
+    assert all(r["peak_cache_mb"] > 0 for r in records if r["method"] != "hf")
     assert next(r for r in records if r["setting"] == "ar" and r["category"] == "all")["num_prompts"] == 4
     with open(out / "bench.csv") as f:
         assert len(list(csv.DictReader(f))) == len(records)
     report = (out / "report.md").read_text()
-    assert "| esp k1 static BC10 | 1 |" in report and "tolerance" in report
+    assert "| esp k1 static BC10 | 1 |" in report and "| hf generate | 1 |" in report and "tolerance" in report
     for name in ("tau_by_category.png", "speedup_vs_bc.png", "cost_curve.png"):
         assert (out / name).stat().st_size > 1000 and f"]({name})" in report
     curve = CostCurve.from_dict(json.loads((out / "cost_curve.json").read_text()))
     assert curve.block_sizes == [1, 2, 4, 8, 16] and curve.relative_cost(1, 1, 16) == 1.0
+
+
+def test_bench_mixed_lengths_batched_hf_row(tmp_path):
+    """Per-prompt max_new_tokens in [lo, hi]; hf generate runs left-padded batches and still matches ar."""
+    data = tmp_path / "prompts.jsonl"
+    words = ["the cat sat on the mat", "def f(x):\n    return", "one two three one two", "abc abc abc", "x = 1\ny ="]
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n" for i, w in enumerate(words)))
+    out = tmp_path / "out"
+    code = main([
+        f"data.path={data}", f"output.dir={out}", "bench.methods=[ar]", "bench.batch_sizes=[3]",
+        "bench.mixed_max_new_tokens=[4,12]", "bench.warmup=0", "bench.cost_curve=false",
+    ])
+    assert code == 0
+    records = json.loads((out / "bench.json").read_text())
+    assert [r["setting"] for r in records] == ["ar", "hf generate"]
+    assert all(r["exact_match_rate"] == 1.0 and r["batch_size"] == 3 for r in records)
+    assert 5 * 4 <= records[0]["num_generated_tokens"] <= 5 * 12
 
 
 def test_bench_rejects_unknown_method(capsys):
@@ -72,3 +91,10 @@ def test_cost_curve_interpolation(batch, block, cache, expected):
 def test_predict_speedup():
     curve = CostCurve([1], [100], [1, 16], [[[0.01, 0.016]]])
     assert predict_speedup(2.0, 16, curve) == pytest.approx(1.25)
+
+
+def test_token_mismatch_rate():
+    from jobs.bench import token_mismatch_rate
+
+    assert token_mismatch_rate([[1, 2, 3], [5, 6]], [[1, 2, 4], [5, 6]]) == pytest.approx(0.2)
+    assert token_mismatch_rate([[1, 2]], [[1, 2, 3]]) == 0.0

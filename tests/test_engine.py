@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from engine_helpers import PROMPTS, reference, run, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request, RequestStats
@@ -15,30 +14,46 @@ from esp_worker import kv_cache
 from esp_worker.drafters.pld import PromptLookupDrafter
 
 
+def _slab(rows, slots, fill):
+    """A 1-layer KVCache with H = D = 1 whose key at (row, slot) is fill(row, slot); values = keys + 100."""
+    cache = kv_cache.new_cache(1)
+    cache.reserve(rows, slots)
+    cache.plan(0, rows, slots, 0)
+    keys = torch.tensor([[fill(r, s) for s in range(slots)] for r in range(rows)], dtype=torch.float32)
+    cache.update(keys[:, None, :, None], keys[:, None, :, None] + 100, 0)
+    cache.add_rows(rows)
+    return cache
+
+
 def test_kv_keep_packs_accepted_slots_per_row():
-    # 1 layer, B=2, H=1, D=1; slot value = slot index so moves are visible
-    keys = torch.arange(10, dtype=torch.float32).view(1, 1, 10, 1).repeat(2, 1, 1, 1)
-    cache = DynamicCache()
-    cache.update(keys.clone(), keys.clone() + 100, 0)
-    # cache_len [3, 5]; a pass appended slots 6..9 (Q = 4); row 0 keeps the root and the node at block
-    # index 2 (slots 6, 8), row 1 keeps the root only (slot 6; its second move lands beyond its length).
-    kv_cache.keep(cache, torch.tensor([[3, 4], [5, 6]]), torch.tensor([[6, 8], [6, 6]]), 6)
-    k = cache.layers[0].keys[:, 0, :, 0]
-    assert k.tolist() == [[0, 1, 2, 6, 8, 5], [0, 1, 2, 3, 4, 6]]
-    assert cache.layers[0].values[1, 0, :, 0].tolist() == [100, 101, 102, 103, 104, 106]
+    cache = _slab(2, 10, lambda r, s: s)  # slot value = slot index so moves are visible
+    # cache_len [3, 5]; a pass of Q = 4 wrote row 0 at slots 3..6 and row 1 at 5..8. Row 0 keeps the root and
+    # the node at block index 2 (slots 3, 5); row 1 keeps the root only (its second move is a no-op).
+    cache.keep(torch.tensor([[3, 4], [5, 6]]), torch.tensor([[3, 5], [5, 6]]))
+    k = cache.layers[0].keys[:2, 0, :7, 0]
+    assert k.tolist() == [[0, 1, 2, 3, 5, 5, 6], [0, 1, 2, 3, 4, 5, 6]]
+    assert cache.layers[0].values[0, 0, :5, 0].tolist() == [100, 101, 102, 103, 105]
 
 
-def test_kv_select_and_append_rows():
-    def cache_of(n, length):
-        c = DynamicCache()
-        t = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 1, length, 2).contiguous()
-        c.update(t, t, 0)
-        return c
-    a, b = cache_of(3, 4), cache_of(2, 6)
-    kv_cache.select_rows(a, torch.tensor([2, 0]))
-    merged = kv_cache.append_rows(a, b)
-    assert merged.layers[0].keys.shape == (4, 1, 6, 2)
-    assert merged.layers[0].keys[:, 0, 0, 0].tolist() == [2, 0, 0, 1]
+def test_kv_block_written_in_place_per_row():
+    cache = _slab(2, 8, lambda r, s: 0)
+    cache.plan(0, 2, 6, torch.tensor([2, 4]))  # rows write their Q = 2 new slots at 2..3 and 4..5
+    new = torch.tensor([[1.0, 2.0], [3.0, 4.0]])[:, None, :, None]
+    k, _ = cache.update(new, new, 0)
+    assert k.shape == (2, 1, 6, 1)
+    assert k[:, 0, :, 0].tolist() == [[0, 0, 1, 2, 0, 0], [0, 0, 0, 0, 3, 4]]
+
+
+def test_kv_select_rows_compacts_and_capacity_stays_bounded():
+    cache = _slab(3, 40, lambda r, s: r)
+    cache.select_rows(torch.tensor([2, 0]))
+    assert cache.num_rows == 2 and cache.layers[0].keys[:2, 0, 0, 0].tolist() == [2, 0]
+    cache.reserve(4, 40)  # two more rows join: rows 0..1 and their slots survive the growth
+    assert cache.layers[0].keys.shape[0] == 4 and cache.layers[0].keys[:2, 0, 39, 0].tolist() == [2, 0]
+    for n in (100, 1000, 5000):
+        assert n <= kv_cache.bucket(n) <= 1.125 * n + 16
+    cache.reserve(1, 40)  # one live row: the buffers shrink to it
+    assert cache.nbytes() == 2 * 1 * kv_cache.bucket(40) * 4
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ class Block:
     layout: BlockLayout  # visible [B|1, Q, Q], rel_pos [B|1, Q]
     # [B, A, D] input embeddings placed after the tree slots (ESP: T * k mask tokens); None when A = 0
     aux_embeds: Optional[torch.Tensor]
-    max_depth: int  # deepest node in any row's tree
+    max_depth: int  # deepest node in any row's tree, or an upper bound on it (host int: no device read)
 
 
 @dataclass
@@ -117,7 +117,11 @@ class Drafter(ABC):
     def block(self, tree: DraftTree, aux_embeds: Optional[torch.Tensor] = None, max_depth: Optional[int] = None) -> Block:
         """A block of `tree` followed by this drafter's masks (when aux_embeds holds them, T * k inputs)."""
         lay = self.layout_for(tree, self.num_masks if aux_embeds is not None else 0)
-        depth = int(lay.depth.max()) if max_depth is None else max_depth
+        if max_depth is None and lay.max_depth is None:
+            max_depth = int(lay.depth.max())  # a device read; cached for static shapes (once per shape)
+            if tree.static_key is not None:
+                lay.max_depth = max_depth
+        depth = lay.max_depth if max_depth is None else max_depth
         return Block(tree=tree, layout=lay, aux_embeds=aux_embeds, max_depth=depth)
 
 

@@ -114,6 +114,7 @@ class ESPDrafter(Drafter):
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         st = view.state
+        committed = result.committed.shape[1]  # host bound on the tokens this pass committed per row
         if result.mask_hidden is not None:
             lp = torch.log_softmax(self.logits(result.mask_hidden), dim=-1)  # [B, k, V]
             top = lp.topk(min(self.num_cand, lp.shape[-1]), dim=-1)
@@ -121,21 +122,29 @@ class ESPDrafter(Drafter):
             st["cand_lp"] = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
             st["cand_ids"] = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
             st["has_probe"] = torch.ones_like(st["has_probe"])
-            self._catch_up(view)
+            if result.prefill:
+                self._catch_up(view, committed)
+            else:
+                self._catch_up(view, self._lag + committed)
+                self._lag = 0
         elif not result.prefill:
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
             # until masks are fed again (_catch_up replays the committed tokens from the history)
             st["has_probe"] = torch.zeros_like(st["has_probe"])
+            self._lag += committed
         else:
-            self._catch_up(view)
+            self._catch_up(view, committed)
 
-    def _catch_up(self, view: RowsView) -> None:
+    _lag = 0  # host bound on max(hist_len - m_len) over the batch rows: tokens the EMA still owes
+
+    def _catch_up(self, view: RowsView, bound: int) -> None:
         """Apply the EMA for every token committed since m was last updated, in order:
-        m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i] over the n tokens e_i = hist[m_len:hist_len]."""
+        m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i] over the n tokens e_i = hist[m_len:hist_len].
+        `bound` >= every row's n is known on the host, so the width of the gather needs no device read."""
         st = view.state
         lam = self.ema_lambda
         gap = view.hist_len - st["m_len"]  # [B]
-        g = int(gap.max())
+        g = bound
         if lam > 0 and g > 0:
             i = torch.arange(g, device=gap.device)[None]
             idx = (st["m_len"][:, None] + i).clamp(max=view.hist.shape[1] - 1)
@@ -160,20 +169,24 @@ class ESPDrafter(Drafter):
         n = self.num_nodes if num_nodes is None else num_nodes
         if n < 0:
             return self.block(DraftTree.root_only(view.root), None, max_depth=0)
+        # depth: the tree's depth (static shapes) or a bound on it (a dynamic tree is never deeper than k),
+        # known on the host so that no pass reads it from the device
         if n == 0:
-            tree = DraftTree.root_only(view.root)
+            tree, depth = DraftTree.root_only(view.root), 0
         elif self.num_masks == 1:
             # one mask: Algorithm 1 keeps the n most probable depth-1 candidates, which is the static tree [n]
-            tree = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], [n])
+            tree, depth = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], [n]), 1
         elif self.tree_mode == "static":
             branches = self.branches if n == self.num_nodes else static_branches((self.num_masks + 1) * (n + 1), self.num_masks)
-            tree = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], branches)
+            tree, depth = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], branches), len(branches)
         else:
-            tree = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"], n)
-        tree.valid &= st["has_probe"][:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0)
-        self._catch_up(view)  # after plain passes m still owes their tokens
+            tree, depth = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"], n), min(self.num_masks, n)
+        tree.valid = tree.valid & (st["has_probe"][:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0))
+        if self._lag:
+            self._catch_up(view, self._lag)  # after plain passes m still owes their tokens
+            self._lag = 0
         aux = self._mask_embeds(st["m"], tree.num_slots)
-        return self.block(tree, aux)
+        return self.block(tree, aux, max_depth=depth)
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:
         """[B, max_nodes] probe probability of each node of the largest tree, best first (0 without a probe).

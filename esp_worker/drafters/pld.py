@@ -67,12 +67,14 @@ class PromptLookupDrafter(Drafter):
     def observe(self, view: RowsView, result: PassResult) -> None:
         if result.block is None:
             return
-        valid = result.block.tree.valid[:, 1:].float().cpu()  # [B, depth]
-        accepted = (result.num_committed - 1).clamp(min=0).cpu()  # [B]
+        valid = result.block.tree.valid[:, 1:].float()  # [B, depth]
+        accepted = (result.num_committed - 1).clamp(min=0)  # [B]
         d = valid.shape[1]
         if d == 0:
             return
-        steps = torch.arange(d)[None]
+        if self.reached.device != valid.device:  # the counters live where the rows do: no device read
+            self.reached, self.accepted = self.reached.to(valid.device), self.accepted.to(valid.device)
+        steps = torch.arange(d, device=valid.device)[None]
         reached = valid * (steps <= accepted[:, None])  # node offered and its parent accepted
         self.reached[:d] = 0.99 * self.reached[:d] + reached.sum(0)
         self.accepted[:d] = 0.99 * self.accepted[:d] + (valid * (steps < accepted[:, None])).sum(0)

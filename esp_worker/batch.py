@@ -1,0 +1,171 @@
+"""Batch-row bookkeeping: the rows in flight, their tensors, host mirrors and per-row statistics counters.
+
+Every tensor in `Rows.t` / `Rows.state` is [B, ...] and moves with `select` (rows leave) and `extend` (rows
+join). Statistics are counted on the device with tensor ops (`count`) and turned into a RequestStats once,
+when a row retires; passes and block sizes are the same for every row of a pass, so they are counted once
+per pass on the host and each row keeps the counts it saw at admission.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .drafters import RowsView
+from .kv_cache import KVCache
+from .sampling import UniformStreams
+from .types import Request, RequestStats
+
+STAT_WIDTH = 16  # initial width of the per-depth / per-count histograms (grown when a deeper block comes)
+
+
+@dataclass
+class Seq:
+    req: Request
+    prompt_ids: list[int]
+    seed: int
+    stats: RequestStats
+    t0: float = 0.0
+    passes0: int = 0  # engine decode passes before this row joined
+    sizes0: dict[int, int] = field(default_factory=dict)  # block size -> passes, before this row joined
+
+
+@dataclass
+class PassCounter:
+    """Decode passes and block sizes seen by the whole batch (host side, one update per pass)."""
+
+    passes: int = 0
+    sizes: collections.Counter = field(default_factory=collections.Counter)
+
+    def add(self, block_size: int) -> None:
+        self.passes += 1
+        self.sizes[block_size] += 1
+
+    def since(self, seq: Seq) -> tuple[int, dict[int, int]]:
+        sizes = {q: n - seq.sizes0.get(q, 0) for q, n in self.sizes.items()}
+        return self.passes - seq.passes0, {q: n for q, n in sorted(sizes.items()) if n}
+
+
+@dataclass
+class Rows:
+    """Row-indexed batch state. `lens` mirrors t["hist_len"] on the host (read once per pass)."""
+
+    seqs: list[Seq]
+    # hist, hist_len, prompt_len, max_total, temperature, top_p, top_k, stop_ids, and statistics counters:
+    # drafted [B], accepted [B], acc_depth [B, W] (passes whose path reached depth d+1), committed_hist [B, W+1]
+    t: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]  # drafter state
+    uniforms: UniformStreams
+    cache: KVCache
+    reason: Optional[torch.Tensor] = None  # [B] finish reason code (0 = running)
+    lens: list[int] = field(default_factory=list)  # host copy of hist_len
+    done: list[int] = field(default_factory=list)  # host copy of reason
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def sampling(self) -> bool:
+        return any(s.req.params.temperature > 0 for s in self.seqs)
+
+    @property
+    def has_stop_strings(self) -> bool:
+        return any(s.req.params.stop_strings for s in self.seqs)
+
+    def view(self) -> RowsView:
+        t = self.t
+        return RowsView(t["hist"], t["hist_len"], t["prompt_len"], [s.seed for s in self.seqs], self.state)
+
+    def consumed(self) -> list[int]:
+        """Uniforms each row has consumed: one per generated token (host mirror, no read)."""
+        return [n - len(s.prompt_ids) for n, s in zip(self.lens, self.seqs)]
+
+    def read_back(self) -> None:
+        """The one host read of a pass: lengths and finish reasons, as one small tensor."""
+        both = torch.stack([self.t["hist_len"], self.reason]).tolist()
+        self.lens, self.done = both[0], both[1]
+
+    def select(self, keep: list[int]) -> None:
+        rows = torch.tensor(keep, dtype=torch.long, device=self.reason.device)
+        self.seqs = [self.seqs[i] for i in keep]
+        self.lens = [self.lens[i] for i in keep]
+        self.done = [self.done[i] for i in keep]
+        self.t = {k: v.index_select(0, rows) for k, v in self.t.items()}
+        self.state = {k: v.index_select(0, rows) for k, v in self.state.items()}
+        self.uniforms.select(rows, keep)
+        self.cache.select_rows(rows)
+        self.reason = self.reason.index_select(0, rows)
+
+    def extend(self, other: "Rows") -> None:
+        """Append `other`'s rows (prefilled into this batch's cache, rows len(self) ..)."""
+        self.cache.add_rows(len(other))
+        if not self.seqs:
+            self.seqs, self.t, self.state, self.reason = other.seqs, other.t, other.state, other.reason
+            self.uniforms, self.lens, self.done = other.uniforms, other.lens, other.done
+            return
+        self.seqs = self.seqs + other.seqs
+        self.lens, self.done = self.lens + other.lens, self.done + other.done
+        self.t = {k: _cat_rows(v, other.t[k], -1 if k == "stop_ids" else 0) for k, v in self.t.items()}
+        self.state = {k: _cat_rows(v, other.state[k], 0) for k, v in self.state.items()}
+        self.uniforms.append_from(other.uniforms)
+        self.reason = torch.cat([self.reason, other.reason])
+
+    def ensure_capacity(self, extra: int) -> None:
+        """Room in `hist` for `extra` more tokens per row (host-known lengths: no read)."""
+        hist = self.t["hist"]
+        need = max(self.lens) + extra
+        if need > hist.shape[1]:
+            cap = max(need, 2 * hist.shape[1])
+            self.t["hist"] = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
+
+    # ---- statistics --------------------------------------------------------------------------------
+    def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: torch.Tensor, max_committed: int) -> None:
+        """Add one pass to the per-row counters (tensor ops only). n_fin, n_raw, drafted: [B]."""
+        t = self.t
+        width = t["acc_depth"].shape[1]
+        if max_committed + 1 > width:  # a deeper block than any before: widen (host-known size, no read)
+            grow = max(max_committed + 1, 2 * width) - width
+            t["acc_depth"] = torch.nn.functional.pad(t["acc_depth"], (0, grow))
+            t["committed_hist"] = torch.nn.functional.pad(t["committed_hist"], (0, grow))
+            width += grow
+        acc = torch.minimum(n_raw - 1, n_fin)  # [B] accepted drafts that were kept
+        t["drafted"] += drafted
+        t["accepted"] += acc
+        t["acc_depth"] += (torch.arange(width, device=acc.device)[None] < acc[:, None]).long()
+        t["committed_hist"].scatter_add_(1, n_fin[:, None], torch.ones_like(n_fin)[:, None])
+
+
+def new_counters(b: int, device: torch.device) -> dict[str, torch.Tensor]:
+    z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
+    return {"drafted": z(b), "accepted": z(b), "acc_depth": z(b, STAT_WIDTH), "committed_hist": z(b, STAT_WIDTH + 1)}
+
+
+def finish_stats(st: RequestStats, counters: list, num_generated: int, passes: int, sizes: dict[int, int]) -> None:
+    """Fill `st` from one row's counters ([drafted, accepted, acc_depth list, committed_hist list], host)."""
+    drafted, accepted, acc_depth, committed = counters
+    st.num_generated_tokens = num_generated
+    st.num_decode_passes = passes
+    st.num_decode_tokens = max(num_generated - 1, 0)  # the prefill commits the first token
+    st.num_drafted_tokens = drafted
+    st.num_accepted_drafts = accepted
+    st.accepted_per_depth = _trim(acc_depth)
+    st.committed_histogram = _trim(committed)
+    st.block_size_histogram = sizes
+
+
+def _trim(xs: list[int]) -> list[int]:
+    n = len(xs)
+    while n and xs[n - 1] == 0:
+        n -= 1
+    return xs[:n]
+
+
+def _cat_rows(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:
+    if a.ndim >= 2 and a.shape[1:] != b.shape[1:]:
+        # pad dim 1 (history capacity, stop-id lists, histogram widths) to the larger size
+        width = max(a.shape[1], b.shape[1])
+        a = torch.nn.functional.pad(a, (0, 0) * (a.ndim - 2) + (0, width - a.shape[1]), value=fill)
+        b = torch.nn.functional.pad(b, (0, 0) * (b.ndim - 2) + (0, width - b.shape[1]), value=fill)
+    return torch.cat([a, b])

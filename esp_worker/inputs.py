@@ -1,0 +1,48 @@
+"""Attention bias and positions for one forward over a block, shared by prefill and decode passes.
+
+Cache layout (kv_cache.py): row b's cached slots 0 .. cache_len[b]-1 hold positions 0 .. cache_len[b]-1; the
+block's Q inputs are written at slots cache_len[b] .. cache_len[b]+Q-1. A query sees every cached slot of its
+row and the block slots its in-block visibility allows; stale slots (from earlier, longer blocks or other
+rows' lengths) are never visible.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def attention_bias(
+    in_block: torch.Tensor,  # [B|1, Q, Q] bool: block input i may attend to block input j
+    cache_len: Optional[torch.Tensor],  # [B] cached slots per row; None = empty cache (prefill)
+    position_ids: torch.Tensor,  # [B, Q] positions of the block inputs
+    view_len: int,  # S: key slots the model sees (>= max cache_len + Q)
+    dtype: torch.dtype,
+    window: Optional[int] = None,  # sliding attention window (keys at distance >= window are hidden)
+) -> torch.Tensor:
+    """Additive bias [B, 1, Q, S]: 0 where visible, finfo.min elsewhere (eager needs finite values).
+
+    Example: cache_len [2], Q = 2 (chain), S = 4: query 0 sees slots {0, 1, 2}, query 1 sees {0, 1, 2, 3}.
+    """
+    b, q = position_ids.shape
+    dev = position_ids.device
+    if cache_len is None:  # prefill: the block is the whole view
+        assert view_len == q
+        visible = in_block.expand(b, q, q)
+        key_pos = position_ids
+    else:
+        slots = torch.arange(view_len, device=dev)  # [S]
+        rel = slots[None] - cache_len[:, None]  # [B, S] block index of each slot; < 0 = cached prefix
+        prefix = rel < 0
+        if q == 1:  # plain decoding: the prefix and the root itself
+            visible = (rel <= 0)[:, None, :]
+            key_pos = slots[None].expand(b, -1)
+        else:
+            idx = rel.clamp(0, q - 1)  # [B, S]
+            visible = in_block.expand(b, q, q).gather(2, idx[:, None, :].expand(b, q, view_len))
+            visible = (visible & (rel < q)[:, None, :]) | prefix[:, None, :]  # [B, Q, S]
+            key_pos = torch.where(prefix, slots[None], position_ids.gather(1, idx))
+    if window is not None:
+        visible = visible & ((position_ids[:, :, None] - key_pos[:, None, :]) < window)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=dev)
+    return bias.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]

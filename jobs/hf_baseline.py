@@ -1,0 +1,65 @@
+"""Hugging Face `model.generate` on the bench's prompts, as a user would run it: a baseline row of every bench.
+
+Batch 1: one prompt at a time. Batch B: prompts in input order, B at a time, left-padded with an attention
+mask; each batch runs to its longest request's `max_new_tokens` (generate takes one value per call), and each
+row's output is then cut at its own `max_new_tokens` and first stop id, so the tokens counted are the tokens
+that row asked for. Sampling (temperature > 0) uses generate's own sampler, seeded once per batch.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def hf_generate(loaded: Any, prompts: list[Any], generation: dict[str, Any], batch: int) -> dict[str, list[int]]:
+    """{prompt id: generated token ids} for `prompts` (each a bench Prompt with .id, .ids, .params)."""
+    model, tok = loaded.model, loaded.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (loaded.eos_token_ids or (0,))[0]
+    out: dict[str, list[int]] = {}
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i: i + batch]
+        params = [{**generation, **p.params} for p in chunk]
+        longest = max(len(p.ids) for p in chunk)
+        ids = torch.full((len(chunk), longest), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(chunk):  # left padding
+            ids[r, longest - len(p.ids):] = torch.tensor(p.ids)
+            mask[r, longest - len(p.ids):] = 1
+        temp = float(params[0].get("temperature", 0.0))
+        kw: dict[str, Any] = dict(do_sample=False)
+        if temp > 0:
+            torch.manual_seed(i)
+            kw = dict(do_sample=True, temperature=temp, top_p=float(params[0].get("top_p", 1.0)),
+                      top_k=int(params[0].get("top_k", 0)) or None)
+        with torch.inference_mode():
+            gen = model.generate(ids.to(loaded.device), attention_mask=mask.to(loaded.device), pad_token_id=pad,
+                                 max_new_tokens=max(int(x["max_new_tokens"]) for x in params),
+                                 eos_token_id=list(loaded.eos_token_ids) or None, **kw)
+        for r, (p, x) in enumerate(zip(chunk, params)):
+            row = gen[r, longest:].tolist()[: int(x["max_new_tokens"])]
+            stops = set(x.get("stop_token_ids", ())) | (set() if x.get("ignore_eos") else set(loaded.eos_token_ids))
+            end = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
+            out[p.id] = row[:end]
+    return out
+
+
+def run_hf(loaded: Any, batch: int, prompts: list[Any], generation: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """Same shape as bench.run_setting's result: outputs (RequestOutput per id), seconds per category, timing."""
+    from esp_worker import RequestOutput, RequestStats
+
+    if warmup:
+        hf_generate(loaded, prompts[:warmup], generation, batch)
+    outputs, seconds = {}, {}
+    for cat in dict.fromkeys(p.category for p in prompts):
+        ps = [p for p in prompts if p.category == cat]
+        t0 = time.perf_counter()
+        got = hf_generate(loaded, ps, generation, batch)
+        seconds[cat] = time.perf_counter() - t0
+        for p in ps:
+            n = len(got[p.id])
+            stats = RequestStats(num_prompt_tokens=len(p.ids), num_generated_tokens=n, num_decode_passes=max(n - 1, 0),
+                                 num_decode_tokens=max(n - 1, 0), block_size_histogram={1: max(n - 1, 0)})
+            outputs[p.id] = RequestOutput(id=p.id, token_ids=got[p.id], text="", finish_reason=None, stats=stats)
+    return {"outputs": outputs, "seconds": seconds, "timing": {}}

@@ -1,0 +1,99 @@
+"""A decode pass reads the device at most once (Rows.read_back): no .item() / .tolist() / bool() between
+propose and commit. On CPU the reads are counted by wrapping the Tensor methods that copy a value to the
+host; on a GPU, torch.cuda.set_sync_debug_mode("error") makes any synchronisation inside the pass raise."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from engine_helpers import PROMPTS, reference, run, tiny
+from esp_worker import EngineConfig, GenerationParams
+from esp_worker.batch import Rows
+from esp_worker.engine import Engine
+
+READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+SETTINGS = [
+    dict(method="ar"),
+    dict(method="pld", block_complexity=10),
+    dict(method="esp", num_masks=1, block_complexity=30, tree="static"),
+    dict(method="esp", num_masks=2, block_complexity=30, tree="dynamic"),
+]
+
+
+@contextlib.contextmanager
+def count_reads_per_pass(monkeypatch):
+    """Yields a dict: passes, reads (host reads of tensor values made inside Engine._step)."""
+    seen = {"passes": 0, "reads": 0, "inside": False, "where": []}
+    for name in READS:
+        orig = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name, **kw):
+            if seen["inside"]:
+                seen["reads"] += 1
+                if len(seen["where"]) < 5:
+                    import traceback
+                    seen["where"].append((_name, traceback.format_stack(limit=4)[-2]))
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    step = Engine._step
+
+    def counted_step(self, rows):
+        seen["passes"] += 1
+        seen["inside"] = True
+        try:
+            return step(self, rows)
+        finally:
+            seen["inside"] = False
+
+    monkeypatch.setattr(Engine, "_step", counted_step)
+    yield seen
+
+
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_at_most_one_host_read_per_decode_pass(monkeypatch, setting, batch, temperature):
+    lm = tiny("llama")
+    cfg = EngineConfig(max_batch_size=batch, **SETTINGS[setting])
+    with count_reads_per_pass(monkeypatch) as seen:
+        outs = run(lm, cfg, GenerationParams(max_new_tokens=32, temperature=temperature, seed=1))
+    assert all(o.error is None for o in outs)
+    assert seen["passes"] > 0
+    assert seen["reads"] <= seen["passes"], (seen["reads"], seen["passes"], seen["where"])
+    if temperature == 0:
+        assert [tuple(o.token_ids) for o in outs] == [r[:32] for r in reference("llama", "sdpa")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_no_synchronisation_inside_a_pass_on_gpu(monkeypatch, setting):
+    from esp_worker import ModelConfig
+    from esp_worker.model_io import load_model
+
+    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda"))
+    step, read_back = Engine._step, Rows.read_back
+
+    def strict_step(self, rows):
+        self.runner.timed = False
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(self, rows)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def allowed_read_back(self):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return read_back(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(Engine, "_step", strict_step)
+    monkeypatch.setattr(Rows, "read_back", allowed_read_back)
+    outs = run(lm, EngineConfig(max_batch_size=4, **SETTINGS[setting]), GenerationParams(max_new_tokens=16))
+    assert all(o.error is None for o in outs)
