@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-METHODS = ("ar", "esp", "pld", "stand", "lade")
+METHODS = ("ar", "esp", "pld", "stand", "lade", "cp_heads")
 TREES = ("static", "dynamic")
 EXPANSIONS = ("top1", "frontier")
 MASK_INITS = ("mean", "last_k", "sample", "offset")
@@ -28,7 +28,7 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    method: str = "esp"  # ar | esp | pld | stand | lade
+    method: str = "esp"  # ar | esp | pld | stand | lade | cp_heads
     # Tokens fed per decode pass per sequence: (k+1) * (1 + num draft nodes) for ESP. "auto" (esp, pld):
     # chosen per pass from a measured cost curve and the rows' expected acceptance, plain decoding included.
     block_complexity: Union[int, str] = 30
@@ -66,6 +66,8 @@ class EngineConfig:
     lade_window: int = 0  # W: lookahead window width
     lade_guess: int = 0  # G: n-grams verified per pass
     lade_pool_size: int = 1024  # n-grams remembered per sequence (least recently seen evicted first)
+    # Trained rank-r CP multi-token heads (cp_heads): directory written by jobs.train_heads
+    heads_path: str = ""
 
     def validate(self) -> None:
         """Raise ValueError with a one-line, actionable message on a bad setting."""
@@ -83,8 +85,8 @@ class EngineConfig:
         if self.method == "esp" and not 1 <= self.num_masks <= 8:
             bad(f"engine.num_masks={self.num_masks} must be between 1 and 8")
         if self.block_complexity == "auto":
-            if self.method not in ("ar", "esp", "pld"):
-                bad(f"engine.block_complexity=auto supports methods esp and pld, not {self.method}; give a number")
+            if self.method not in ("ar", "esp", "pld", "cp_heads"):
+                bad(f"engine.block_complexity=auto supports methods esp, pld and cp_heads, not {self.method}; give a number")
             if self.auto_max_block < 2:
                 bad(f"engine.auto_max_block={self.auto_max_block} must be >= 2")
             return self._validate_rest(bad)
@@ -100,6 +102,8 @@ class EngineConfig:
         self._validate_rest(bad)
 
     def _validate_rest(self, bad) -> None:
+        if self.method == "cp_heads" and not self.heads_path:
+            bad("engine.method=cp_heads needs engine.heads_path (a directory written by jobs.train_heads)")
         if not 0.0 <= self.ema_lambda <= 1.0:
             bad(f"engine.ema_lambda={self.ema_lambda} must be in [0, 1]")
         if self.max_batch_size < 1:

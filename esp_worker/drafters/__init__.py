@@ -43,6 +43,12 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
         from .lade import LookaheadDrafter
 
         return LookaheadDrafter.from_config(cfg, runner)
+    if cfg.method == "cp_heads":
+        from ..cp_heads import load_heads
+        from .cp_heads import CPHeadsDrafter
+
+        heads = load_heads(cfg.heads_path, runner.model, runner.device)
+        return CPHeadsDrafter(heads, lambda z: runner.logits(z.to(runner.dtype)), cfg.block_complexity - 1)
     raise ValueError(f"engine.method={cfg.method!r} is unknown")
 
 
