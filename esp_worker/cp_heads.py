@@ -140,8 +140,9 @@ def heads_loss(
     unembed: Callable[[torch.Tensor], torch.Tensor],
     balance_coef: float,
 ) -> LossResult:
-    """Loss on T positions: e [T, E] hidden states, targets [T, n] the next n tokens of each position."""
-    assert targets.shape == (e.shape[0], heads.cfg.num_positions)
+    """Loss on T positions: e [T, E] hidden states, targets [T, n] the next n tokens of each position.
+    `heads` may be wrapped (DistributedDataParallel): it is only called."""
+    assert targets.shape == (e.shape[0], getattr(heads, "module", heads).cfg.num_positions)
     log_w, log_p = heads(e, unembed)  # [T, r], [T, r, n, V]
     idx = targets[:, None, :, None].expand(-1, log_p.shape[1], -1, 1)
     c = log_p.gather(-1, idx).squeeze(-1)  # [T, r, n]

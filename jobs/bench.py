@@ -45,7 +45,7 @@ class Setting:
     num_masks: int  # 0 unless esp
     tree: str  # "" unless esp
     expansion: str = "top1"  # esp dynamic trees
-
+    heads_path: str = ""  # cp_heads: directory of the trained heads
 
     @property
     def label(self) -> str:
@@ -54,11 +54,15 @@ class Setting:
         if self.method == "esp":
             tree = self.tree if self.expansion == "top1" else f"{self.tree}-{self.expansion}"
             return f"esp k{self.num_masks} {tree} BC{self.block_complexity}"
+        if self.method == "cp_heads":
+            return f"cp_heads {Path(self.heads_path).name} BC{self.block_complexity}"
         return f"{self.method} BC{self.block_complexity}"
 
     @property
     def family(self) -> str:
         """The label without the block complexity (one line in the speedup-vs-BC plot)."""
+        if self.method == "cp_heads":
+            return f"cp_heads {Path(self.heads_path).name}"
         if self.method != "esp":
             return self.method
         return f"esp k{self.num_masks} {self.tree if self.expansion == 'top1' else self.tree + '-' + self.expansion}"
@@ -83,8 +87,11 @@ def grid(bench: DictConfig) -> list[Setting]:
         if m == "ar":
             continue
         for bc in bench.block_complexities:
-            if bc == "auto" and m not in ("esp", "pld"):
+            if bc == "auto" and m not in ("esp", "pld", "cp_heads"):
                 continue  # auto sizing needs the drafter's own acceptance estimate
+            if m == "cp_heads":
+                out.extend(Setting(m, bc, 0, "", heads_path=h) for h in bench.heads_paths)
+                continue
             if m != "esp":
                 out.append(Setting(m, bc, 0, ""))
                 continue
@@ -160,6 +167,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         base, method=s.method, num_masks=max(s.num_masks, 1), tree=s.tree or base.tree, max_batch_size=batch,
         expansion=s.expansion,
         block_complexity=s.block_complexity if s.block_complexity == "auto" else max(s.block_complexity, 2),
+        heads_path=s.heads_path or base.heads_path,
     )
     engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
     if warmup:
@@ -240,6 +248,9 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
             errors=sum(o.error is not None for o in outs),
             # tokens fed per sequence per pass -> passes (shows what block_complexity=auto chose)
             block_sizes=" ".join(f"{q}:{n}" for q, n in sorted(st.block_size_histogram.items())),
+            # [d] share of decode passes whose accepted path reached depth d+1
+            accepted_per_depth=" ".join(f"{n / st.num_decode_passes:.3f}" for n in st.accepted_per_depth)
+            if st.num_decode_passes else "",
         )
         rec["predicted_speedup"] = None
         rec["within_tolerance"] = None

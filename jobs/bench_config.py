@@ -25,6 +25,7 @@ class BenchSection:
     trees: list[str] = field(default_factory=lambda: ["static", "dynamic"])  # esp only
     # esp dynamic trees with k >= 2: top1 (paper, Appendix D) and/or frontier (literal Algorithm 1)
     expansions: list[str] = field(default_factory=lambda: ["top1", "frontier"])
+    heads_paths: list[str] = field(default_factory=list)  # cp_heads: one setting per trained heads directory
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # engine.max_batch_size per run
     warmup: int = 2  # prompts generated (untimed) by each setting before its timed run
     repeats: int = 1  # timed runs per setting, round-robin over the settings; the median time is reported
@@ -61,6 +62,7 @@ def validate_bench(cfg: DictConfig) -> None:
     need(len(b.methods) > 0, "bench.methods must name at least one method")
     for m in b.methods:
         need(m in METHODS, f"bench.methods: {m!r} is unknown; choose from {', '.join(METHODS)}")
+    need("cp_heads" not in b.methods or len(b.heads_paths) > 0, "bench.methods has cp_heads: give bench.heads_paths=[DIR,...]")
     need(all(t in TREES for t in b.trees), f"bench.trees={list(b.trees)} must hold static and/or dynamic")
     need(len(b.expansions) > 0 and all(e in EXPANSIONS for e in b.expansions),
          f"bench.expansions={list(b.expansions)} must hold top1 and/or frontier")

@@ -10,6 +10,9 @@ usage: esp-batch <command> [args]
 commands:
   generate [CONFIG.yaml] [key=value ...] [--print-config]
             run or resume a generation job (same as python -m jobs.generate)
+  train-heads [CONFIG.yaml] [key=value ...]
+            train rank-r CP multi-token heads for engine.method=cp_heads on Ray Train
+            (same as python -m jobs.train_heads; resumes from its last checkpoint when rerun)
   report OUTPUT_DIR [storage.endpoint=URL] [storage.region=R] [storage.anonymous=true]
             (re)write OUTPUT_DIR/_report/report.md and its PNG plots from the Parquet parts and
             _summary.json alone; OUTPUT_DIR is a local path or a URI (s3://, gs://, hdfs://, file://)
@@ -51,6 +54,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if args else 2
     if args[0] == "report":
         return report(args[1:])
+    if args[0] == "train-heads":
+        from .train_heads import main as train_heads
+
+        return train_heads(args[1:])
     if args[0] != "generate":
         sys.stderr.write(f"esp-batch: error: unknown command {args[0]!r}\n{USAGE}")
         return 2
