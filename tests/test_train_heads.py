@@ -53,7 +53,7 @@ def test_few_steps_write_heads_that_load_and_draft(corpus, tmp_path):
                GenerationParams(max_new_tokens=64))
     assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
     with pytest.raises(ValueError, match="base model"):
-        load_heads(out, tiny("mistral").model)
+        load_heads(out, tiny("qwen2").model)
 
 
 def test_killed_run_resumes_from_its_checkpoint(corpus, tmp_path, caplog):
