@@ -215,3 +215,16 @@ def test_cp_heads_seeded_sampling_equals_plain(heads_dir):
 def test_cp_heads_needs_heads_path():
     with pytest.raises(ValueError, match="heads_path"):
         EngineConfig(method="cp_heads").validate()
+
+
+def test_bench_grid_has_one_cp_heads_setting_per_heads_dir():
+    from omegaconf import OmegaConf
+
+    from jobs.bench import grid
+    from jobs.bench_config import BenchSection
+
+    b = OmegaConf.structured(BenchSection(methods=["ar", "cp_heads"], block_complexities=[10, 30],
+                                          heads_paths=["heads/a-rank1", "heads/a-rank4"]))
+    assert [s.label for s in grid(b)] == [
+        "ar", "cp_heads a-rank1 BC10", "cp_heads a-rank4 BC10", "cp_heads a-rank1 BC30", "cp_heads a-rank4 BC30",
+    ]
