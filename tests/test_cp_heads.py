@@ -224,7 +224,7 @@ def test_bench_grid_has_one_cp_heads_setting_per_heads_dir():
     from jobs.bench_config import BenchSection
 
     b = OmegaConf.structured(BenchSection(methods=["ar", "cp_heads"], block_complexities=[10, 30],
-                                          heads_paths=["heads/a-rank1", "heads/a-rank4"]))
+                                          heads_paths=["heads/a-rank1", "heads/a-rank4"], hf_baseline=False))
     assert [s.label for s in grid(b)] == [
         "ar", "cp_heads a-rank1 BC10", "cp_heads a-rank4 BC10", "cp_heads a-rank1 BC30", "cp_heads a-rank4 BC30",
     ]
