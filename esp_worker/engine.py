@@ -287,7 +287,10 @@ class Engine:
         view_len = s_max + q
         rows.cache.reserve(b, view_len)
         rows.cache.plan(0, b, view_len, s_max if s_min == s_max else cache_len)  # rows of one length: a slice write
-        bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window)
+        if q == 1 and s_min == s_max and self.runner.sliding_window is None:
+            bias = None  # plain decoding, rows of one length: every slot of the view is visible (no mask)
+        else:
+            bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window)
         hidden = self.runner.forward(embeds, bias, pos, rows.cache)
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden[:, : tree.num_slots])

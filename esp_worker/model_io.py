@@ -295,12 +295,12 @@ class ModelRunner:
     def forward(
         self,
         inputs_embeds: torch.Tensor,  # [B, Q, D]
-        bias: torch.Tensor,  # [B, 1, Q, S] additive attention bias (inputs.attention_bias)
+        bias: Optional[torch.Tensor],  # [B, 1, Q, S] additive attention bias (inputs.attention_bias); None = all visible
         position_ids: torch.Tensor,  # [B, Q]
         cache: Any,  # kv_cache.KVCache, planned for this forward (rows, write slots, S)
     ) -> torch.Tensor:
         """Returns hidden states [B, Q, D]; the cache holds the block's keys and values where it was planned."""
-        assert inputs_embeds.ndim == 3 and bias.ndim == 4 and position_ids.ndim == 2
+        assert inputs_embeds.ndim == 3 and (bias is None or bias.ndim == 4) and position_ids.ndim == 2
         t0 = time.perf_counter()
         out = self.base(
             inputs_embeds=inputs_embeds,

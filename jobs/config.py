@@ -98,7 +98,7 @@ class RayConfig:
     num_cpus: Optional[int] = None  # CPUs of a local Ray instance this job starts (None = all cores)
     max_restarts: int = 3  # restarts of a dead actor; the shards it held are retried as many times
     # shards handed to an actor at once; their rows share one engine batch. 0 = enough to keep the batch
-    # full across shard ends: ceil(engine.max_batch_size / data.shard_size) + 1
+    # full across shard ends: ceil(1.5 x engine.max_batch_size / data.shard_size) + 1
     shards_in_flight_per_actor: int = 0
     placement_timeout_s: float = 300.0  # fail (exit 1) when the cluster cannot place the actors in this time
 
@@ -210,9 +210,11 @@ def _generation_problem(cfg: DictConfig) -> Optional[str]:
 
 def shards_in_flight(cfg: DictConfig) -> int:
     """Shards per actor: the configured number, or (0) enough rows queued to keep the batch full
-    while the oldest shard's last rows finish."""
+    across shard ends: ceil(1.5 * engine.max_batch_size / data.shard_size) + 1."""
     n = cfg.ray.shards_in_flight_per_actor
-    return n if n > 0 else -(-cfg.engine.max_batch_size // cfg.data.shard_size) + 1
+    # 1.5 batches of rows (so the batch stays full while a finished shard's part is written and the next
+    # shard travels to the actor), plus the shard whose last rows are finishing
+    return n if n > 0 else -(-3 * cfg.engine.max_batch_size // (2 * cfg.data.shard_size)) + 1
 
 
 def hashed_part(cfg: DictConfig) -> dict[str, Any]:

@@ -213,6 +213,7 @@ class _Dispatcher:
         self.load = [0] * len(actors)
         self.dead: set[int] = set()
         self.failures: list[tuple[int, str]] = []
+        self.finished: list[tuple[int, Any, str]] = []  # (shard, table, fingerprint) returned, not yet written
         self.shards_written = 0
 
     @property
@@ -228,6 +229,7 @@ class _Dispatcher:
         ref = self.actors[a].run_shard.remote(shard_index, rows)
         self.in_flight[ref] = (shard_index, a, fingerprint)
         self.load[a] += 1
+        self.flush()  # write finished parts only now: the actor got its next shard first
 
     def _live_loads(self) -> list[int]:
         return [n for i, n in enumerate(self.load) if i not in self.dead]
@@ -258,7 +260,12 @@ class _Dispatcher:
         except (RaySystemError, ConnectionError) as exc:
             self.failures.append((shard_index, f"cluster lost: {_first_line(exc)}"))
             return
-        self.write(shard_index, table, fingerprint)
+        self.finished.append((shard_index, table, fingerprint))
+
+    def flush(self) -> None:
+        """Write the parts of the shards collected by wait_one."""
+        while self.finished:
+            self.write(*self.finished.pop(0))
 
     def write(self, shard_index: int, table: Any, fingerprint: str) -> None:
         self.out.write_part(shard_index, table, self.compression, fingerprint)
@@ -269,6 +276,8 @@ class _Dispatcher:
     def drain(self) -> None:
         while self.in_flight:
             self.wait_one()
+            self.flush()
+        self.flush()
 
     def failure_message(self) -> str:
         shard, cause = self.failures[0]

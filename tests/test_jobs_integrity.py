@@ -34,15 +34,15 @@ def _summary(out: Path) -> dict:
 def test_small_shards_still_fill_the_engine_batch(ray_head, tmp_path):
     turns = [{"id": f"t{i}", "turns": ["Say one thing.", "Now another."], "params": {"max_new_tokens": 3}}
              for i in range(4)]
-    data = write_jsonl(tmp_path / "in.jsonl", _prompts(36) + turns)
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(76) + turns)
     out = tmp_path / "out"
     res = run_job(job_cfg(out, f"data.path={data}", "data.shard_size=4", "engine.max_batch_size=16",
-                          "ray.num_actors=1", "generation.max_new_tokens=12"))
+                          "ray.num_actors=1", "generation.max_new_tokens=24", "generation.ignore_eos=true"))
     hist = {int(k): v for k, v in res.summary["this_run"]["batch_histogram"].items()}
     assert max(hist) == 16, hist  # shards of 4 rows, yet the engine ran at its full batch
-    assert sum(v for k, v in hist.items() if k == 16) >= sum(hist.values()) / 3, hist
+    assert hist[16] >= sum(hist.values()) / 2, hist  # most passes (ramp-up and tail aside)
     rows = {r["id"]: r for r in read_output(out).to_pylist()}
-    assert len(rows) == 40 and res.summary["complete"] and len(list(out.glob("part-*.parquet"))) == 10
+    assert len(rows) == 80 and res.summary["complete"] and len(list(out.glob("part-*.parquet"))) == 20
     assert all(len(rows[f"t{i}"]["generated_turns"]) == 2 for i in range(4))
 
 
