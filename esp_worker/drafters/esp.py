@@ -106,7 +106,8 @@ class ESPDrafter(Drafter):
             cn = self.num_cand
             st["cand_lp"] = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
             st["cand_ids"] = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
-            st["has_probe"] = torch.ones_like(st["has_probe"])
+            st["has_probe"] = torch.ones_like(st["has_probe"]) if result.mask_ok is None else result.mask_ok.clone()
+            self.probe_maybe = True
             if result.prefill:
                 self._catch_up(view, committed)
             else:
@@ -116,6 +117,7 @@ class ESPDrafter(Drafter):
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
             # until masks are fed again (_catch_up replays the committed tokens from the history)
             st["has_probe"] = torch.zeros_like(st["has_probe"])
+            self.probe_maybe = False
             self._lag += committed
         else:
             self._catch_up(view, committed)

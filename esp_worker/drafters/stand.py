@@ -115,7 +115,14 @@ class StandDrafter(Drafter):
             st[key].scatter_(1, idx, torch.where(keep[..., None], new, cur))
 
     # ---- draft tree --------------------------------------------------------------------------------
-    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+    def candidates(self, view: RowsView) -> dict[str, torch.Tensor]:
+        """The n-gram continuation and the stored alternatives at each of its depths (also used by hybrid).
+
+        chain [B, D] tokens following the best suffix match; ok [B, D] (prefix-closed: False past the history
+        or without a match); chain_lp [B, D] the chain token's stored log-prob (-1e4 when missing from the
+        store, NEG where not ok); alt_ids / alt_lp [B, D, K-1] the other stored candidates at each depth
+        (they hang under chain node d - 1), best first, NEG where absent.
+        """
         self._fit_store(view)
         st = view.state
         hist, length = view.hist, view.hist_len  # [B, C], [B]
@@ -137,15 +144,25 @@ class StandDrafter(Drafter):
         alt_lp, alt_ids = topk_excluding(cand_lp.reshape(b * dep, k), cand_ids.reshape(b * dep, k), chain.reshape(-1), k - 1)
         alt_lp = torch.where(ok[..., None], alt_lp.reshape(b, dep, k - 1), NEG)  # [B, D, K-1]
         alt_ids = alt_ids.reshape(b, dep, k - 1)
-        cum = chain_lp.cumsum(1)  # [B, D] cumulative log-prob of chain node d
+        return dict(chain=chain, ok=ok, chain_lp=chain_lp, alt_ids=alt_ids, alt_lp=alt_lp)
+
+    def pool_parents(self, device) -> torch.Tensor:
+        """[D*K] parent pool index of each entry of the depth-major pool [chain_1, alt_1.., chain_2, ...]."""
+        dep, k = self.depth, self.topk
+        d = torch.arange(dep, device=device)
+        return torch.where(d == 0, -1, (d - 1) * k)[:, None].expand(dep, k).reshape(-1)
+
+    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+        c = self.candidates(view)
+        b, dep = c["chain"].shape
+        k, dev = self.topk, c["chain"].device
+        cum = c["chain_lp"].cumsum(1)  # [B, D] cumulative log-prob of chain node d
         above = torch.cat([torch.zeros((b, 1), device=dev), cum[:, :-1]], 1)  # of its parent
         # pool in depth-major order: [chain_1, alt_1.., chain_2, alt_2.., ...]; parent pool index per entry
-        score = torch.cat([cum[..., None], above[..., None] + alt_lp], 2).reshape(b, dep * k)
-        tok = torch.cat([chain[..., None], alt_ids], 2).reshape(b, dep * k)
-        d = torch.arange(dep, device=dev)
-        par = torch.where(d == 0, -1, (d - 1) * k)[:, None].expand(dep, k).reshape(-1)  # [D*K]
+        score = torch.cat([cum[..., None], above[..., None] + c["alt_lp"]], 2).reshape(b, dep * k)
+        tok = torch.cat([c["chain"][..., None], c["alt_ids"]], 2).reshape(b, dep * k)
+        par = self.pool_parents(dev)
         is_chain = (torch.arange(dep * k, device=dev) % k == 0)[None]  # [1, D*K]
         rank = torch.where(is_chain & (score > NEG), 1.0, score)  # chain first, then branches by score
         tree, _ = best_nodes(view.root, rank, score > NEG, tok, par.expand(b, -1), self.num_nodes)
         return self.block(tree, max_depth=dep)
-
