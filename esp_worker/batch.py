@@ -121,8 +121,11 @@ class Rows:
             self.t["hist"] = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
 
     # ---- statistics --------------------------------------------------------------------------------
-    def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: torch.Tensor, max_committed: int) -> None:
-        """Add one pass to the per-row counters (tensor ops only). n_fin, n_raw, drafted: [B]."""
+    def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: torch.Tensor, max_committed: int,
+              source: Optional[torch.Tensor] = None, path_slots: Optional[torch.Tensor] = None) -> None:
+        """Add one pass to the per-row counters (tensor ops only). n_fin, n_raw, drafted: [B].
+        source [B, T] (proposer of each tree slot, -1 = root) and path_slots [B, S]: split the kept accepted
+        drafts by proposer into accepted_by [B, P]."""
         t = self.t
         width = t["acc_depth"].shape[1]
         if max_committed + 1 > width:  # a deeper block than any before: widen (host-known size, no read)
@@ -135,11 +138,20 @@ class Rows:
         t["accepted"] += acc
         t["acc_depth"] += (torch.arange(width, device=acc.device)[None] < acc[:, None]).long()
         t["committed_hist"].scatter_add_(1, n_fin[:, None], torch.ones_like(n_fin)[:, None])
+        if source is not None and "accepted_by" in t:
+            steps = torch.arange(path_slots.shape[1], device=acc.device)[None]
+            kept = ((steps >= 1) & (steps <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
+            src = source.expand(len(acc), -1).gather(1, path_slots).clamp(min=0)  # [B, S]
+            t["accepted_by"].scatter_add_(1, src, kept)
 
 
-def new_counters(b: int, device: torch.device) -> dict[str, torch.Tensor]:
+def new_counters(b: int, device: torch.device, num_proposers: int = 0) -> dict[str, torch.Tensor]:
+    """Statistics counters of b new rows; accepted_by [B, P] (accepted drafts per proposer) when P > 0."""
     z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
-    return {"drafted": z(b), "accepted": z(b), "acc_depth": z(b, STAT_WIDTH), "committed_hist": z(b, STAT_WIDTH + 1)}
+    out = {"drafted": z(b), "accepted": z(b), "acc_depth": z(b, STAT_WIDTH), "committed_hist": z(b, STAT_WIDTH + 1)}
+    if num_proposers:
+        out["accepted_by"] = z(b, num_proposers)
+    return out
 
 
 def finish_stats(st: RequestStats, counters: list, num_generated: int, passes: int, sizes: dict[int, int]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-METHODS = ("ar", "esp", "pld", "stand", "lade", "cp_heads")
+METHODS = ("ar", "esp", "pld", "stand", "lade", "hybrid", "cp_heads")
 TREES = ("static", "dynamic")
 EXPANSIONS = ("top1", "frontier")
 MASK_INITS = ("mean", "last_k", "sample", "offset")
@@ -28,7 +28,7 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    method: str = "esp"  # ar | esp | pld | stand | lade | cp_heads
+    method: str = "esp"  # ar | esp | pld | stand | lade | hybrid | cp_heads
     # Tokens fed per decode pass per sequence: (k+1) * (1 + num draft nodes) for ESP. "auto" (esp, pld):
     # chosen per pass from a measured cost curve and the rows' expected acceptance, plain decoding included.
     block_complexity: Union[int, str] = 30
@@ -68,6 +68,9 @@ class EngineConfig:
     lade_pool_size: int = 1024  # n-grams remembered per sequence (least recently seen evicted first)
     # Trained rank-r CP multi-token heads (cp_heads): directory written by jobs.train_heads
     heads_path: str = ""
+    # hybrid: n-gram continuation + STAND store (stand_* keys) + ESP probe (num_masks, mask_*) in one tree;
+    # the root and one node per hybrid_mask_every nodes own masks
+    hybrid_mask_every: int = 4
 
     def validate(self) -> None:
         """Raise ValueError with a one-line, actionable message on a bad setting."""
@@ -82,11 +85,11 @@ class EngineConfig:
             bad(f"engine.expansion={self.expansion!r} is unknown; choose top1 or frontier")
         if self.mask_init not in MASK_INITS:
             bad(f"engine.mask_init={self.mask_init!r} is unknown; choose one of {', '.join(MASK_INITS)}")
-        if self.method == "esp" and not 1 <= self.num_masks <= 8:
+        if self.method in ("esp", "hybrid") and not 1 <= self.num_masks <= 8:
             bad(f"engine.num_masks={self.num_masks} must be between 1 and 8")
         if self.block_complexity == "auto":
-            if self.method not in ("ar", "esp", "pld", "cp_heads"):
-                bad(f"engine.block_complexity=auto supports methods esp, pld and cp_heads, not {self.method}; give a number")
+            if self.method not in ("ar", "esp", "pld", "hybrid", "cp_heads"):
+                bad(f"engine.block_complexity=auto supports methods esp, pld, hybrid and cp_heads, not {self.method}; give a number")
             if self.auto_max_block < 2:
                 bad(f"engine.auto_max_block={self.auto_max_block} must be >= 2")
             return self._validate_rest(bad)
@@ -99,6 +102,9 @@ class EngineConfig:
                 f"engine.block_complexity={self.block_complexity} leaves no draft node with "
                 f"num_masks={self.num_masks}; use at least {2 * (self.num_masks + 1)}"
             )
+        if self.method == "hybrid" and self.block_complexity < self.num_masks + 2:
+            bad(f"engine.block_complexity={self.block_complexity} leaves no draft node for hybrid with "
+                f"num_masks={self.num_masks}; use at least {self.num_masks + 2}")
         self._validate_rest(bad)
 
     def _validate_rest(self, bad) -> None:
@@ -112,5 +118,7 @@ class EngineConfig:
             bad("engine.pld_min_ngram must be >= 1 and <= engine.pld_max_ngram")
         if self.pld_depth < 1:
             bad(f"engine.pld_depth={self.pld_depth} must be >= 1")
+        if self.hybrid_mask_every < 1:
+            bad(f"engine.hybrid_mask_every={self.hybrid_mask_every} must be >= 1")
         if any(b < 1 for b in self.branches):
             bad(f"engine.branches={list(self.branches)} must be positive integers")

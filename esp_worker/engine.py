@@ -60,11 +60,8 @@ class Engine:
         self.policy: Optional[BlockPolicy] = None
         if self.auto and cfg.method != "ar":
             curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path)
-            self.policy = BlockPolicy(curve, self.drafter.block_tokens, self.drafter.max_nodes, cfg.auto_max_block)
-        self._plain_streak = 0  # auto + esp: consecutive plain passes since the last probe
-        # auto + esp: plain passes between probes; doubles each time a probe does not lead to drafting
-        self._probe_interval = cfg.auto_probe_interval
-        self._probing = False  # the last pass was a probe
+            self.policy = BlockPolicy(curve, self.drafter.block_tokens, self.drafter.max_nodes, cfg.auto_max_block,
+                                      probe_interval=cfg.auto_probe_interval)
         self.device = loaded.device
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
         self.vocab_size = int(self.runner.embed.weight.shape[0])
@@ -195,7 +192,7 @@ class Engine:
             "top_p": torch.tensor([float(x.top_p) for x in p], device=dev),
             "top_k": torch.tensor([int(x.top_k) for x in p], device=dev),
             "stop_ids": stop_ids.to(dev),
-            **new_counters(len(seqs), dev),
+            **new_counters(len(seqs), dev, len(self.drafter.proposers)),
         }
         uni = UniformStreams(dev)
         uni.append([UniformStreams.generator(s.seed) if x.temperature > 0 else None for s, x in zip(seqs, p)])
@@ -258,7 +255,7 @@ class Engine:
         self._keep(rows, block, res)
         self._commit(rows, res.committed, n_fin, reason)
         self._observe(rows, block, res, hidden, slot_logits, n_fin)
-        rows.count(n_fin, res.num_committed, block.tree.valid[:, 1:].sum(-1), block.max_depth + 1)
+        rows.count(n_fin, res.num_committed, block.tree.valid[:, 1:].sum(-1), block.max_depth + 1, block.source, res.path_slots)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
         rows.read_back()  # the one host read of the pass: lengths and finish reasons
         self.timing["decode_s"] += time.perf_counter() - t_start
@@ -267,11 +264,7 @@ class Engine:
 
     def _propose(self, rows: Rows) -> Block:
         view = rows.view()
-        n_nodes = None
-        self._mass = None
-        if self.policy is not None:
-            n_nodes, self._mass = self._choose_size(view)
-        self._n_nodes = n_nodes
+        n_nodes = None if self.policy is None else self.policy.plan(self.drafter, view)
         return self.drafter.propose(view, n_nodes)
 
     def _forward(self, rows: Rows, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,35 +308,22 @@ class Engine:
     def _observe(self, rows: Rows, block: Block, res: VerifyResult, hidden, slot_logits, n_fin) -> None:
         t_slots, k = block.tree.num_slots, self.drafter.num_masks
         mask_hidden = None
+        mask_ok = None
         if k and block.aux_embeds is not None:
-            idx = mask_indices(res.last_slot, t_slots, k)  # [B, k]
+            owner = res.last_slot
+            if block.mask_owner is not None:  # masks on some slots only (hybrid)
+                owner = block.mask_owner.expand(len(owner), -1).gather(1, owner[:, None]).squeeze(1)
+                mask_ok = owner >= 0
+                owner = owner.clamp(min=0)
+            idx = mask_indices(owner, t_slots, k)  # [B, k]
             mask_hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-        result = PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block)
+        result = PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block,
+                            mask_ok=mask_ok)
         self.drafter.observe(rows.view(), result)
-        if self._mass is not None and self._n_nodes > 0:
-            self.policy.observe(float(self._mass[:, : self._n_nodes].sum()), float((res.num_committed - 1).sum()))
+        if self.policy is not None:
+            self.policy.observe_pass(res.num_committed)
 
     # ---- helpers -----------------------------------------------------------------------------------
-    def _choose_size(self, view: RowsView):
-        """(draft nodes for this pass, [B, max_nodes] node probabilities or None) under block_complexity=auto."""
-        if self.drafter.num_masks and not bool(view.state["has_probe"].any()):
-            # every row's probe is stale after plain passes; re-probe (root + masks) now and then, less often
-            # while probes keep showing that drafting does not pay
-            self._plain_streak += 1
-            if self._plain_streak > self._probe_interval:
-                self._plain_streak = 0
-                self._probing = True
-                return 0, None
-            return -1, None
-        mass = self.drafter.draft_mass(view)
-        cache_len = int(view.hist_len.float().mean()) - 1
-        n = self.policy.choose(mass, len(view.seeds), cache_len)
-        if self._probing:
-            self._probing = False
-            base = self.cfg.auto_probe_interval
-            self._probe_interval = base if n > 0 else min(2 * self._probe_interval, 64 * base)
-        return n, mass
-
     def _chooser(self, rows: Rows):
         t = rows.t
         sampling = rows.sampling
@@ -388,6 +368,8 @@ class Engine:
             ids = t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist()
             counters = [int(t["drafted"][r]), int(t["accepted"][r]), t["acc_depth"][r].tolist(), t["committed_hist"][r].tolist()]
             finish_stats(s.stats, counters, len(ids), *self.passes.since(s))
+            if self.drafter.proposers:
+                s.stats.accepted_by_proposer = dict(zip(self.drafter.proposers, t["accepted_by"][r].tolist()))
             s.stats.time_s = now - s.t0
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             yield RequestOutput(id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[rows.done[r]], stats=s.stats)

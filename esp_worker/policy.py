@@ -25,6 +25,10 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 class BlockPolicy:
+    """Owns the per-pass budget under block_complexity=auto: the engine asks `plan` for the pass's draft nodes
+    and reports what was accepted with `observe_pass`; the cost curve, the calibration of the drafter's
+    probabilities and the probe back-off (mask drafters after plain passes) live here."""
+
     def __init__(
         self,
         curve: CostCurve,
@@ -34,6 +38,7 @@ class BlockPolicy:
         prior_alpha: float = 0.5,
         prior_weight: float = 4.0,
         decay: float = 0.98,
+        probe_interval: int = 8,
     ):
         self.curve = curve
         self.block_tokens = block_tokens
@@ -45,6 +50,47 @@ class BlockPolicy:
         self.acc = prior_alpha * prior_weight  # running accepted drafts (decayed)
         self.decay = decay
         self._cost: dict[tuple[int, int], torch.Tensor] = {}
+        self.base_interval = probe_interval
+        self.probe_interval = probe_interval  # plain passes between re-probes; doubles while probes do not pay
+        self._plain_streak = 0  # consecutive plain passes since the last probe
+        self._probing = False  # the last plan was a probe (root + masks)
+        self._mass: Optional[torch.Tensor] = None  # [B, max_nodes] of the last plan
+        self._n = -1
+
+    def plan(self, drafter, view) -> int:
+        """Draft nodes for this pass (-1 = plain decoding, 0 = root + masks: a re-probe).
+
+        Mask drafters (num_masks > 0) whose probe went stale after plain passes re-probe after
+        `probe_interval` plain passes; each probe that still finds drafting not worth it doubles the
+        interval (up to 64x). The plain path reads nothing from the device (drafter.probe_maybe is a host
+        flag); hybrid drafts from its n-gram proposers without a probe, and then feeds masks again."""
+        self._mass = None
+        stale = bool(drafter.num_masks) and (not drafter.probe_maybe or not bool(view.state["has_probe"].any()))
+        if stale and not drafter.drafts_without_probe:
+            return self._stale_pass()
+        mass = drafter.draft_mass(view)
+        cache_len = int(view.hist_len.float().mean()) - 1
+        n = self.choose(mass, len(view.seeds), cache_len)
+        if stale and n < 0:
+            return self._stale_pass()
+        if self._probing:
+            self._probing = False
+            self.probe_interval = self.base_interval if n > 0 else min(2 * self.probe_interval, 64 * self.base_interval)
+        self._mass, self._n = mass, n
+        return n
+
+    def _stale_pass(self) -> int:
+        self._plain_streak += 1
+        if self._plain_streak > self.probe_interval:
+            self._plain_streak = 0
+            self._probing = True
+            return 0
+        return -1
+
+    def observe_pass(self, num_committed: torch.Tensor) -> None:
+        """Calibrate with the pass just verified ([B] tokens committed per row)."""
+        if self._mass is not None and self._n > 0:
+            self.observe(float(self._mass[:, : self._n].sum()), float((num_committed - 1).sum()))
 
     @property
     def alpha(self) -> float:

@@ -55,6 +55,41 @@ class DraftTree:
 _ROOT_ONLY: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def best_nodes(
+    root: torch.Tensor, rank: torch.Tensor, ok: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, num_nodes: int
+) -> tuple["DraftTree", torch.Tensor]:
+    """The one tree-selection helper (ESP's Algorithm 1, STAND and hybrid): keep the `num_nodes` pool entries of
+    highest `rank` as a tree. Pool order must be topological and no entry may outrank its parent (a stable sort
+    then keeps a parent ahead of an equal-ranked child, so the kept set is a tree).
+
+    root [B]; rank, ok, tok, par [B, P] (par = parent pool index, -1 = root; ok False = invalid node).
+    Returns (tree with 1 + num_nodes slots, keep [B, n] pool index of each kept slot 1..n in slot order).
+    A kept entry whose parent was not kept (only possible for invalid, equally-ranked entries) hangs under the
+    root and is invalid. A pool smaller than the budget is padded with invalid leaves under the root.
+    Example: rank [0, -1, 0, -2], par [-1, -1, 0, 0], num_nodes 2 -> pool entries 0 and 2 ->
+    tokens [root, tok0, tok2], parents [-1, 0, 1].
+    """
+    b, p = rank.shape
+    dev = rank.device
+    n = min(num_nodes, p)
+    keep = rank.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values  # [B, n]
+    slot_of = torch.full((b, p), -1, dtype=torch.long, device=dev)
+    slot_of.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(b, -1))
+    kept_par = par.gather(1, keep)
+    parent_slot = torch.where(kept_par < 0, 0, slot_of.gather(1, kept_par.clamp(min=0)))
+    orphan = parent_slot < 0
+    parent_slot = parent_slot.clamp(min=0)
+    tokens = torch.cat([root[:, None], tok.gather(1, keep)], 1)
+    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), parent_slot], 1)
+    valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), ok.gather(1, keep) & ~orphan], 1)
+    if n < num_nodes:
+        pad = num_nodes - n
+        tokens = torch.nn.functional.pad(tokens, (0, pad))
+        parents = torch.nn.functional.pad(parents, (0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad))
+    return DraftTree(tokens, parents, valid, static_key=None), keep
+
+
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     """[B, T] parents -> [B, T, T] bool, anc[b, i, j] = slot j is slot i or one of its ancestors.
 
@@ -86,28 +121,36 @@ class BlockLayout:
     max_depth: Optional[int] = None  # deepest slot (host int), filled in for cached static layouts
 
 
-def block_layout(parents: torch.Tensor, num_masks: int) -> BlockLayout:
+def block_layout(parents: torch.Tensor, num_masks: int, owners: Optional[torch.Tensor] = None) -> BlockLayout:
     """Build the in-block mask and relative positions for a batch of trees with k = num_masks.
 
+    owners [B, M]: the slots that own masks (hybrid: the root and the likeliest ends of the accepted path);
+    None = every slot. Masks follow the tree slots, k per owner, in owner order.
     Example (T=2, parents [-1, 0], k=1): order [r, n1, m(r), m(n1)], rel_pos [0, 1, 1, 2];
     m(r) sees {r, m(r)}, m(n1) sees {r, n1, m(n1)}.
     """
     b, t = parents.shape
     k = num_masks
-    q = t * (k + 1)
     dev = parents.device
     anc = ancestor_matrix(parents)  # [B, T, T]
     depth = anc.sum(-1) - 1  # [B, T]
+    if owners is not None:
+        m = owners.shape[1]
+        own_anc = anc.gather(1, owners[..., None].expand(-1, -1, t))  # [B, M, T]
+        own_depth = depth.gather(1, owners)  # [B, M]
+    else:
+        m, own_anc, own_depth = t, anc, depth
+    q = t + m * k
     visible = torch.zeros((b, q, q), dtype=torch.bool, device=dev)
     visible[:, :t, :t] = anc
     if k:
         # mask rows see their owner's ancestors-or-self
-        visible[:, t:, :t] = anc.repeat_interleave(k, dim=1)
+        visible[:, t:, :t] = own_anc.repeat_interleave(k, dim=1)
         # and their own earlier masks (block-diagonal lower-triangular k x k)
         chain = torch.tril(torch.ones((k, k), dtype=torch.bool, device=dev))
-        visible[:, t:, t:] = torch.block_diag(*([chain] * t))[None] if t > 1 else chain[None]
+        visible[:, t:, t:] = torch.block_diag(*([chain] * m))[None] if m > 1 else chain[None]
     j = torch.arange(1, k + 1, device=dev)
-    mask_pos = (depth[:, :, None] + j).reshape(b, t * k)  # [B, T*k]
+    mask_pos = (own_depth[:, :, None] + j).reshape(b, m * k)  # [B, M*k]
     rel_pos = torch.cat([depth, mask_pos], dim=1)
     return BlockLayout(visible=visible, rel_pos=rel_pos, depth=depth, num_slots=t, num_masks=k)
 

@@ -77,6 +77,8 @@ class RequestStats:
     # block size (tokens fed per sequence) -> passes
     block_size_histogram: dict[int, int] = field(default_factory=dict)
     time_s: float = 0.0
+    # hybrid: accepted drafts by the proposer that supplied them (ngram | store | esp); {} for one-drafter methods
+    accepted_by_proposer: dict[str, int] = field(default_factory=dict)
 
     @property
     def tau(self) -> Optional[float]:
@@ -94,6 +96,9 @@ class RequestStats:
         hist = dict(self.block_size_histogram)
         for k, v in other.block_size_histogram.items():
             hist[k] = hist.get(k, 0) + v
+        by = dict(self.accepted_by_proposer)
+        for k, v in other.accepted_by_proposer.items():
+            by[k] = by.get(k, 0) + v
         return RequestStats(
             num_prompt_tokens=self.num_prompt_tokens + other.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens + other.num_generated_tokens,
@@ -105,6 +110,7 @@ class RequestStats:
             committed_histogram=add_lists(self.committed_histogram, other.committed_histogram),
             block_size_histogram=hist,
             time_s=self.time_s + other.time_s,
+            accepted_by_proposer=by,
         )
 
 

@@ -87,7 +87,7 @@ def grid(bench: DictConfig) -> list[Setting]:
         if m == "ar":
             continue
         for bc in bench.block_complexities:
-            if bc == "auto" and m not in ("esp", "pld", "cp_heads"):
+            if bc == "auto" and m not in ("esp", "pld", "hybrid", "cp_heads"):
                 continue  # auto sizing needs the drafter's own acceptance estimate
             if m == "cp_heads":
                 out.extend(Setting(m, bc, 0, "", heads_path=h) for h in bench.heads_paths)
@@ -239,6 +239,7 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
         rec = dict(
             method=s.method, setting=s.label, block_complexity=s.block_complexity, num_masks=s.num_masks,
             tree=s.tree, expansion=s.expansion, batch_size=batch, category=cat, num_prompts=len(ps), num_generated_tokens=tokens,
+            accepted_by_proposer=dict(st.accepted_by_proposer) or None,
             num_decode_passes=st.num_decode_passes, tau=tau,
             accepted_per_pass=(st.num_accepted_drafts / st.num_decode_passes if st.num_decode_passes else None),
             calls_saved=(1 - 1 / tau if tau else None), mean_block_size=block, time_s=secs, tokens_per_s=tps,

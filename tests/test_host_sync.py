@@ -20,6 +20,8 @@ SETTINGS = [
     dict(method="pld", block_complexity=10),
     dict(method="esp", num_masks=1, block_complexity=30, tree="static"),
     dict(method="esp", num_masks=2, block_complexity=30, tree="dynamic"),
+    dict(method="hybrid", num_masks=1, block_complexity=30),
+    dict(method="hybrid", num_masks=2, block_complexity=10),
 ]
 
 

@@ -91,3 +91,30 @@ def test_sliding_window_model_matches_generate(method):
         with torch.inference_mode():
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False, pad_token_id=2)
         assert o.token_ids == ref[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("bc", [10, 30])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_hybrid_matches_generate(arch, k, bc, batch):
+    _check(arch, "sdpa", EngineConfig(method="hybrid", num_masks=k, block_complexity=bc), batch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_hybrid_auto_matches_generate(arch, k, batch):
+    from test_policy import FLAT, STEEP, curve
+
+    lm = tiny(arch)
+    ref = reference(arch, "sdpa")
+    for c in (FLAT, STEEP, curve(lambda q: 1.0 + 0.05 * q)):
+        cfg = EngineConfig(method="hybrid", block_complexity="auto", num_masks=k, max_batch_size=batch, auto_probe_interval=2)
+        from esp_worker import Engine, Request
+        from engine_helpers import PROMPTS
+
+        outs = Engine(lm, cfg, cost_curve=c).generate(
+            [Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)])
+        for o, r in zip(outs, ref):
+            assert tuple(o.token_ids) == r

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 
 from engine_helpers import PROMPTS, run, tiny
@@ -17,7 +18,8 @@ def test_seeded_speculative_equals_seeded_plain():
         params = [GenerationParams(max_new_tokens=48, temperature=temp, top_p=top_p, top_k=top_k, seed=s) for s in range(4)]
         outs = {}
         for method, extra in [("ar", {}), ("esp", dict(num_masks=2, block_complexity=30)), ("esp", dict(tree="static")),
-                              ("pld", {})]:
+                              ("pld", {}), ("hybrid", dict(num_masks=1, block_complexity=30)),
+                              ("hybrid", dict(num_masks=2, block_complexity=10))]:
             eng = Engine(lm, EngineConfig(method=method, max_batch_size=3, **extra))
             res = eng.generate([Request(id=str(i), prompt=PROMPTS[i % 4], params=p) for i, p in enumerate(params)])
             outs[(method, tuple(extra.items()))] = [r.token_ids for r in res]
@@ -37,8 +39,9 @@ def test_seed_reproducible_and_different_seeds_differ():
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
-def test_esp_sampled_distribution_matches_model():
-    """Chi-square of ESP's first two sampled tokens (many seeds) against the exact model probabilities."""
+@pytest.mark.parametrize("method", ["esp", "hybrid"])
+def test_sampled_distribution_matches_model(method):
+    """Chi-square of ESP's (and hybrid's) first two sampled tokens (many seeds) against the exact model probabilities."""
     lm = tiny("llama")
     temp, top_k, n = 0.7, 3, 1500
     prompt = PROMPTS[1]
@@ -51,7 +54,7 @@ def test_esp_sampled_distribution_matches_model():
             p2 = _filtered_probs(lm.model(ids2).logits[0, -1], temp, top_k)
             for t2 in p2.nonzero().flatten().tolist():
                 exact[(t1, t2)] = float(p1[t1] * p2[t2])
-    eng = Engine(lm, EngineConfig(method="esp", num_masks=1, block_complexity=30, max_batch_size=64))
+    eng = Engine(lm, EngineConfig(method=method, num_masks=1, block_complexity=30, max_batch_size=64))
     reqs = [Request(id=str(s), prompt=prompt, params=GenerationParams(max_new_tokens=2, temperature=temp, top_k=top_k, seed=s))
             for s in range(n)]
     counts = collections.Counter(tuple(o.token_ids[:2]) for o in eng.generate(reqs))

@@ -17,22 +17,18 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
     if cfg.method == "esp":
         from .esp import ESPDrafter
 
-        d = ESPDrafter(
-            embed=runner.embed_ids,
-            logits=runner.logits,
-            embedding_table=runner.embed.weight.detach(),
-            num_masks=cfg.num_masks,
-            block_complexity=cfg.block_complexity,
-            tree=cfg.tree,
-            branches=list(cfg.branches),
-            expansion=cfg.expansion,
-            prune=cfg.prune,
-            mask_init=cfg.mask_init,
-            mask_init_last_k=cfg.mask_init_last_k,
-            mask_init_offset=cfg.mask_init_offset,
-            ema_lambda=cfg.ema_lambda,
-            probe_prefill=cfg.probe_prefill,
-        )
+        d = ESPDrafter(**_esp_kwargs(cfg, runner), block_complexity=cfg.block_complexity, tree=cfg.tree,
+                       branches=list(cfg.branches))
+        d.set_model_dtype(runner.dtype)
+        return d
+    if cfg.method == "hybrid":
+        from .hybrid import HybridDrafter
+        from .stand import StandDrafter
+
+        store = StandDrafter(max(cfg.block_complexity - 1, 1), cfg.stand_depth, cfg.stand_topk, cfg.stand_max_ngram,
+                             cfg.stand_min_ngram)
+        d = HybridDrafter(store, **_esp_kwargs(cfg, runner), block_complexity=cfg.block_complexity,
+                          mask_every=cfg.hybrid_mask_every)
         d.set_model_dtype(runner.dtype)
         return d
     if cfg.method == "stand":
@@ -50,6 +46,23 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
         heads = load_heads(cfg.heads_path, runner.model, runner.device)
         return CPHeadsDrafter(heads, lambda z: runner.logits(z.to(runner.dtype)), cfg.block_complexity - 1)
     raise ValueError(f"engine.method={cfg.method!r} is unknown")
+
+
+def _esp_kwargs(cfg: EngineConfig, runner: ModelRunner) -> dict:
+    """ESP's mask settings (esp and hybrid)."""
+    return dict(
+        embed=runner.embed_ids,
+        logits=runner.logits,
+        embedding_table=runner.embed.weight.detach(),
+        num_masks=cfg.num_masks,
+        expansion=cfg.expansion,
+        prune=cfg.prune,
+        mask_init=cfg.mask_init,
+        mask_init_last_k=cfg.mask_init_last_k,
+        mask_init_offset=cfg.mask_init_offset,
+        ema_lambda=cfg.ema_lambda,
+        probe_prefill=cfg.probe_prefill,
+    )
 
 
 __all__ = ["Block", "Drafter", "PassResult", "PlainDrafter", "RowsView", "make_drafter"]

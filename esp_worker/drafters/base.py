@@ -24,6 +24,12 @@ class Block:
     # [B, A, D] input embeddings placed after the tree slots (ESP: T * k mask tokens); None when A = 0
     aux_embeds: Optional[torch.Tensor]
     max_depth: int  # deepest node in any row's tree, or an upper bound on it (host int: no device read)
+    # [B, T] for each tree slot, the index of its masks among the mask owners (its masks are aux inputs
+    # owner*k .. owner*k + k-1), -1 = no masks; None = every slot owns k masks in slot order (ESP)
+    mask_owner: Optional[torch.Tensor] = None
+    # [B, T] index into the drafter's `proposers` of the proposer that supplied each slot (-1 = root); None =
+    # one proposer (accepted drafts are not split by proposer)
+    source: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -48,6 +54,8 @@ class PassResult:
     # the block that was fed; None after prefill
     block: Optional[Block] = None
     prefill: bool = False
+    # [B] False where the last accepted slot owned no masks (mask_hidden is then meaningless); None = all True
+    mask_ok: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -76,6 +84,14 @@ class Drafter(ABC):
 
     name: str = "base"
     num_masks: int = 0  # auxiliary mask inputs owned by each tree slot (their hidden states come back)
+    # names of the proposers a Block.source indexes (hybrid); () = one proposer, the drafter itself
+    proposers: tuple[str, ...] = ()
+    # with masks (num_masks > 0): whether the drafter may still propose when no row has a fresh probe
+    # (block_complexity=auto asks; ESP cannot, hybrid can from its n-gram proposers)
+    drafts_without_probe: bool = False
+    # host flag: some row may hold a fresh probe (False after a plain pass fed no masks); lets the policy
+    # skip a device read on the plain path
+    probe_maybe: bool = True
 
     def __init__(self) -> None:
         self._layouts: dict[tuple, BlockLayout] = {}

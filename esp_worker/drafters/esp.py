@@ -14,24 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..tree import DraftTree, static_branches, static_parents
+from ..tree import DraftTree, best_nodes, static_branches, static_parents
 from .base import Block, Drafter, PassResult, RowsView
-
-NEG = float("-inf")
-
-
-def topk_excluding(lp: torch.Tensor, ids: torch.Tensor, exclude: Optional[torch.Tensor], k: int):
-    """From sorted candidates lp/ids [B, C] take the best k, skipping token `exclude` [B] (or None).
-
-    Example: ids [7, 3, 9], exclude 7, k 2 -> [3, 9] (the next best replaces the excluded token).
-    """
-    if exclude is not None:
-        c = lp.shape[1]
-        key = torch.arange(c, device=lp.device)[None] + c * (ids == exclude[:, None])
-        order = key.argsort(dim=1)[:, :k]
-        return lp.gather(1, order), ids.gather(1, order)
-    return lp[:, :k], ids[:, :k]
-
+from .common import NEG, topk_excluding  # noqa: F401  (topk_excluding re-exported for callers of esp)
 
 class ESPDrafter(Drafter):
     name = "esp"
@@ -121,7 +106,8 @@ class ESPDrafter(Drafter):
             cn = self.num_cand
             st["cand_lp"] = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
             st["cand_ids"] = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
-            st["has_probe"] = torch.ones_like(st["has_probe"])
+            st["has_probe"] = torch.ones_like(st["has_probe"]) if result.mask_ok is None else result.mask_ok.clone()
+            self.probe_maybe = True
             if result.prefill:
                 self._catch_up(view, committed)
             else:
@@ -131,6 +117,7 @@ class ESPDrafter(Drafter):
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
             # until masks are fed again (_catch_up replays the committed tokens from the history)
             st["has_probe"] = torch.zeros_like(st["has_probe"])
+            self.probe_maybe = False
             self._lag += committed
         else:
             self._catch_up(view, committed)
@@ -278,25 +265,11 @@ class ESPDrafter(Drafter):
         (The pool is built for the full budget; for a smaller budget Algorithm 1's pool is a subset of it
         and holds the same best candidates under top-1 expansion.)"""
         score, tok, par = self._pool(root, cand_lp, cand_ids)
-        b, k, dev = root.shape[0], self.num_masks, root.device
-        n = min(num_nodes, score.shape[1])
-        keep = score.sort(dim=1, descending=True, stable=True).indices[:, :n]
-        keep = keep.sort(dim=1).values  # topological (pool) order
-        slot_of = torch.full_like(score, -1, dtype=torch.long)
-        slot_of.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(b, -1))
-        kept_par = par.gather(1, keep)
-        parent_slot = torch.where(kept_par < 0, 0, slot_of.gather(1, kept_par.clamp(min=0)))
-        kept_score = score.gather(1, keep)
-        tokens = torch.cat([root[:, None], tok.gather(1, keep)], 1)
-        parents = torch.cat([torch.full((b, 1), -1, device=dev, dtype=torch.long), parent_slot], 1)
-        valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), kept_score > NEG], 1)
-        if n < num_nodes:  # tiny vocabularies: pad with invalid leaves under the root
-            pad = num_nodes - n
-            tokens = torch.cat([tokens, tokens.new_zeros((b, pad))], 1)
-            parents = torch.cat([parents, parents.new_zeros((b, pad))], 1)
-            valid = torch.cat([valid, valid.new_zeros((b, pad))], 1)
+        tree, _ = best_nodes(root, score, score > NEG, tok, par, num_nodes)
         # with one mask every node hangs under the root: the shape is fixed and its layout can be cached
-        return DraftTree(tokens, parents, valid, static_key=("esp-k1", num_nodes) if k == 1 else None)
+        if self.num_masks == 1:
+            tree.static_key = ("esp-k1", num_nodes)
+        return tree
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -7,6 +7,7 @@ from ..tree import DraftTree
 from typing import Optional
 
 from .base import Block, Drafter, PassResult, RowsView
+from .common import find_continuation
 
 
 class PromptLookupDrafter(Drafter):
@@ -80,20 +81,5 @@ class PromptLookupDrafter(Drafter):
         self.accepted[:d] = 0.99 * self.accepted[:d] + (valid * (steps < accepted[:, None])).sum(0)
 
     def find_continuation(self, hist: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        """[B] index of the first token after the best match, or -1."""
-        b, c = hist.shape
-        dev = hist.device
-        best = torch.full((b,), -1, dtype=torch.long, device=dev)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if c < n + 1:
-                continue
-            suffix_idx = (length[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
-            suffix = hist.gather(1, suffix_idx)  # [B, n]
-            windows = hist.unfold(1, n, 1)  # [B, C-n+1, n]
-            match = (windows == suffix[:, None, :]).all(-1)  # [B, W]
-            starts = torch.arange(windows.shape[1], device=dev)
-            match &= (starts[None] + n < length[:, None]) & (length[:, None] >= n + 1)
-            latest = torch.where(match, starts[None], -1).max(-1).values  # [B]
-            take = (best < 0) & (latest >= 0)
-            best = torch.where(take, latest + n, best)
-        return best
+        """[B] index of the first token after the best match, or -1 (see common.find_continuation)."""
+        return find_continuation(hist, length, self.max_ngram, self.min_ngram)

@@ -29,10 +29,9 @@ import torch
 
 from ..config import EngineConfig
 from ..model_io import ModelRunner
-from ..tree import DraftTree
+from ..tree import best_nodes
 from .base import Block, Drafter, PassResult, RowsView
-from .esp import NEG, topk_excluding
-from .pld import PromptLookupDrafter
+from .common import NEG, find_continuation, topk_excluding
 
 
 class StandDrafter(Drafter):
@@ -49,7 +48,7 @@ class StandDrafter(Drafter):
         self.num_nodes = num_nodes
         self.depth = min(depth, num_nodes)
         self.topk = topk
-        self.matcher = PromptLookupDrafter(max_ngram, min_ngram, self.depth)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, runner: ModelRunner) -> "StandDrafter":
@@ -116,14 +115,21 @@ class StandDrafter(Drafter):
             st[key].scatter_(1, idx, torch.where(keep[..., None], new, cur))
 
     # ---- draft tree --------------------------------------------------------------------------------
-    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+    def candidates(self, view: RowsView) -> dict[str, torch.Tensor]:
+        """The n-gram continuation and the stored alternatives at each of its depths (also used by hybrid).
+
+        chain [B, D] tokens following the best suffix match; ok [B, D] (prefix-closed: False past the history
+        or without a match); chain_lp [B, D] the chain token's stored log-prob (-1e4 when missing from the
+        store, NEG where not ok); alt_ids / alt_lp [B, D, K-1] the other stored candidates at each depth
+        (they hang under chain node d - 1), best first, NEG where absent.
+        """
         self._fit_store(view)
         st = view.state
         hist, length = view.hist, view.hist_len  # [B, C], [B]
         b, c = hist.shape
         dev = hist.device
         dep, k = self.depth, self.topk
-        start = self.matcher.find_continuation(hist, length)  # [B], -1 = no match
+        start = find_continuation(hist, length, self.max_ngram, self.min_ngram)  # [B], -1 = no match
         q = start[:, None] + torch.arange(dep, device=dev)[None]  # [B, D] history positions of chain nodes
         ok = (start[:, None] >= 0) & (q < length[:, None])
         chain = hist.gather(1, q.clamp(0, c - 1))  # [B, D]
@@ -138,43 +144,25 @@ class StandDrafter(Drafter):
         alt_lp, alt_ids = topk_excluding(cand_lp.reshape(b * dep, k), cand_ids.reshape(b * dep, k), chain.reshape(-1), k - 1)
         alt_lp = torch.where(ok[..., None], alt_lp.reshape(b, dep, k - 1), NEG)  # [B, D, K-1]
         alt_ids = alt_ids.reshape(b, dep, k - 1)
-        cum = chain_lp.cumsum(1)  # [B, D] cumulative log-prob of chain node d
+        return dict(chain=chain, ok=ok, chain_lp=chain_lp, alt_ids=alt_ids, alt_lp=alt_lp)
+
+    def pool_parents(self, device) -> torch.Tensor:
+        """[D*K] parent pool index of each entry of the depth-major pool [chain_1, alt_1.., chain_2, ...]."""
+        dep, k = self.depth, self.topk
+        d = torch.arange(dep, device=device)
+        return torch.where(d == 0, -1, (d - 1) * k)[:, None].expand(dep, k).reshape(-1)
+
+    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+        c = self.candidates(view)
+        b, dep = c["chain"].shape
+        k, dev = self.topk, c["chain"].device
+        cum = c["chain_lp"].cumsum(1)  # [B, D] cumulative log-prob of chain node d
         above = torch.cat([torch.zeros((b, 1), device=dev), cum[:, :-1]], 1)  # of its parent
         # pool in depth-major order: [chain_1, alt_1.., chain_2, alt_2.., ...]; parent pool index per entry
-        score = torch.cat([cum[..., None], above[..., None] + alt_lp], 2).reshape(b, dep * k)
-        tok = torch.cat([chain[..., None], alt_ids], 2).reshape(b, dep * k)
-        d = torch.arange(dep, device=dev)
-        par = torch.where(d == 0, -1, (d - 1) * k)[:, None].expand(dep, k).reshape(-1)  # [D*K]
+        score = torch.cat([cum[..., None], above[..., None] + c["alt_lp"]], 2).reshape(b, dep * k)
+        tok = torch.cat([c["chain"][..., None], c["alt_ids"]], 2).reshape(b, dep * k)
+        par = self.pool_parents(dev)
         is_chain = (torch.arange(dep * k, device=dev) % k == 0)[None]  # [1, D*K]
         rank = torch.where(is_chain & (score > NEG), 1.0, score)  # chain first, then branches by score
-        tree = _best_nodes(view.root, rank, score > NEG, tok, par.expand(b, -1), self.num_nodes)
+        tree, _ = best_nodes(view.root, rank, score > NEG, tok, par.expand(b, -1), self.num_nodes)
         return self.block(tree, max_depth=dep)
-
-
-def _best_nodes(
-    root: torch.Tensor, rank: torch.Tensor, ok: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, num_nodes: int
-) -> DraftTree:
-    """Keep the `num_nodes` pool entries of highest `rank` as a tree; pool order must be topological and no
-    entry may outrank its parent (a stable sort then keeps a parent ahead of an equal-ranked child).
-
-    root [B]; rank, ok, tok, par [B, P] (par = parent pool index, -1 = root; ok False = invalid node).
-    Example: rank [0, -1, 0, -2], par [-1, -1, 0, 0], num_nodes 2 -> pool entries 0 and 2 ->
-    tokens [root, tok0, tok2], parents [-1, 0, 1].
-    """
-    b, p = rank.shape
-    dev = rank.device
-    n = min(num_nodes, p)
-    keep = rank.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values  # [B, n]
-    slot_of = torch.full((b, p), -1, dtype=torch.long, device=dev)
-    slot_of.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(b, -1))
-    kept_par = par.gather(1, keep)
-    parent_slot = torch.where(kept_par < 0, 0, slot_of.gather(1, kept_par.clamp(min=0)))
-    tokens = torch.cat([root[:, None], tok.gather(1, keep)], 1)
-    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), parent_slot], 1)
-    valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), ok.gather(1, keep)], 1)
-    if n < num_nodes:  # a pool smaller than the budget: pad with invalid leaves under the root
-        pad = num_nodes - n
-        tokens = torch.nn.functional.pad(tokens, (0, pad))
-        parents = torch.nn.functional.pad(parents, (0, pad))
-        valid = torch.nn.functional.pad(valid, (0, pad))
-    return DraftTree(tokens, parents, valid, static_key=None)

@@ -1,0 +1,64 @@
+"""Helpers shared by the drafters (one place, so that no drafter imports another's internals).
+
+- `NEG`: log-prob of "no candidate".
+- `topk_excluding`: the best k of sorted candidates, skipping one token (ESP's pruning, STAND's branches).
+- `find_continuation`: the longest, latest n-gram match of the context's suffix (PLD, STAND, hybrid).
+- `pool_depth`: depth of each entry of a candidate pool from its parent indices.
+The tree-selection helper (`best_nodes`) lives in esp_worker.tree next to the tree types.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+NEG = float("-inf")
+
+
+def topk_excluding(lp: torch.Tensor, ids: torch.Tensor, exclude: Optional[torch.Tensor], k: int):
+    """From sorted candidates lp/ids [B, C] take the best k, skipping token `exclude` [B] (or None).
+
+    Example: ids [7, 3, 9], exclude 7, k 2 -> [3, 9] (the next best replaces the excluded token).
+    """
+    if exclude is not None:
+        c = lp.shape[1]
+        key = torch.arange(c, device=lp.device)[None] + c * (ids == exclude[:, None])
+        order = key.argsort(dim=1)[:, :k]
+        return lp.gather(1, order), ids.gather(1, order)
+    return lp[:, :k], ids[:, :k]
+
+
+def find_continuation(hist: torch.Tensor, length: torch.Tensor, max_ngram: int, min_ngram: int) -> torch.Tensor:
+    """[B] index of the first token after the best earlier match of the context's suffix, or -1.
+
+    For n from max_ngram down to min_ngram the last n tokens (root included) are matched against every
+    earlier window of prompt + output; the longest n wins, and among matches of one n the latest start.
+    Example (n=2): history [5 6 7 8 5 6] -> suffix [5 6] matched at 0 -> 2 (the continuation starts with 7).
+    """
+    b, c = hist.shape
+    dev = hist.device
+    best = torch.full((b,), -1, dtype=torch.long, device=dev)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if c < n + 1:
+            continue
+        suffix_idx = (length[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
+        suffix = hist.gather(1, suffix_idx)  # [B, n]
+        windows = hist.unfold(1, n, 1)  # [B, C-n+1, n]
+        match = (windows == suffix[:, None, :]).all(-1)  # [B, W]
+        starts = torch.arange(windows.shape[1], device=dev)
+        match &= (starts[None] + n < length[:, None]) & (length[:, None] >= n + 1)
+        latest = torch.where(match, starts[None], -1).max(-1).values  # [B]
+        take = (best < 0) & (latest >= 0)
+        best = torch.where(take, latest + n, best)
+    return best
+
+
+def pool_depth(par: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, P] parent pool indices (-1 = root, topological order) -> [B, P] depth (1 = child of the root).
+
+    Example: par [-1, -1, 0, 2] -> [1, 1, 2, 3].
+    """
+    depth = torch.ones_like(par)
+    for _ in range(max(max_depth - 1, 0)):
+        depth = torch.where(par < 0, 1, depth.gather(1, par.clamp(min=0)) + 1)
+    return depth

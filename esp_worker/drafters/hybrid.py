@@ -1,0 +1,224 @@
+"""Hybrid drafting: one draft tree per row per pass, merged from the n-gram continuation and ESP's mask probe.
+
+Proposers (`proposers`, the index is Block.source):
+    0 "ngram": the tokens that followed the latest, longest earlier match of the context's suffix (as pld);
+    1 "store": STAND's stored alternatives (the model's own past top-k) at each depth of that continuation;
+    2 "esp":   the candidates of the mask probe (ESP's Algorithm 1 pool, top-1 expansion).
+
+Merge (per row, tensor ops only):
+1. Every candidate gets a *conditional* acceptance estimate c = P(accepted | parent accepted): ngram nodes
+   c = r[ngram, d] (a running acceptance rate per depth); store and esp nodes c = min(1, a[p, d] * q) where
+   q is the proposer's own probability (stored log-prob / probe probability) and a[p, d] a running ratio of
+   accepted to predicted, per proposer and depth (decayed counts with a prior). These are the calibration.
+2. An esp candidate equal to an n-gram candidate under the same parent is merged into it (one node, its
+   estimate the larger of the two; its esp children move under it).
+3. A node's score is the product of c along its path (never above its parent's), and the best `n` nodes
+   by score form the tree (`tree.best_nodes`, shared with ESP and STAND). A proposer with nothing to offer
+   (no match, no probe) has only invalid entries and the others get the whole budget.
+4. ESP's masks ride on the root and on the `n // mask_every` nodes most likely to end the accepted path
+   (P(reach u) - sum of P(reach child)); the next pass's probe comes from the last accepted slot's masks
+   (none when that slot owned no masks: the row then drafts from the n-gram proposers and the root's
+   masks give it a probe again).
+
+Block tokens: (1 + n) tree slots + k * (1 + n // mask_every) masks. A fixed block complexity BC gets the
+largest n that fits; block_complexity=auto asks `draft_mass` (the calibrated scores, best first) and the
+policy picks n, plain decoding included.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..tree import DraftTree, best_nodes, block_layout
+from .base import Block, PassResult, RowsView
+from .common import NEG, pool_depth
+from .esp import ESPDrafter
+from .stand import StandDrafter
+
+NGRAM, STORE, ESP = 0, 1, 2
+
+
+def hybrid_tokens(num_nodes: int, num_masks: int, mask_every: int) -> int:
+    """Tokens fed per row for n draft nodes (-1 = plain pass, 0 = root + its masks)."""
+    if num_nodes < 0:
+        return 1
+    return 1 + num_nodes + num_masks * (1 + num_nodes // mask_every)
+
+
+def hybrid_nodes(block_complexity: int, num_masks: int, mask_every: int) -> int:
+    """The most draft nodes a block of `block_complexity` tokens holds. BC 10/30/60, k=1 -> 7/23/47."""
+    n = 0
+    while hybrid_tokens(n + 1, num_masks, mask_every) <= block_complexity:
+        n += 1
+    return n
+
+
+class HybridDrafter(ESPDrafter):
+    name = "hybrid"
+    proposers = ("ngram", "store", "esp")
+    drafts_without_probe = True
+
+    def __init__(self, store: StandDrafter, block_complexity: int, num_masks: int, mask_every: int = 4,
+                 prior: tuple[float, float, float] = (0.8, 0.5, 1.0), decay: float = 0.99, **esp_kwargs):
+        n = hybrid_nodes(block_complexity, num_masks, mask_every)
+        if n < 1:
+            raise ValueError(f"block_complexity={block_complexity} leaves no draft node for hybrid with num_masks={num_masks}")
+        # the ESP part: a dynamic pool sized for the whole node budget (its masks are this drafter's masks)
+        super().__init__(num_masks=num_masks, block_complexity=(num_masks + 1) * (n + 1), tree="dynamic", **esp_kwargs)
+        self.num_nodes = n
+        self.store = store
+        self.mask_every = mask_every
+        self.depth_bound = max(store.depth, num_masks)
+        d = self.depth_bound
+        # calibration counters per (proposer, depth), flattened [3 * D]: predicted (sum of q over nodes whose
+        # parent was accepted) and accepted; the prior counts as one pass
+        self.prior = torch.tensor(prior).repeat_interleave(d)
+        self.pred = torch.zeros(3 * d)
+        self.acc = torch.zeros(3 * d)
+        self.decay = decay
+        self._pool_key = None
+        self._last = None
+
+    # ---- sizes -------------------------------------------------------------------------------------
+    @property
+    def max_nodes(self) -> int:
+        return self.num_nodes
+
+    def block_tokens(self, num_nodes: int) -> int:
+        return hybrid_tokens(num_nodes, self.num_masks, self.mask_every)
+
+    def alpha(self) -> torch.Tensor:
+        """[3 * D] calibration factors (ngram: the acceptance rate per depth)."""
+        return (self.acc + self.prior) / (self.pred + 1.0)
+
+    # ---- state -------------------------------------------------------------------------------------
+    def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
+        self.store.start_rows(view)
+        return super().start_rows(view)
+
+    def observe(self, view: RowsView, result: PassResult) -> None:
+        super().observe(view, result)  # the probe and the mask EMA
+        self.store.observe(view, result)  # the logit store
+        if result.block is not None and result.block.source is not None and self._last is not None:
+            self._calibrate(result)
+        self._last = None
+
+    def _calibrate(self, result: PassResult) -> None:
+        tree = result.block.tree
+        cell, q = self._last  # [B, T] flat (proposer, depth) index, proposer probability
+        b, t = tree.tokens.shape
+        dev = tree.tokens.device
+        steps = torch.arange(result.path_slots.shape[1], device=dev)[None]
+        on_path = (steps < result.num_committed[:, None]).long()  # root + accepted nodes
+        accepted = torch.zeros((b, t), dtype=torch.long, device=dev).scatter_add_(1, result.path_slots, on_path) > 0
+        reached = tree.valid & accepted.gather(1, tree.parents.clamp(min=0))
+        reached[:, 0] = False
+        if self.pred.device != dev:  # the counters live where the rows do: no device read
+            self.pred, self.acc, self.prior = self.pred.to(dev), self.acc.to(dev), self.prior.to(dev)
+        idx = cell.clamp(min=0).reshape(-1)
+        self.pred = self.decay * self.pred + torch.zeros_like(self.pred).scatter_add_(0, idx, (q * reached).reshape(-1))
+        self.acc = self.decay * self.acc + torch.zeros_like(self.acc).scatter_add_(0, idx, (reached & accepted).float().reshape(-1))
+
+    # ---- candidates --------------------------------------------------------------------------------
+    def _merged_pool(self, view: RowsView):
+        """(rank, valid, tok, par, src, cell, q) [B, P] of the merged pool; cached within a pass."""
+        if self._pool_key is not None and self._pool_key[0] is view.hist_len and self._pool_key[1] is view.state.get("cand_lp"):
+            return self._pool_key[2]
+        st = view.state
+        root = view.root
+        b, dev = root.shape[0], root.device
+        dmax, k = self.depth_bound, self.num_masks
+        if self.pred.device != dev:
+            self.pred, self.acc, self.prior = self.pred.to(dev), self.acc.to(dev), self.prior.to(dev)
+        alpha = self.alpha()
+        # n-gram pool, depth-major [chain_1, alt_1.., chain_2, ...] (STAND's layout)
+        c = self.store.candidates(view)
+        dep, kk = c["chain"].shape[1], self.store.topk
+        p1 = dep * kk
+        ng_tok = torch.cat([c["chain"][..., None], c["alt_ids"]], 2).reshape(b, p1)
+        ng_q = torch.cat([c["ok"].float()[..., None], c["alt_lp"].exp()], 2).reshape(b, p1)
+        ng_valid = torch.cat([c["ok"][..., None], c["alt_lp"] > NEG], 2).reshape(b, p1)
+        ng_par = self.store.pool_parents(dev).expand(b, -1)
+        d = torch.arange(dep, device=dev)[:, None].expand(dep, kk).reshape(-1)  # depth - 1
+        kind = torch.where(torch.arange(kk, device=dev) == 0, NGRAM, STORE).repeat(dep)
+        ng_cell = (kind * dmax + d).expand(b, -1)
+        # esp pool (Algorithm 1, top-1 expansion), parents offset behind the n-gram pool
+        score, e_tok, e_par = self._pool(root, st["cand_lp"], st["cand_ids"])
+        p2 = score.shape[1]
+        e_valid = (score > NEG) & st["has_probe"][:, None]
+        e_depth = pool_depth(e_par, k)
+        parent_score = torch.where(e_par < 0, 0.0, score.gather(1, e_par.clamp(min=0)))
+        e_q = torch.where(e_valid, (score - parent_score).exp(), 0.0)
+        e_cell = ESP * dmax + e_depth - 1
+        e_par = torch.where(e_par < 0, -1, e_par + p1)
+        # an esp candidate equal to an n-gram candidate under the same parent merges into it
+        alias = torch.arange(p1 + p2, device=dev).expand(b, -1).clone()
+        dup = torch.zeros((b, p2), dtype=torch.bool, device=dev)
+        for _ in range(k):
+            eff = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))
+            same = (eff[:, :, None] == ng_par[:, None, :]) & (e_tok[:, :, None] == ng_tok[:, None, :])
+            same &= ng_valid[:, None, :] & e_valid[:, :, None]
+            dup = same.any(-1)
+            alias[:, p1:] = torch.where(dup, same.long().argmax(-1), torch.arange(p1, p1 + p2, device=dev))
+        e_par = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))
+        tok = torch.cat([ng_tok, e_tok], 1)
+        par = torch.cat([ng_par, e_par], 1)
+        q = torch.cat([ng_q, e_q], 1)
+        cell = torch.cat([ng_cell, e_cell], 1)
+        valid = torch.cat([ng_valid, e_valid & ~dup], 1)
+        src = torch.cat([kind.expand(b, -1), torch.full((b, p2), ESP, device=dev)], 1)
+        cond = (alpha[cell] * q).clamp(max=1.0)  # calibrated P(accepted | parent accepted)
+        merged = torch.where(dup, cond[:, p1:], 0.0)  # a merged node keeps the larger estimate
+        into = torch.zeros_like(cond).scatter_reduce(1, alias[:, p1:], merged, reduce="amax", include_self=False)
+        cond[:, :p1] = torch.maximum(cond[:, :p1], into[:, :p1])
+        cum = cond
+        for _ in range(dmax - 1):  # pool order is topological: a parent's score is final before its child's
+            up = par.clamp(min=0)
+            cum = torch.where(par < 0, cond, cond * cum.gather(1, up))
+            valid = valid & ((par < 0) | valid.gather(1, up))
+        rank = torch.where(valid, cum, -1.0)
+        out = (rank, valid, tok, par, src, cell, q)
+        self._pool_key = (view.hist_len, st.get("cand_lp"), out)
+        return out
+
+    def draft_mass(self, view: RowsView) -> torch.Tensor:
+        """[B, max_nodes] calibrated acceptance estimate of each node of the largest tree, best first."""
+        rank = self._merged_pool(view)[0]
+        n = min(self.num_nodes, rank.shape[1])
+        top = rank.topk(n, dim=1).values.clamp(min=0.0)
+        return torch.nn.functional.pad(top, (0, self.num_nodes - n))
+
+    # ---- the tree ----------------------------------------------------------------------------------
+    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+        """num_nodes None = the configured size; -1 = plain pass (no masks); 0 = root + masks (re-probe)."""
+        n = self.num_nodes if num_nodes is None else min(num_nodes, self.num_nodes)
+        self._last = None
+        if n < 0:
+            return self.block(DraftTree.root_only(view.root), None, max_depth=0)
+        if self._lag:
+            self._catch_up(view, self._lag)  # after plain passes m still owes their tokens
+            self._lag = 0
+        st = view.state
+        if n == 0:
+            return self.block(DraftTree.root_only(view.root), self._mask_embeds(st["m"], 1), max_depth=0)
+        rank, valid, tok, par, src, cell, q = self._merged_pool(view)
+        tree, keep = best_nodes(view.root, rank, valid, tok, par, n)
+        b, t, dev = tree.tokens.shape[0], tree.num_slots, tree.tokens.device
+        n_kept = keep.shape[1]
+        pad = lambda x, fill: torch.nn.functional.pad(x, (1, t - 1 - n_kept), value=fill)  # noqa: E731 root + padding
+        source = pad(src.gather(1, keep), -1)
+        self._last = (pad(cell.gather(1, keep), 0), pad(q.gather(1, keep), 0.0))
+        # mask owners: the root and the nodes most likely to end the accepted path
+        reach = pad(rank.gather(1, keep).clamp(min=0.0), 1.0) * tree.valid
+        below = torch.zeros_like(reach).scatter_add_(1, tree.parents[:, 1:].clamp(min=0), reach[:, 1:])
+        end = torch.where(tree.valid, reach - below, -1.0)
+        m = 1 + n // self.mask_every
+        extra = end[:, 1:].topk(m - 1, dim=1).indices + 1 if m > 1 else end.new_zeros((b, 0), dtype=torch.long)
+        owners = torch.cat([torch.zeros((b, 1), dtype=torch.long, device=dev), extra.sort(dim=1).values], 1)  # [B, M]
+        mask_owner = torch.full((b, t), -1, dtype=torch.long, device=dev)
+        mask_owner.scatter_(1, owners, torch.arange(m, device=dev).expand(b, -1))
+        layout = block_layout(tree.parents, self.num_masks, owners)
+        aux = self._mask_embeds(st["m"], m)
+        return Block(tree=tree, layout=layout, aux_embeds=aux, max_depth=min(n, self.depth_bound),
+                     mask_owner=mask_owner, source=source)

@@ -1,0 +1,95 @@
+"""Hybrid drafting: the merge of n-gram and ESP proposals into one tree (known proposals -> known tree)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from esp_worker.drafters.base import RowsView
+from esp_worker.drafters.hybrid import HybridDrafter, hybrid_nodes, hybrid_tokens
+from esp_worker.drafters.stand import StandDrafter
+from esp_worker.tree import best_nodes
+
+V, D = 20, 4
+
+
+def drafter(bc: int = 10, k: int = 1) -> HybridDrafter:
+    table = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
+    store = StandDrafter(num_nodes=bc - 1, depth=4, topk=2, max_ngram=3, min_ngram=1)
+    return HybridDrafter(store, block_complexity=bc, num_masks=k, embed=lambda ids: table[ids],
+                         logits=lambda h: h @ table.T, embedding_table=table)
+
+
+def view_with_probe(d: HybridDrafter, hist: list[int], probe: dict[int, float]) -> RowsView:
+    h = torch.tensor([hist])
+    n = torch.tensor([len(hist)])
+    view = RowsView(h, n, n.clone(), [0])
+    d.start_rows(view)
+    lp = torch.full((1, 1, d.num_cand), float("-inf"))
+    ids = torch.zeros((1, 1, d.num_cand), dtype=torch.long)
+    for i, (tok, p) in enumerate(probe.items()):
+        lp[0, 0, i], ids[0, 0, i] = math.log(p), tok
+    view.state.update(cand_lp=lp, cand_ids=ids, has_probe=torch.ones(1, dtype=torch.bool))
+    return view
+
+
+def test_sizes():
+    assert [hybrid_nodes(bc, 1, 4) for bc in (10, 30, 60)] == [7, 23, 47]
+    assert hybrid_tokens(7, 1, 4) == 10 and hybrid_tokens(-1, 1, 4) == 1 and hybrid_tokens(0, 2, 4) == 3
+
+
+def test_merge_ranks_chain_and_probe_by_calibrated_estimate():
+    d = drafter()
+    # history [5 6 7 8 5 6]: the suffix [5 6] matched at 0 -> chain [7 8 5 6]; prior rate 0.8 per depth ->
+    # 0.8, 0.64, 0.512, 0.41. Probe: 7 (0.5, the same token as chain node 1: merged), 9 (0.3), 3 (0.1).
+    view = view_with_probe(d, [5, 6, 7, 8, 5, 6], {7: 0.5, 9: 0.3, 3: 0.1})
+    b4 = d.propose(view, 4)
+    assert b4.tree.tokens.tolist() == [[6, 7, 8, 5, 6]] and b4.tree.parents.tolist() == [[-1, 0, 1, 2, 3]]
+    b5 = d.propose(view, 5)
+    assert b5.tree.tokens.tolist() == [[6, 7, 8, 5, 6, 9]]
+    assert b5.tree.parents.tolist() == [[-1, 0, 1, 2, 3, 0]]
+    assert b5.source.tolist() == [[-1, 0, 0, 0, 0, 2]]  # ngram, ngram, ngram, ngram, esp
+    # 1 + 5 // 4 = 2 mask owners: the root and the likeliest path end (the chain's leaf: 0.41 > 0.3 > 0.16)
+    assert b5.mask_owner.tolist() == [[0, -1, -1, -1, 1, -1]]
+    assert b5.aux_embeds.shape[1] == 2 and b5.layout.visible.shape[-1] == hybrid_tokens(5, 1, 4)
+    mass = d.draft_mass(view)[0, :6].tolist()
+    assert [round(x, 3) for x in mass] == [0.8, 0.64, 0.512, 0.41, 0.3, 0.1]
+
+
+def test_no_match_gives_the_probe_the_whole_budget_and_no_probe_the_chain():
+    d = drafter()
+    view = view_with_probe(d, [1, 2, 3, 4], {7: 0.5, 9: 0.3, 3: 0.1})  # no repeated suffix: no chain
+    b = d.propose(view, 3)
+    assert b.tree.tokens.tolist() == [[4, 7, 9, 3]] and b.tree.valid.all()
+    assert b.source.tolist() == [[-1, 2, 2, 2]]
+    view = view_with_probe(d, [5, 6, 7, 8, 5, 6], {7: 0.5})
+    view.state["has_probe"] = torch.zeros(1, dtype=torch.bool)  # a stale probe offers nothing
+    b = d.propose(view, 5)
+    kept = b.tree.tokens[0][b.tree.valid[0]].tolist()
+    assert kept == [6, 7, 8, 5, 6] and (b.source[0][b.tree.valid[0]] != 2).all()  # the chain only
+
+
+def test_calibration_learns_per_proposer_and_depth():
+    from esp_worker.drafters.base import PassResult
+
+    d = drafter()
+    view = view_with_probe(d, [5, 6, 7, 8, 5, 6], {7: 0.5, 9: 0.3, 3: 0.1})
+    for _ in range(50):  # the model always says 9: the esp node is accepted, the chain never
+        block = d.propose(view, 5)
+        slot9 = block.tree.tokens[0].tolist().index(9)
+        res = PassResult(committed=torch.tensor([[9, 1]]), num_committed=torch.tensor([2]), hidden=None,
+                         mask_hidden=None, path_slots=torch.tensor([[0, slot9]]), last_slot=torch.tensor([slot9]),
+                         block=block, slot_logits=torch.zeros((1, 6, V)))
+        d._calibrate(res)
+        d._pool_key = None
+    mass = d.draft_mass(view)[0]
+    # esp's factor rose (0.3 -> 1), the chain's depth-1 rate fell towards 0
+    assert mass[0] > 0.9 and d.alpha()[0] < 0.1
+
+
+def test_best_nodes_orphans_are_invalid():
+    # equal ranks: entry 2 (child of 1) cannot be kept without its parent -> it hangs under the root, invalid
+    rank = torch.tensor([[1.0, -1.0, -1.0]])
+    tree, keep = best_nodes(torch.tensor([0]), rank, torch.tensor([[True, False, False]]), torch.tensor([[4, 5, 6]]),
+                            torch.tensor([[-1, -1, 1]]), 2)
+    assert keep.tolist() == [[0, 1]] and tree.valid.tolist() == [[True, True, False]]
