@@ -21,6 +21,7 @@ BASE_FIELDS = [
     pa.field("num_accepted_drafts", pa.int64()),
     pa.field("accepted_per_depth", pa.list_(pa.int32())),  # [depth] passes whose accepted path reached depth+1
     pa.field("committed_histogram", pa.list_(pa.int32())),  # [n] decode passes that committed n tokens
+    pa.field("accepted_by_proposer", pa.map_(pa.string(), pa.int64())),  # hybrid: accepted drafts per proposer
     pa.field("tau", pa.float64()),  # mean tokens committed per decode pass; null without decode passes
     pa.field("time_s", pa.float64()),  # seconds from the request's admission to its finish
     pa.field("error", pa.string()),  # null when fine
@@ -44,6 +45,7 @@ DESCRIPTIONS = {
     "num_accepted_drafts": "draft tokens accepted by verification",
     "accepted_per_depth": "[d] = decode passes whose accepted draft path reached depth d+1",
     "committed_histogram": "[n] = decode passes that committed n tokens",
+    "accepted_by_proposer": "hybrid: accepted draft tokens per proposer (ngram, store, esp); empty for other methods",
     "tau": "mean acceptance length: num_decode_tokens / num_decode_passes; null without decode passes",
     "time_s": "seconds from the request's admission to its finish (rows share the engine's batches)",
     "error": "one-line error message; null when the row was generated",

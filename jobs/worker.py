@@ -235,6 +235,7 @@ class ShardWorker:
             "num_accepted_drafts": st.num_accepted_drafts,
             "accepted_per_depth": list(st.accepted_per_depth),
             "committed_histogram": list(st.committed_histogram),
+            "accepted_by_proposer": dict(st.accepted_by_proposer),
             "tau": tau if tau is not None and math.isfinite(tau) else None,
             "time_s": st.time_s,
             "error": s.error,
