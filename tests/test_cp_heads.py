@@ -15,7 +15,8 @@ from esp_worker.cp_heads import (
     CPHeads, CPHeadsConfig, HeadsLoadError, balance_loss, cp_log_likelihood, first_position_log_likelihood,
     heads_loss, load_heads, new_heads, save_heads,
 )
-from esp_worker.drafters.cp_heads import CPHeadsDrafter, _best_tree
+from esp_worker.drafters.cp_heads import CPHeadsDrafter
+from esp_worker.tree import best_nodes
 
 
 # ---- losses -----------------------------------------------------------------------------------------
@@ -109,13 +110,15 @@ def test_save_load_roundtrip_and_other_model_refused(tmp_path):
 
 # ---- the drafter's tree -----------------------------------------------------------------------------
 def test_best_tree_table():
+    """The shared selection (tree.best_nodes) on a cp_heads-style pool: log-prob scores, parents first."""
     root = torch.tensor([9])
     score = torch.tensor([[-1.0, -2.0, -1.5, -3.0]])
     tok = torch.tensor([[4, 5, 6, 7]])
     par = torch.tensor([[-1, -1, 0, 2]])
-    tree = _best_tree(root, score, tok, par, 3)
+    ok = torch.ones_like(score, dtype=torch.bool)
+    tree, _ = best_nodes(root, score, ok, tok, par, 3)
     assert tree.tokens.tolist() == [[9, 4, 5, 6]] and tree.parents.tolist() == [[-1, 0, 0, 1]]
-    tree = _best_tree(root, score, tok, par, 2)
+    tree, _ = best_nodes(root, score, ok, tok, par, 2)
     assert tree.tokens.tolist() == [[9, 4, 6]] and tree.parents.tolist() == [[-1, 0, 1]]
 
 

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..cp_heads import CPHeads
-from ..tree import DraftTree
+from ..tree import DraftTree, best_nodes
 from .base import Block, Drafter, PassResult, RowsView
 
 NEG = float("-inf")
@@ -129,31 +129,6 @@ class CPHeadsDrafter(Drafter):
         if n <= 0:
             return self.block(DraftTree.root_only(view.root), max_depth=0)
         score, tok, par = self._pool(view)
-        tree = _best_tree(view.root, score, tok, par, n)
+        tree, _ = best_nodes(view.root, score, score > NEG, tok, par, n)  # the shared tree selection
         tree.valid[:, 1:] &= view.state["cp_ok"][:, None]
         return self.block(tree, max_depth=self.depth)
-
-
-def _best_tree(root: torch.Tensor, score: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, num_nodes: int) -> DraftTree:
-    """The `num_nodes` pool entries of highest score as a tree (pool in topological order, no child above
-    its parent; a stable sort keeps a parent ahead of an equal-scoring child).
-
-    Example: score [-1, -2, -1.5], par [-1, -1, 0], num_nodes 2 -> entries 0, 2 -> parents [-1, 0, 1].
-    """
-    b, p = score.shape
-    dev = score.device
-    n = min(num_nodes, p)
-    keep = score.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values  # [B, n]
-    slot_of = torch.full((b, p), -1, dtype=torch.long, device=dev)
-    slot_of.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(b, -1))
-    kept_par = par.gather(1, keep)
-    parent_slot = torch.where(kept_par < 0, 0, slot_of.gather(1, kept_par.clamp(min=0)))
-    tokens = torch.cat([root[:, None], tok.gather(1, keep)], 1)
-    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), parent_slot], 1)
-    valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), score.gather(1, keep) > NEG], 1)
-    if n < num_nodes:  # a pool smaller than the budget (tiny vocabularies): invalid leaves under the root
-        pad = num_nodes - n
-        tokens = torch.nn.functional.pad(tokens, (0, pad))
-        parents = torch.nn.functional.pad(parents, (0, pad))
-        valid = torch.nn.functional.pad(valid, (0, pad))
-    return DraftTree(tokens, parents, valid, static_key=None)
