@@ -137,14 +137,16 @@ def test_spec_bench_turns(ray_head, tmp_path):
 def test_driver_killed_then_restarted_resumes(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(40))
     out = tmp_path / "out"
+    # one shard at a time, two rows per batch: parts appear one by one, so the kill lands mid-job
     args = [*FAST, f"data.path={data}", f"output.dir={out}", "data.shard_size=4", "ray.num_actors=1",
-            "generation.max_new_tokens=24"]
+            "generation.max_new_tokens=48", "generation.ignore_eos=true", "engine.max_batch_size=2",
+            "ray.shards_in_flight_per_actor=1"]
     proc = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], cwd=REPO,
                             env={**os.environ, "RAY_ADDRESS": ray_head.address},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not list(out.glob("part-*.parquet")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = len(list(out.glob("part-*.parquet")))
