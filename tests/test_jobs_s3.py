@@ -71,7 +71,8 @@ def test_driver_killed_then_rerun_resumes_on_s3(ray_head, s3, tmp_path):
     ids = _upload_prompts(s3, "in2", n_files=2, per_file=16)
     out_uri = s3.uri("out", "job2")
     args = [*FAST, f"data.path={s3.uri('in2')}", f"output.dir={out_uri}", "data.shard_size=4", "ray.num_actors=1",
-            "generation.max_new_tokens=24", "engine.max_batch_size=2", "ray.shards_in_flight_per_actor=1"]
+            "generation.max_new_tokens=48", "generation.ignore_eos=true", "engine.max_batch_size=2",
+            "ray.shards_in_flight_per_actor=1"]
     proc = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], cwd=REPO,
                             env={**os.environ, "RAY_ADDRESS": ray_head.address},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
