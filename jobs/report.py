@@ -29,6 +29,7 @@ import pyarrow.fs as pafs
 
 from .output import REPORT_DIR, SUMMARY
 from .schema import CATEGORY
+from .stats import Group
 from .storage import join, resolve
 
 REPORT = "report.md"
@@ -147,30 +148,6 @@ def _empty(ax: Any, title: str, text: str) -> None:
 
 
 # ---- job report -------------------------------------------------------------------------------------
-@dataclass
-class Group:
-    """Counters of one category (or all rows). Ratios are derived when reporting."""
-
-    rows: int = 0
-    errors: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    decode_tokens: int = 0
-    decode_passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    ok_tokens: int = 0  # generated tokens of rows without error (tokens/s per request)
-    ok_time_s: float = 0.0
-
-    @property
-    def tau(self) -> Optional[float]:
-        return _ratio(self.decode_tokens, self.decode_passes)
-
-    @property
-    def request_tokens_per_s(self) -> Optional[float]:
-        return _ratio(self.ok_tokens, self.ok_time_s)
-
-
 @dataclass
 class JobStats:
     """Everything the job report shows, accumulated part by part from the output columns."""

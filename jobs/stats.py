@@ -22,18 +22,38 @@ def _sum(table: pa.Table, name: str) -> int:
 
 
 @dataclass
-class Totals:
+class Group:
+    """Counters of one category (or all rows). Ratios are derived when reporting. The one counter record
+    of the job's totals (`Totals`, `_summary.json`) and of the job report (`jobs.report.JobStats`)."""
+
     rows: int = 0
     errors: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     decode_tokens: int = 0
     decode_passes: int = 0
-    # category -> [decode_tokens, decode_passes, rows]
-    per_category: dict[str, list[int]] = field(default_factory=dict)
+    drafted: int = 0
+    accepted: int = 0
+    ok_tokens: int = 0  # generated tokens of rows without error (tokens/s per request)
+    ok_time_s: float = 0.0
+
+    @property
+    def tau(self) -> Optional[float]:
+        return self.decode_tokens / self.decode_passes if self.decode_passes else None
+
+    @property
+    def request_tokens_per_s(self) -> Optional[float]:
+        return self.ok_tokens / self.ok_time_s if self.ok_time_s else None
+
+
+@dataclass
+class Totals(Group):
+    """Group counters over whole tables (vectorised), plus rows / decode tokens / passes per category."""
+
+    per_category: dict[str, Group] = field(default_factory=dict)
 
     def add(self, table: pa.Table) -> None:
-        """Add a table holding at least COLUMNS (and `category` when the job has one)."""
+        """Add a table holding (some of) COLUMNS, and `category` when the job has one."""
         self.rows += table.num_rows
         if "error" in table.column_names:
             self.errors += table.num_rows - table["error"].null_count
@@ -46,17 +66,10 @@ class Totals:
         for cat, tokens, passes in zip(
             table[CATEGORY].to_pylist(), table["num_decode_tokens"].to_pylist(), table["num_decode_passes"].to_pylist()
         ):
-            acc = self.per_category.setdefault("(none)" if cat is None else cat, [0, 0, 0])
-            acc[0] += tokens or 0
-            acc[1] += passes or 0
-            acc[2] += 1
-
-    @property
-    def tau(self) -> Optional[float]:
-        return self.decode_tokens / self.decode_passes if self.decode_passes else None
+            g = self.per_category.setdefault("(none)" if cat is None else cat, Group())
+            g.decode_tokens += tokens or 0
+            g.decode_passes += passes or 0
+            g.rows += 1
 
     def tau_per_category(self) -> dict[str, dict[str, Any]]:
-        return {
-            cat: {"rows": n, "tau": (tokens / passes if passes else None)}
-            for cat, (tokens, passes, n) in sorted(self.per_category.items())
-        }
+        return {cat: {"rows": g.rows, "tau": g.tau} for cat, g in sorted(self.per_category.items())}
