@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from .config import ATTN_IMPLS, DTYPES, ModelConfig
+from .decoder import direct_decoder
 
 TINY_PREFIX = "tiny-random-"
 RANDOM_PREFIX = "random:"
@@ -40,6 +41,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     max_context: int  # positions the model can address (prompt + generated)
     name: str
+    direct_forward: bool = True  # ModelConfig.direct_forward
 
 
 def resolve_device(device: str) -> torch.device:
@@ -238,6 +240,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         eos_token_ids=_eos_ids(model, tokenizer),
         max_context=_max_context(model, tokenizer),
         name=name,
+        direct_forward=cfg.direct_forward,
     )
 
 
@@ -269,6 +272,8 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        # the layer loop called directly where the architecture allows (bitwise equal hidden states)
+        self.direct = direct_decoder(self.base) if loaded.direct_forward else None
         self.lm_head = self.model.get_output_embeddings()
         self.embed = self.model.get_input_embeddings()
         self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
@@ -302,16 +307,19 @@ class ModelRunner:
         """Returns hidden states [B, Q, D]; the cache holds the block's keys and values where it was planned."""
         assert inputs_embeds.ndim == 3 and (bias is None or bias.ndim == 4) and position_ids.ndim == 2
         t0 = time.perf_counter()
-        out = self.base(
-            inputs_embeds=inputs_embeds,
-            attention_mask=bias,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        if self.direct is not None:
+            hidden = self.direct(inputs_embeds, bias, position_ids, cache)
+        else:
+            hidden = self.base(
+                inputs_embeds=inputs_embeds,
+                attention_mask=bias,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state
         self._sync()
         self.model_s += time.perf_counter() - t0
-        return out.last_hidden_state
+        return hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""The direct decoder forward (esp_worker.decoder) gives bitwise the hidden states of the model's own forward."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine_helpers import ARCHS, tiny
+from esp_worker import kv_cache
+from esp_worker.decoder import direct_decoder
+from esp_worker.inputs import attention_bias
+from esp_worker.model_io import ModelRunner
+
+
+def _runners(arch: str, attn: str) -> tuple[ModelRunner, ModelRunner]:
+    lm = tiny(arch, attn)
+    direct = ModelRunner(lm)
+    hf = ModelRunner(dataclasses.replace(lm, direct_forward=False))
+    return direct, hf
+
+
+def _passes(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
+    """Hidden states of a padded prefill, a tree block with a bias and a plain pass without one."""
+    g = torch.Generator().manual_seed(seed)
+    b, s, layers = 3, 9, runner.model.config.num_hidden_layers
+    cache = kv_cache.new_cache(layers)
+    cache.reserve(b, s + 8)
+    cache.add_rows(b)
+    ids = torch.randint(3, 200, (b, s), generator=g)
+    pos = torch.arange(s)[None].expand(b, -1)
+    lens = torch.tensor([s, s - 3, s - 5])
+    key_ok = torch.arange(s)[None] < lens[:, None]
+    visible = torch.ones((s, s), dtype=torch.bool).tril()[None] & key_ok[:, None, :] | torch.eye(s, dtype=torch.bool)[None]
+    cache.plan(0, b, s, 0)
+    outs = [runner.forward(runner.embed_ids(ids), attention_bias(visible, None, pos, s, runner.dtype), pos, cache)]
+    # a tree block: root, two children of the root, a grandchild of the first (per-row cache lengths)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None]
+    q = 4
+    qpos = lens[:, None] + torch.tensor([0, 1, 1, 2])[None]
+    cache.plan(0, b, s + q, lens)
+    bias = attention_bias(tree, lens, qpos, s + q, runner.dtype, runner.sliding_window)
+    outs.append(runner.forward(runner.embed_ids(torch.randint(3, 200, (b, q), generator=g)), bias, qpos, cache))
+    # plain decoding of rows of one length: no bias
+    cache.plan(0, b, s + 1, s)
+    one = torch.full((b, 1), s)
+    outs.append(runner.forward(runner.embed_ids(torch.randint(3, 200, (b, 1), generator=g)), None, one, cache))
+    return outs
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_direct_forward_is_bitwise_the_model_forward(arch, attn):
+    direct, hf = _runners(arch, attn)
+    assert direct.direct is not None and hf.direct is None
+    for a, b in zip(_passes(direct, 0), _passes(hf, 0)):
+        assert torch.equal(a, b)
+
+
+def test_unsupported_architecture_falls_back():
+    lm = tiny("llama")
+    base = ModelRunner(lm).base
+    old = base.config.model_type
+    try:
+        base.config.model_type = "gpt2"
+        assert direct_decoder(base) is None
+    finally:
+        base.config.model_type = old
