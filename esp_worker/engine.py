@@ -258,7 +258,10 @@ class Engine:
         rows.count(n_fin, res.num_committed, block.tree.valid[:, 1:].sum(-1), block.max_depth + 1, block.source, res.path_slots)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
         rows.read_back()  # the one host read of the pass: lengths and finish reasons
-        self.timing["decode_s"] += time.perf_counter() - t_start
+        seconds = time.perf_counter() - t_start
+        if self.policy is not None:
+            self.policy.observe_pass(res.num_committed, seconds)
+        self.timing["decode_s"] += seconds
         self.timing["model_s"] += self.runner.model_s - model_s0  # includes the drafter's LM-head calls
         self.timing["decode_passes"] += 1
 
@@ -320,8 +323,6 @@ class Engine:
         result = PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block,
                             mask_ok=mask_ok)
         self.drafter.observe(rows.view(), result)
-        if self.policy is not None:
-            self.policy.observe_pass(res.num_committed)
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _chooser(self, rows: Rows):

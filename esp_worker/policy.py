@@ -10,9 +10,11 @@ of accepted drafts to predicted mass). n = -1 is plain decoding (Q = 1), always 
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -21,13 +23,26 @@ import torch
 from .cost_model import CostCurve, measure_cost_curve, powers_of_two
 from .model_io import ModelRunner
 
+CURVE_VERSION = 2  # bump when what a pass runs changes, so cached curves are measured again
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 class BlockPolicy:
     """Owns the per-pass budget under block_complexity=auto: the engine asks `plan` for the pass's draft nodes
-    and reports what was accepted with `observe_pass`; the cost curve, the calibration of the drafter's
-    probabilities and the probe back-off (mask drafters after plain passes) live here."""
+    and reports what was accepted and how long the pass took with `observe_pass`; the cost curve, the
+    calibration of the drafter's probabilities, the measured overheads and the back-off of looks (and
+    probes) while plain decoding wins live here.
+
+    Measured overheads: the cost curve times the model alone; a real pass also runs the drafter (tree
+    building, lookups, verification) and the engine's bookkeeping. Each pass's wall time minus the curve's
+    prediction is kept per mode (plain, drafting); the median of the last few is added to the curve when
+    choosing, so a drafter whose own work eats its gain loses to plain decoding on measured time. Both modes
+    stay measured: the first `min_samples` looks draft whatever the estimate says, and while one mode wins,
+    the other gets one pass in `explore_every` (plain; or a tree, when a look finds something to draft).
+
+    Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
+    chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
+    doubling up to 64x the base while looks keep choosing plain; a look that drafts resets it."""
 
     def __init__(
         self,
@@ -39,6 +54,8 @@ class BlockPolicy:
         prior_weight: float = 4.0,
         decay: float = 0.98,
         probe_interval: int = 8,
+        explore_every: int = 64,
+        min_samples: int = 3,
     ):
         self.curve = curve
         self.block_tokens = block_tokens
@@ -50,47 +67,65 @@ class BlockPolicy:
         self.acc = prior_alpha * prior_weight  # running accepted drafts (decayed)
         self.decay = decay
         self._cost: dict[tuple[int, int], torch.Tensor] = {}
-        self.base_interval = probe_interval
-        self.probe_interval = probe_interval  # plain passes between re-probes; doubles while probes do not pay
-        self._plain_streak = 0  # consecutive plain passes since the last probe
-        self._probing = False  # the last plan was a probe (root + masks)
+        # per mode: the last seconds per pass beyond the curve (overhead() is their median)
+        self._over: dict[str, collections.deque] = {m: collections.deque(maxlen=15) for m in ("plain", "draft")}
+        self.explore_every = explore_every
+        self.min_samples = min_samples
+        self._since = {"plain": 0, "draft": 0}  # passes since the last one of each mode
+        self.probe_interval = probe_interval  # base wait of mask drafters (a look costs them a probe pass)
+        self._wait = 0  # plain passes left before the next look
+        self._next_wait = 0  # wait after the next look that chooses plain
+        self._last: Optional[tuple[str, float]] = None  # (mode, predicted model seconds) of the planned pass
         self._mass: Optional[torch.Tensor] = None  # [B, max_nodes] of the last plan
         self._n = -1
 
     def plan(self, drafter, view) -> int:
-        """Draft nodes for this pass (-1 = plain decoding, 0 = root + masks: a re-probe).
-
-        Mask drafters (num_masks > 0) whose probe went stale after plain passes re-probe after
-        `probe_interval` plain passes; each probe that still finds drafting not worth it doubles the
-        interval (up to 64x). The plain path reads nothing from the device (drafter.probe_maybe is a host
-        flag); hybrid drafts from its n-gram proposers without a probe, and then feeds masks again."""
+        """Draft nodes for this pass: -1 = plain decoding, 0 = root + masks (a probe), n > 0 = a tree."""
         self._mass = None
-        stale = bool(drafter.num_masks) and (not drafter.probe_maybe or not bool(view.state["has_probe"].any()))
-        if stale and not drafter.drafts_without_probe:
-            return self._stale_pass()
+        batch, cache_len = len(view.seeds), int(view.hist_len.float().mean()) - 1
+        if self._wait > 0 or self._since["plain"] >= self.explore_every:
+            self._wait = max(self._wait - 1, 0)
+            return self._planned(-1, batch, cache_len)
+        if drafter.needs_probe(view):  # a mask drafter after plain passes: look with a probe pass
+            return self._planned(0, batch, cache_len)
         mass = drafter.draft_mass(view)
-        cache_len = int(view.hist_len.float().mean()) - 1
-        n = self.choose(mass, len(view.seeds), cache_len)
-        if stale and n < 0:
-            return self._stale_pass()
-        if self._probing:
-            self._probing = False
-            self.probe_interval = self.base_interval if n > 0 else min(2 * self.probe_interval, 64 * self.base_interval)
+        explore = len(self._over["draft"]) < self.min_samples or self._since["draft"] >= self.explore_every
+        n = self.choose(mass, batch, cache_len, measured=not explore)
+        base = self.probe_interval if drafter.needs_probe_to_draft else 1
+        if n > 0:
+            self._next_wait = base
+        elif mass is not None and bool(mass.sum() > 0):  # drafting was possible but does not pay: back off
+            self._wait = self._next_wait or base
+            self._next_wait = min(2 * self._wait, 64 * base)
+        else:  # nothing to draft right now (no match, no probe): look again soon
+            self._wait = base
         self._mass, self._n = mass, n
+        return self._planned(n, batch, cache_len)
+
+    def _planned(self, n: int, batch: int, cache_len: int) -> int:
+        i = self.sizes.index(n) if n in self.sizes else 0
+        q = float(self.block_tokens(n))
+        model_s = float(self.costs(batch, cache_len)[i]) if n in self.sizes else self.curve.time(batch, q, cache_len)
+        mode = "plain" if n < 0 else "draft"
+        self._last = (mode, model_s)
+        for m in self._since:
+            self._since[m] = 0 if m == mode else self._since[m] + 1
         return n
 
-    def _stale_pass(self) -> int:
-        self._plain_streak += 1
-        if self._plain_streak > self.probe_interval:
-            self._plain_streak = 0
-            self._probing = True
-            return 0
-        return -1
-
-    def observe_pass(self, num_committed: torch.Tensor) -> None:
-        """Calibrate with the pass just verified ([B] tokens committed per row)."""
+    def observe_pass(self, num_committed: torch.Tensor, seconds: Optional[float] = None) -> None:
+        """Calibrate with the pass just verified ([B] tokens committed per row) and its wall time."""
         if self._mass is not None and self._n > 0:
             self.observe(float(self._mass[:, : self._n].sum()), float((num_committed - 1).sum()))
+        if seconds is not None and self._last is not None:
+            mode, model_s = self._last
+            self._over[mode].append(max(seconds - model_s, 0.0))
+        self._last = None
+
+    def overhead(self, mode: str) -> float:
+        """Measured seconds per pass beyond the cost curve in `mode` (plain | draft): the median of the last
+        few passes (robust to a first pass's one-off costs); 0 until measured."""
+        obs = self._over[mode]
+        return statistics.median(obs) if obs else 0.0
 
     @property
     def alpha(self) -> float:
@@ -104,14 +139,16 @@ class BlockPolicy:
             self._cost[key] = torch.tensor([self.curve.time(batch, float(q), bucket) for q in self.q.tolist()])
         return self._cost[key]
 
-    def choose(self, mass: Optional[torch.Tensor], batch: int, cache_len: int) -> int:
-        """Draft nodes for this pass (-1 = plain). mass: [B, max_nodes] best-first node probabilities."""
+    def choose(self, mass: Optional[torch.Tensor], batch: int, cache_len: int, measured: bool = True) -> int:
+        """Draft nodes for this pass (-1 = plain). mass: [B, max_nodes] best-first node probabilities.
+        measured=False: the cost curve alone (exploring), without the measured overheads."""
         if mass is None:
             return -1
         cum = torch.cat([torch.zeros(1), mass.float().sum(0).cumsum(0).cpu()])  # [max_nodes + 1]
         n = torch.tensor([max(s, 0) for s in self.sizes])
         expected = batch + self.alpha * cum[n.clamp(max=cum.shape[0] - 1)]  # [C]
-        rate = expected / self.costs(batch, cache_len)
+        extra = torch.tensor([self.overhead("plain")] + [self.overhead("draft")] * (len(self.sizes) - 1)) * measured
+        rate = expected / (self.costs(batch, cache_len) + extra)
         return self.sizes[int(rate.argmax())]
 
     def observe(self, predicted: float, accepted: float) -> None:
@@ -134,7 +171,8 @@ def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "
     cache_lens = sorted({min(64, ctx // 4), min(512, ctx // 2)})
     blocks = sorted(set(powers_of_two(max_block)) | {max_block})
     key = json.dumps(
-        [runner.loaded.name, str(runner.device), str(runner.dtype), torch.get_num_threads(), batches, cache_lens, blocks]
+        [CURVE_VERSION, runner.loaded.name, str(runner.device), str(runner.dtype), torch.get_num_threads(),
+         runner.direct is not None, batches, cache_lens, blocks]
     )
     file = cache_dir() / f"cost-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
     if file.exists():

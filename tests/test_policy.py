@@ -87,3 +87,59 @@ def test_calibration_is_cached(tmp_path, monkeypatch):
     assert len(files) == 1
     c2 = calibrate(runner, max_batch=2, max_block=8)
     assert c1.seconds == c2.seconds and c1.block_sizes == [1, 2, 4, 8] and c1.batch_sizes == [1, 2]
+
+
+class _Drafter:
+    """A drafter stand-in: fixed mass, drafts without a probe."""
+
+    num_masks = 0
+    drafts_without_probe = False
+    needs_probe_to_draft = False
+
+    def __init__(self, mass: torch.Tensor):
+        self.mass = mass
+
+    def needs_probe(self, view) -> bool:
+        return False
+
+    def draft_mass(self, view) -> torch.Tensor:
+        return self.mass
+
+
+def _run(p: BlockPolicy, drafter: _Drafter, passes: int, seconds) -> list[int]:
+    """Plan `passes` passes; each takes seconds(n) and commits 2 tokens per row when it drafts (one draft
+    accepted), 1 when plain."""
+    from types import SimpleNamespace
+
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    plans = []
+    for _ in range(passes):
+        n = p.plan(drafter, view)
+        plans.append(n)
+        p.observe_pass(torch.full((2,), 1 + int(n > 0)), seconds(n))
+    return plans
+
+
+def test_measured_overhead_turns_a_costly_drafter_off_and_explores():
+    # the curve says a block is free, but every drafting pass (2 tokens per row) really takes 3x a plain one
+    p = policy(FLAT)
+    plans = _run(p, _Drafter(torch.full((2, 29), 0.5)), 300, lambda n: 1.1 if n < 0 else 3.3)
+    assert all(n > 0 for n in plans[:3])  # the first looks draft: both modes get measured
+    model_s = FLAT.time(2, 1, 100)  # the curve's pass time at batch 2 (the same for every block)
+    assert p.overhead("draft") == pytest.approx(3.3 - model_s) and p.overhead("plain") == 0.0
+    later = plans[10:]
+    assert later.count(-1) > 0.95 * len(later)  # then plain decoding wins on measured time
+    assert any(n > 0 for n in later)  # but drafting is re-measured now and then
+
+
+def test_cheap_drafter_keeps_drafting_and_measures_plain():
+    p = policy(FLAT)
+    plans = _run(p, _Drafter(torch.full((2, 29), 0.5)), 200, lambda n: 1.3 if n < 0 else 1.35)
+    assert 0 < plans.count(-1) <= 200 // p.explore_every + 1  # only the exploring plain passes
+    assert p.overhead("plain") == pytest.approx(1.3 - FLAT.time(2, 1, 100))  # which measured the plain path
+
+
+def test_nothing_to_draft_looks_again_next_pass_but_one():
+    p = policy(FLAT)
+    plans = _run(p, _Drafter(torch.zeros((2, 29))), 10, lambda n: 1.0)
+    assert plans == [-1] * 10

@@ -116,6 +116,16 @@ class Drafter(ABC):
         first; None when the drafter cannot tell (block_complexity=auto needs it)."""
         return None
 
+    @property
+    def needs_probe_to_draft(self) -> bool:
+        """A drafter that can only draft from a fresh probe (its look at a pass costs a probe pass)."""
+        return bool(self.num_masks) and not self.drafts_without_probe
+
+    def needs_probe(self, view: RowsView) -> bool:
+        """True when the drafter cannot draft this pass until a probe pass (root + masks) refreshes it: a mask
+        drafter after plain passes. Reads the device only while some row may hold a probe."""
+        return False
+
     def observe(self, view: RowsView, result: PassResult) -> None:
         """Learn from a pass (or the prefill); view.hist already holds the committed tokens. Default: nothing."""
 

@@ -142,6 +142,11 @@ class ESPDrafter(Drafter):
             st["m"] = (1 - lam) ** gap[:, None].float() * st["m"] + (w[..., None] * emb).sum(1)
         st["m_len"] = view.hist_len.clone()
 
+    def needs_probe(self, view: RowsView) -> bool:
+        if not self.needs_probe_to_draft:
+            return False
+        return not self.probe_maybe or not bool(view.state["has_probe"].any())
+
     # ---- trees -------------------------------------------------------------------------------------
     @property
     def max_nodes(self) -> int:
