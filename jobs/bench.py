@@ -11,14 +11,14 @@ between methods only when outputs are not exact.
 
 Writes to `output.dir` (default outputs/bench-<model>-<hash8>): bench.json and bench.csv (one record per
 method, setting, batch size and category, plus category "all"), cost_curve.json/.csv, report.md and the
-PNG plots it links.
+PNG plots it links. This module runs the settings; jobs/bench_results.py turns the runs into those records
+and tables, jobs/report.py writes report.md and the plots.
 
 Exit codes: 0 done, 2 bad command line, config or input.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import logging
@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
+from .bench_results import summarise, write_table
 from .report import ALL, bench_plots, fmt, write_bench_report
 
 log = logging.getLogger("esp_batch.bench")
@@ -188,95 +189,6 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     first = runs[0]
     seconds = {cat: statistics.median(r["seconds"][cat] for r in runs) for cat in first["seconds"]}
     return {**first, "seconds": seconds}
-
-
-def token_mismatch_rate(outputs: list[list[int]], references: list[list[int]]) -> Optional[float]:
-    """Divergences per compared token: each output is compared with its reference up to and including the first
-    token that differs (a divergence) or to the shorter end; later tokens are not comparable.
-
-    Example: [1, 2, 3] vs [1, 2, 4] and [5, 6] vs [5, 6] -> 1 divergence in 3 + 2 tokens = 0.2."""
-    diverged, compared = 0, 0
-    for out, ref in zip(outputs, references):
-        n = min(len(out), len(ref))
-        first = next((i for i in range(n) if out[i] != ref[i]), None)
-        diverged += first is not None
-        compared += n if first is None else first + 1
-    return diverged / compared if compared else None
-
-
-def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any], prompts: list[Prompt],
-              curve: Any, max_new_tokens: int, tolerance: float, hf_run: Optional[dict[str, Any]] = None
-              ) -> list[dict[str, Any]]:
-    """One record per category and one for ALL."""
-    from esp_worker import RequestStats
-    from esp_worker.cost_model import predict_speedup
-
-    groups = {cat: [p for p in prompts if p.category == cat] for cat in run["seconds"]}
-    if len(groups) > 1:
-        groups = {**groups, ALL: prompts}
-    ar_tps = {}
-    records = []
-    for cat, ps in groups.items():
-        outs = [run["outputs"][p.id] for p in ps]
-        st = RequestStats()
-        for o in outs:
-            st = st.merge(o.stats)
-        secs = sum(run["seconds"][c] for c in {p.category for p in ps})
-        ar_secs = sum(ar_run["seconds"][c] for c in {p.category for p in ps})
-        ar_tokens = sum(len(ar_run["outputs"][p.id].token_ids) for p in ps)
-        ar_tps[cat] = ar_tokens / ar_secs if ar_secs else None
-        hf_tps = None
-        if hf_run is not None:
-            hf_secs = sum(hf_run["seconds"][c] for c in {p.category for p in ps})
-            hf_tps = sum(len(hf_run["outputs"][p.id].token_ids) for p in ps) / hf_secs if hf_secs else None
-        tokens = sum(len(o.token_ids) for o in outs)
-        tps = tokens / secs if secs else None
-        tau = st.tau
-        fed = sum(q * n for q, n in st.block_size_histogram.items())
-        block = fed / st.num_decode_passes if st.num_decode_passes else None
-        exact = sum(o.token_ids == ar_run["outputs"][p.id].token_ids for o, p in zip(outs, ps)) / len(ps)
-        mismatch = token_mismatch_rate([o.token_ids for o in outs], [ar_run["outputs"][p.id].token_ids for p in ps])
-        rec = dict(
-            method=s.method, setting=s.label, block_complexity=s.block_complexity, num_masks=s.num_masks,
-            tree=s.tree, expansion=s.expansion, batch_size=batch, category=cat, num_prompts=len(ps), num_generated_tokens=tokens,
-            accepted_by_proposer=dict(st.accepted_by_proposer) or None,
-            num_decode_passes=st.num_decode_passes, tau=tau,
-            accepted_per_pass=(st.num_accepted_drafts / st.num_decode_passes if st.num_decode_passes else None),
-            calls_saved=(1 - 1 / tau if tau else None), mean_block_size=block, time_s=secs, tokens_per_s=tps,
-            speedup_vs_ar=(tps / ar_tps[cat] if tps and ar_tps[cat] else None),
-            speedup_vs_hf=(tps / hf_tps if tps and hf_tps else None), exact_match_rate=exact,
-            token_mismatch_rate=mismatch,
-            errors=sum(o.error is not None for o in outs),
-            # tokens fed per sequence per pass -> passes (shows what block_complexity=auto chose)
-            block_sizes=" ".join(f"{q}:{n}" for q, n in sorted(st.block_size_histogram.items())),
-            # [d] share of decode passes whose accepted path reached depth d+1
-            accepted_per_depth=" ".join(f"{n / st.num_decode_passes:.3f}" for n in st.accepted_per_depth)
-            if st.num_decode_passes else "",
-        )
-        rec["predicted_speedup"] = None
-        rec["within_tolerance"] = None
-        if curve is not None and tau and block and s.method != "hf":
-            cache = sum(len(p.ids) for p in ps) / len(ps) + max_new_tokens / 2
-            rec["predicted_speedup"] = predict_speedup(tau, block, curve, batch=batch, cache_len=cache)
-            if rec["speedup_vs_ar"]:
-                rec["within_tolerance"] = abs(rec["speedup_vs_ar"] / rec["predicted_speedup"] - 1) <= tolerance
-        t, t_ar = run["timing"], ar_run["timing"]
-        whole = cat == ALL or len(groups) == 1
-        rec["host_overhead"] = (t["decode_s"] - t["model_s"]) / t["decode_s"] if whole and t.get("decode_s") else None
-        # peak KV-cache bytes of the run (the whole run, so on every record), and against ar's
-        rec["peak_cache_mb"] = t["peak_cache_bytes"] / 2**20 if t.get("peak_cache_bytes") else None
-        rec["cache_vs_ar"] = (t["peak_cache_bytes"] / t_ar["peak_cache_bytes"]
-                              if t.get("peak_cache_bytes") and t_ar.get("peak_cache_bytes") else None)
-        records.append(rec)
-    return records
-
-
-# ---- output files (report.md and the plots: jobs/report.py) ------------------------------------------
-def write_table(path: Path, records: list[dict[str, Any]]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(records[0]))
-        w.writeheader()
-        w.writerows(records)
 
 
 def default_output_dir(cfg: DictConfig) -> str:

@@ -551,7 +551,7 @@ def _length_note(cfg: Any) -> str:
 
 def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str, Any]], curve: Any, plots: list[str],
                        env: dict[str, Any], skipped: int) -> None:
-    """The benchmark's report.md in `out` (see jobs/bench.py for the records)."""
+    """The benchmark's report.md in `out` (see jobs/bench_results.py for the records)."""
     b = cfg.bench
     cats = list(dict.fromkeys(r["category"] for r in records if r["category"] != ALL))
     overall = [r for r in records if r["category"] == ALL or len(cats) <= 1]

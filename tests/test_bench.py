@@ -94,7 +94,7 @@ def test_predict_speedup():
 
 
 def test_token_mismatch_rate():
-    from jobs.bench import token_mismatch_rate
+    from jobs.bench_results import token_mismatch_rate
 
     assert token_mismatch_rate([[1, 2, 3], [5, 6]], [[1, 2, 4], [5, 6]]) == pytest.approx(0.2)
     assert token_mismatch_rate([[1, 2]], [[1, 2, 3]]) == 0.0
