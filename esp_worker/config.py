@@ -31,10 +31,12 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    method: str = "esp"  # ar | esp | pld | stand | lade | hybrid | cp_heads
-    # Tokens fed per decode pass per sequence: (k+1) * (1 + num draft nodes) for ESP. "auto" (esp, pld):
-    # chosen per pass from a measured cost curve and the rows' expected acceptance, plain decoding included.
-    block_complexity: Union[int, str] = 30
+    # hybrid (the default): n-gram continuation + STAND store + ESP probe in one tree per row per pass
+    method: str = "hybrid"  # ar | esp | pld | stand | lade | hybrid | cp_heads
+    # Tokens fed per decode pass per sequence: (k+1) * (1 + num draft nodes) for ESP. "auto" (the default;
+    # esp, pld, hybrid, cp_heads): chosen per pass from a measured cost curve, the measured overhead of the
+    # drafter and the rows' expected acceptance, plain decoding included.
+    block_complexity: Union[int, str] = "auto"
     num_masks: int = 1  # k: mask tokens per input token (ESP)
     tree: str = "dynamic"  # static | dynamic
     # Static branch list [K_1..K_k]; empty = derived from block_complexity (see tree_shapes.static_branches).

@@ -24,7 +24,7 @@ def test_default_job_without_arguments(tmp_path):
     last = [line for line in res.stderr.splitlines() if "done:" in line][-1]
     assert "48 rows (0 errors" in last and "_summary.json" in last
     (out,) = (tmp_path / "outputs").iterdir()
-    assert out.name.startswith("tiny-random-llama-esp-")
+    assert out.name.startswith("tiny-random-llama-hybrid-")
     summary = json.loads((out / "_summary.json").read_text())
     assert summary["rows"] == 48 and summary["tau"] is not None and summary["tau_per_category"]
     assert len(read_output(out)) == 48
