@@ -27,18 +27,49 @@ CURVE_VERSION = 2  # bump when what a pass runs changes, so cached curves are me
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
+class _Arm:
+    """One proposer set of the drafter (a variant): its candidate sizes, costs, calibration and record."""
+
+    def __init__(self, block_tokens: Callable[[int], int], max_nodes: int, max_block: int, prior_alpha: float,
+                 prior_weight: float):
+        fits = [n for n in sorted(set(SIZES) | {max_nodes}) if 1 <= n <= max_nodes and block_tokens(n) <= max_block]
+        self.sizes = [-1] + fits  # -1 = plain decoding
+        self.q = [float(block_tokens(n)) for n in self.sizes]  # tokens fed per sequence of each candidate
+        self.block_tokens = block_tokens
+        self.cost: dict[tuple[int, int], torch.Tensor] = {}  # (batch, cache bucket) -> [C] curve seconds
+        self.pred = prior_weight  # running predicted accepted drafts (decayed)
+        self.acc = prior_alpha * prior_weight  # running accepted drafts (decayed)
+        self.over: collections.deque = collections.deque(maxlen=15)  # drafting seconds beyond the curve
+        self.tokens = 0.0  # decayed tokens committed / seconds over the passes this arm planned
+        self.seconds = 0.0
+        self.passes = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.acc / self.pred
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("inf")
+
+
 class BlockPolicy:
     """Owns the per-pass budget under block_complexity=auto: the engine asks `plan` for the pass's draft nodes
     and reports what was accepted and how long the pass took with `observe_pass`; the cost curve, the
-    calibration of the drafter's probabilities, the measured overheads and the back-off of looks (and
-    probes) while plain decoding wins live here.
+    calibration of the drafter's probabilities, the measured overheads, the choice of proposer set and the
+    back-off of looks (and probes) while plain decoding wins live here.
 
     Measured overheads: the cost curve times the model alone; a real pass also runs the drafter (tree
     building, lookups, verification) and the engine's bookkeeping. Each pass's wall time minus the curve's
-    prediction is kept per mode (plain, drafting); the median of the last few is added to the curve when
-    choosing, so a drafter whose own work eats its gain loses to plain decoding on measured time. Both modes
-    stay measured: the first `min_samples` looks draft whatever the estimate says, and while one mode wins,
-    the other gets one pass in `explore_every` (plain; or a tree, when a look finds something to draft).
+    prediction is kept per mode (plain, drafting with each proposer set); the median of the last few is
+    added to the curve when choosing, so a drafter whose own work eats its gain loses to plain decoding on
+    measured time. Both modes stay measured: the first `min_samples` looks draft whatever the estimate says,
+    and while one mode wins, the other gets one pass in `explore_every` (plain; or a tree, when a look finds
+    something to draft).
+
+    Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set with the most tokens
+    committed per second over the passes it planned (decayed), after `min_samples` looks each; every
+    `explore_every // 4` looks the other set gets one.
 
     Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
     chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
@@ -47,7 +78,7 @@ class BlockPolicy:
     def __init__(
         self,
         curve: CostCurve,
-        block_tokens: Callable[[int], int],  # draft nodes -> tokens fed per sequence
+        block_tokens: Callable[[int], int],  # draft nodes -> tokens fed per sequence (the drafter's own set)
         max_nodes: int,
         max_block: int,
         prior_alpha: float = 0.5,
@@ -56,28 +87,33 @@ class BlockPolicy:
         probe_interval: int = 8,
         explore_every: int = 64,
         min_samples: int = 3,
+        rate_decay: float = 0.95,
     ):
         self.curve = curve
-        self.block_tokens = block_tokens
-        max_block = min(max_block, max(curve.block_sizes))  # never extrapolate the curve beyond what was measured
-        fits = [n for n in sorted(set(SIZES) | {max_nodes}) if 1 <= n <= max_nodes and block_tokens(n) <= max_block]
-        self.sizes = [-1] + fits  # -1 = plain decoding
-        self.q = torch.tensor([float(block_tokens(n)) for n in self.sizes])  # [C]
-        self.pred = prior_weight  # running predicted accepted drafts (decayed)
-        self.acc = prior_alpha * prior_weight  # running accepted drafts (decayed)
-        self.decay = decay
-        self._cost: dict[tuple[int, int], torch.Tensor] = {}
-        # per mode: the last seconds per pass beyond the curve (overhead() is their median)
-        self._over: dict[str, collections.deque] = {m: collections.deque(maxlen=15) for m in ("plain", "draft")}
+        self.max_block = min(max_block, max(curve.block_sizes))  # never extrapolate the curve beyond what was measured
+        self._prior = (prior_alpha, prior_weight)
+        self.arms: dict[str, _Arm] = {"": _Arm(block_tokens, max_nodes, self.max_block, *self._prior)}
+        self.arm = self.arms[""]
+        self.decay, self.rate_decay = decay, rate_decay
+        self._plain: collections.deque = collections.deque(maxlen=15)  # plain seconds beyond the curve
         self.explore_every = explore_every
         self.min_samples = min_samples
         self._since = {"plain": 0, "draft": 0}  # passes since the last one of each mode
         self.probe_interval = probe_interval  # base wait of mask drafters (a look costs them a probe pass)
         self._wait = 0  # plain passes left before the next look
         self._next_wait = 0  # wait after the next look that chooses plain
+        self._looks = 0
         self._last: Optional[tuple[str, float]] = None  # (mode, predicted model seconds) of the planned pass
         self._mass: Optional[torch.Tensor] = None  # [B, max_nodes] of the last plan
         self._n = -1
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.arm.sizes
+
+    @property
+    def alpha(self) -> float:
+        return self.arm.alpha
 
     def plan(self, drafter, view) -> int:
         """Draft nodes for this pass: -1 = plain decoding, 0 = root + masks (a probe), n > 0 = a tree."""
@@ -88,8 +124,9 @@ class BlockPolicy:
             return self._planned(-1, batch, cache_len)
         if drafter.needs_probe(view):  # a mask drafter after plain passes: look with a probe pass
             return self._planned(0, batch, cache_len)
+        self._pick_arm(drafter)
         mass = drafter.draft_mass(view)
-        explore = len(self._over["draft"]) < self.min_samples or self._since["draft"] >= self.explore_every
+        explore = len(self.arm.over) < self.min_samples or self._since["draft"] >= self.explore_every
         n = self.choose(mass, batch, cache_len, measured=not explore)
         base = self.probe_interval if drafter.needs_probe_to_draft else 1
         if n > 0:
@@ -102,10 +139,33 @@ class BlockPolicy:
         self._mass, self._n = mass, n
         return self._planned(n, batch, cache_len)
 
+    def _pick_arm(self, drafter) -> None:
+        """Select the proposer set for this look (the drafter's own when it has one)."""
+        names = drafter.variants
+        if len(names) == 1:
+            return
+        self._looks += 1
+        for v in names:
+            if v not in self.arms:
+                self.arms[v] = _Arm(*drafter.use_variant(v), self.max_block, *self._prior)
+        tried = {v: self.arms[v] for v in names}
+        new = [v for v, a in tried.items() if a.passes < self.min_samples]
+        if new:
+            pick = new[0]
+        else:
+            best = max(tried, key=lambda v: tried[v].rate)
+            explore = self._looks % max(self.explore_every // 4, 1) == 0
+            others = [v for v in names if v != best]
+            pick = others[(self._looks // max(self.explore_every // 4, 1)) % len(others)] if explore else best
+        drafter.use_variant(pick)
+        self.arm = self.arms[pick]
+
     def _planned(self, n: int, batch: int, cache_len: int) -> int:
-        i = self.sizes.index(n) if n in self.sizes else 0
-        q = float(self.block_tokens(n))
-        model_s = float(self.costs(batch, cache_len)[i]) if n in self.sizes else self.curve.time(batch, q, cache_len)
+        arm = self.arm
+        if n in arm.sizes:
+            model_s = float(self.costs(batch, cache_len)[arm.sizes.index(n)])
+        else:
+            model_s = self.curve.time(batch, float(arm.block_tokens(n)), cache_len)
         mode = "plain" if n < 0 else "draft"
         self._last = (mode, model_s)
         for m in self._since:
@@ -114,47 +174,51 @@ class BlockPolicy:
 
     def observe_pass(self, num_committed: torch.Tensor, seconds: Optional[float] = None) -> None:
         """Calibrate with the pass just verified ([B] tokens committed per row) and its wall time."""
+        arm = self.arm
         if self._mass is not None and self._n > 0:
             self.observe(float(self._mass[:, : self._n].sum()), float((num_committed - 1).sum()))
         if seconds is not None and self._last is not None:
             mode, model_s = self._last
-            self._over[mode].append(max(seconds - model_s, 0.0))
+            (self._plain if mode == "plain" else arm.over).append(max(seconds - model_s, 0.0))
+            if len(self.arms) > 1:  # throughput of the proposer set in charge (its plain passes included)
+                d = self.rate_decay
+                arm.tokens = d * arm.tokens + float(num_committed.sum())
+                arm.seconds = d * arm.seconds + seconds
+                arm.passes += 1
         self._last = None
 
     def overhead(self, mode: str) -> float:
-        """Measured seconds per pass beyond the cost curve in `mode` (plain | draft): the median of the last
-        few passes (robust to a first pass's one-off costs); 0 until measured."""
-        obs = self._over[mode]
+        """Measured seconds per pass beyond the cost curve in `mode` (plain | draft, the current proposer
+        set's): the median of the last few passes (robust to a first pass's one-off costs); 0 until measured."""
+        obs = self._plain if mode == "plain" else self.arm.over
         return statistics.median(obs) if obs else 0.0
-
-    @property
-    def alpha(self) -> float:
-        return self.acc / self.pred
 
     def costs(self, batch: int, cache_len: int) -> torch.Tensor:
         """[C] seconds per pass for each candidate (cache length bucketed to 64 tokens for reuse)."""
         bucket = int(cache_len) // 64 * 64 + 32
         key = (batch, bucket)
-        if key not in self._cost:
-            self._cost[key] = torch.tensor([self.curve.time(batch, float(q), bucket) for q in self.q.tolist()])
-        return self._cost[key]
+        arm = self.arm
+        if key not in arm.cost:
+            arm.cost[key] = torch.tensor([self.curve.time(batch, q, bucket) for q in arm.q])
+        return arm.cost[key]
 
     def choose(self, mass: Optional[torch.Tensor], batch: int, cache_len: int, measured: bool = True) -> int:
         """Draft nodes for this pass (-1 = plain). mass: [B, max_nodes] best-first node probabilities.
         measured=False: the cost curve alone (exploring), without the measured overheads."""
         if mass is None:
             return -1
+        sizes = self.arm.sizes
         cum = torch.cat([torch.zeros(1), mass.float().sum(0).cumsum(0).cpu()])  # [max_nodes + 1]
-        n = torch.tensor([max(s, 0) for s in self.sizes])
+        n = torch.tensor([max(s, 0) for s in sizes])
         expected = batch + self.alpha * cum[n.clamp(max=cum.shape[0] - 1)]  # [C]
-        extra = torch.tensor([self.overhead("plain")] + [self.overhead("draft")] * (len(self.sizes) - 1)) * measured
+        extra = torch.tensor([self.overhead("plain")] + [self.overhead("draft")] * (len(sizes) - 1)) * measured
         rate = expected / (self.costs(batch, cache_len) + extra)
-        return self.sizes[int(rate.argmax())]
+        return sizes[int(rate.argmax())]
 
     def observe(self, predicted: float, accepted: float) -> None:
         """Calibrate alpha with one pass: predicted mass of the drafted nodes vs drafts accepted."""
-        self.pred = self.decay * self.pred + predicted
-        self.acc = self.decay * self.acc + accepted
+        self.arm.pred = self.decay * self.arm.pred + predicted
+        self.arm.acc = self.decay * self.arm.acc + accepted
 
 
 def cache_dir() -> Path:

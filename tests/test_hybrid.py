@@ -7,6 +7,7 @@ import torch
 
 from esp_worker.drafters.base import RowsView
 from esp_worker.drafters.hybrid import HybridDrafter, hybrid_nodes, hybrid_tokens
+from esp_worker.drafters.pld import PromptLookupDrafter
 from esp_worker.drafters.stand import StandDrafter
 from esp_worker.tree import best_nodes
 
@@ -16,7 +17,8 @@ V, D = 20, 4
 def drafter(bc: int = 10, k: int = 1) -> HybridDrafter:
     table = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
     store = StandDrafter(num_nodes=bc - 1, depth=4, topk=2, max_ngram=3, min_ngram=1)
-    return HybridDrafter(store, block_complexity=bc, num_masks=k, embed=lambda ids: table[ids],
+    chain = PromptLookupDrafter(max_ngram=3, min_ngram=1, depth=4)
+    return HybridDrafter(store, chain, block_complexity=bc, num_masks=k, embed=lambda ids: table[ids],
                          logits=lambda h: h @ table.T, embedding_table=table)
 
 

@@ -95,6 +95,7 @@ class _Drafter:
     num_masks = 0
     drafts_without_probe = False
     needs_probe_to_draft = False
+    variants = ("",)
 
     def __init__(self, mass: torch.Tensor):
         self.mass = mass

@@ -23,11 +23,13 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
         return d
     if cfg.method == "hybrid":
         from .hybrid import HybridDrafter
+        from .pld import PromptLookupDrafter
         from .stand import StandDrafter
 
         store = StandDrafter(max(cfg.block_complexity - 1, 1), cfg.stand_depth, cfg.stand_topk, cfg.stand_max_ngram,
                              cfg.stand_min_ngram)
-        d = HybridDrafter(store, **_esp_kwargs(cfg, runner), block_complexity=cfg.block_complexity,
+        chain = PromptLookupDrafter(cfg.stand_max_ngram, cfg.stand_min_ngram, min(cfg.stand_depth, cfg.block_complexity - 1))
+        d = HybridDrafter(store, chain, **_esp_kwargs(cfg, runner), block_complexity=cfg.block_complexity,
                           mask_every=cfg.hybrid_mask_every)
         d.set_model_dtype(runner.dtype)
         return d

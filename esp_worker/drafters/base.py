@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -120,6 +120,15 @@ class Drafter(ABC):
     def needs_probe_to_draft(self) -> bool:
         """A drafter that can only draft from a fresh probe (its look at a pass costs a probe pass)."""
         return bool(self.num_masks) and not self.drafts_without_probe
+
+    # named proposer sets block_complexity=auto may choose between per pass (hybrid: "merged" | "ngram");
+    # ("",) = one set, the drafter itself
+    variants: tuple[str, ...] = ("",)
+
+    def use_variant(self, variant: str) -> tuple[Callable[[int], int], int]:
+        """Draft from proposer set `variant` from the next draft_mass/propose on; returns that set's
+        (block_tokens, max_nodes)."""
+        return self.block_tokens, self.max_nodes
 
     def needs_probe(self, view: RowsView) -> bool:
         """True when the drafter cannot draft this pass until a probe pass (root + masks) refreshes it: a mask

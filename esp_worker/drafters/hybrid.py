@@ -20,6 +20,12 @@ Merge (per row, tensor ops only):
    (none when that slot owned no masks: the row then drafts from the n-gram proposers and the root's
    masks give it a probe again).
 
+Variants (block_complexity=auto picks one per look by measured throughput, `policy.BlockPolicy`):
+"merged" is the above; "ngram" is the n-gram continuation alone (a prompt-lookup chain: no masks, no store
+lookups, no merge, the accepted path already in place), for text where copying carries the acceptance
+and the merge's own work would cost more than the extra drafts it finds. The store and the probe are not
+updated on ngram passes (the EMA of the mask vector is replayed when masks are fed again).
+
 Block tokens: (1 + n) tree slots + k * (1 + n // mask_every) masks. A fixed block complexity BC gets the
 largest n that fits; block_complexity=auto asks `draft_mass` (the calibrated scores, best first) and the
 policy picks n, plain decoding included.
@@ -34,6 +40,7 @@ from ..tree import DraftTree, best_nodes, block_layout
 from .base import Block, PassResult, RowsView
 from .common import NEG, pool_depth
 from .esp import ESPDrafter
+from .pld import PromptLookupDrafter
 from .stand import StandDrafter
 
 NGRAM, STORE, ESP = 0, 1, 2
@@ -58,8 +65,10 @@ class HybridDrafter(ESPDrafter):
     name = "hybrid"
     proposers = ("ngram", "store", "esp")
     drafts_without_probe = True
+    variants = ("merged", "ngram")
 
-    def __init__(self, store: StandDrafter, block_complexity: int, num_masks: int, mask_every: int = 4,
+    def __init__(self, store: StandDrafter, chain: PromptLookupDrafter, block_complexity: int, num_masks: int,
+                 mask_every: int = 4,
                  prior: tuple[float, float, float] = (0.8, 0.5, 1.0), decay: float = 0.99, **esp_kwargs):
         n = hybrid_nodes(block_complexity, num_masks, mask_every)
         if n < 1:
@@ -68,6 +77,9 @@ class HybridDrafter(ESPDrafter):
         super().__init__(num_masks=num_masks, block_complexity=(num_masks + 1) * (n + 1), tree="dynamic", **esp_kwargs)
         self.num_nodes = n
         self.store = store
+        self.chain = chain  # the "ngram" variant
+        self.variant = "merged"
+        self._chain_pass = False  # the last propose was an ngram-variant pass
         self.mask_every = mask_every
         self.depth_bound = max(store.depth, num_masks)
         d = self.depth_bound
@@ -88,6 +100,12 @@ class HybridDrafter(ESPDrafter):
     def block_tokens(self, num_nodes: int) -> int:
         return hybrid_tokens(num_nodes, self.num_masks, self.mask_every)
 
+    def use_variant(self, variant: str):
+        self.variant = variant
+        if variant == "ngram":
+            return self.chain.block_tokens, self.chain.max_nodes
+        return self.block_tokens, self.num_nodes
+
     def alpha(self) -> torch.Tensor:
         """[3 * D] calibration factors (ngram: the acceptance rate per depth)."""
         return (self.acc + self.prior) / (self.pred + 1.0)
@@ -98,6 +116,12 @@ class HybridDrafter(ESPDrafter):
         return super().start_rows(view)
 
     def observe(self, view: RowsView, result: PassResult) -> None:
+        if self.variant == "ngram" and not result.prefill:  # no masks fed, store not consulted
+            super().observe(view, result)  # the probe goes stale; the EMA waits for the next masks
+            if self._chain_pass:
+                self.chain.observe(view, result)
+            self._chain_pass, self._last = False, None
+            return
         super().observe(view, result)  # the probe and the mask EMA
         self.store.observe(view, result)  # the logit store
         if result.block is not None and result.block.source is not None and self._last is not None:
@@ -184,6 +208,8 @@ class HybridDrafter(ESPDrafter):
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:
         """[B, max_nodes] calibrated acceptance estimate of each node of the largest tree, best first."""
+        if self.variant == "ngram":
+            return self.chain.draft_mass(view)
         rank = self._merged_pool(view)[0]
         n = min(self.num_nodes, rank.shape[1])
         top = rank.topk(n, dim=1).values.clamp(min=0.0)
@@ -196,6 +222,11 @@ class HybridDrafter(ESPDrafter):
         self._last = None
         if n < 0:
             return self.block(DraftTree.root_only(view.root), None, max_depth=0)
+        if self.variant == "ngram" and n > 0:
+            block = self.chain.propose(view, n)
+            block.source = torch.where(torch.arange(block.tree.num_slots, device=view.root.device) == 0, -1, NGRAM)[None]
+            self._chain_pass = True
+            return block
         if self._lag:
             self._catch_up(view, self._lag)  # after plain passes m still owes their tokens
             self._lag = 0
