@@ -144,3 +144,33 @@ def test_nothing_to_draft_looks_again_next_pass_but_one():
     p = policy(FLAT)
     plans = _run(p, _Drafter(torch.zeros((2, 29))), 10, lambda n: 1.0)
     assert plans == [-1] * 10
+
+
+class _TwoSets(_Drafter):
+    """A drafter with two proposer sets: "slow" drafts 4-token blocks, "fast" chains of 1 + n."""
+
+    variants = ("slow", "fast")
+
+    def __init__(self, mass: torch.Tensor):
+        super().__init__(mass)
+        self.variant = "slow"
+
+    def use_variant(self, variant: str):
+        self.variant = variant
+        return (lambda n: 1 + max(n, 0)), 29
+
+
+def test_proposer_set_with_more_tokens_per_second_wins_and_the_other_is_explored():
+    p = policy(FLAT)
+    d = _TwoSets(torch.full((2, 29), 0.5))
+    used = []
+
+    def seconds(n: int) -> float:
+        used.append(d.variant if n > 0 else "plain")
+        return 1.3 if n < 0 else (2.0 if d.variant == "slow" else 1.4)  # same tokens, "slow" costs more
+
+    _run(p, d, 400, seconds)
+    late = used[100:]
+    assert late.count("fast") > 0.8 * len(late)
+    assert 0 < late.count("slow") < 0.1 * len(late)  # explored now and then
+    assert p.arms["fast"].rate > p.arms["slow"].rate
