@@ -18,8 +18,8 @@ from .config import ConfigError, JobConfig, load_config
 
 @dataclass
 class BenchSection:
-    methods: list[str] = field(default_factory=lambda: ["ar", "pld", "stand", "lade", "esp"])
-    # numbers, or "auto" (esp and pld: the engine picks the size per pass from the cost curve)
+    methods: list[str] = field(default_factory=lambda: ["ar", "pld", "stand", "lade", "esp", "hybrid"])
+    # numbers, or "auto" (esp, pld, hybrid, cp_heads: the engine picks the size per pass)
     block_complexities: list[Union[int, str]] = field(default_factory=lambda: [10, 30, 60])
     num_masks: list[int] = field(default_factory=lambda: [1, 2])  # esp only
     trees: list[str] = field(default_factory=lambda: ["static", "dynamic"])  # esp only
