@@ -32,7 +32,7 @@ policy picks n, plain decoding included.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -100,7 +100,7 @@ class HybridDrafter(ESPDrafter):
     def block_tokens(self, num_nodes: int) -> int:
         return hybrid_tokens(num_nodes, self.num_masks, self.mask_every)
 
-    def use_variant(self, variant: str):
+    def use_variant(self, variant: str) -> tuple[Callable[[int], int], int]:
         self.variant = variant
         if variant == "ngram":
             return self.chain.block_tokens, self.chain.max_nodes
