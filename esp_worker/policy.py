@@ -69,7 +69,7 @@ class BlockPolicy:
 
     Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set with the most tokens
     committed per second over the passes it planned (decayed), after `min_samples` looks each; every
-    `explore_every // 4` looks the other set gets one.
+    `explore_every // 2` looks the other set gets one.
 
     Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
     chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
@@ -154,9 +154,9 @@ class BlockPolicy:
             pick = new[0]
         else:
             best = max(tried, key=lambda v: tried[v].rate)
-            explore = self._looks % max(self.explore_every // 4, 1) == 0
+            explore = self._looks % max(self.explore_every // 2, 1) == 0
             others = [v for v in names if v != best]
-            pick = others[(self._looks // max(self.explore_every // 4, 1)) % len(others)] if explore else best
+            pick = others[(self._looks // max(self.explore_every // 2, 1)) % len(others)] if explore else best
         drafter.use_variant(pick)
         self.arm = self.arms[pick]
 
