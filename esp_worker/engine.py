@@ -228,7 +228,7 @@ class Engine:
         cache.reserve(len(batch) + r, max([q] + [n + 1 for n in batch.lens]))
         cache.plan(len(batch), r, q, 0)
         bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
-        hidden = self.runner.forward(embeds, bias, pos, cache)  # [R, Q, D]
+        hidden = self.runner.forward(embeds, bias, pos, cache, q - 1)  # [R, Q, D]
         last = hidden[torch.arange(r, device=dev), lens - 1]  # [R, D]
         logits = self.runner.logits(last)  # [R, V]
         rows.uniforms.ensure(1, rows.consumed())
@@ -287,7 +287,7 @@ class Engine:
             bias = None  # plain decoding, rows of one length: every slot of the view is visible (no mask)
         else:
             bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window)
-        hidden = self.runner.forward(embeds, bias, pos, rows.cache)
+        hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden[:, : tree.num_slots])
 

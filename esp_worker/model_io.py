@@ -303,12 +303,13 @@ class ModelRunner:
         bias: Optional[torch.Tensor],  # [B, 1, Q, S] additive attention bias (inputs.attention_bias); None = all visible
         position_ids: torch.Tensor,  # [B, Q]
         cache: Any,  # kv_cache.KVCache, planned for this forward (rows, write slots, S)
+        max_position: Optional[int] = None,  # a bound on position_ids known on the host (lets RoPE use a table)
     ) -> torch.Tensor:
         """Returns hidden states [B, Q, D]; the cache holds the block's keys and values where it was planned."""
         assert inputs_embeds.ndim == 3 and (bias is None or bias.ndim == 4) and position_ids.ndim == 2
         t0 = time.perf_counter()
         if self.direct is not None:
-            hidden = self.direct(inputs_embeds, bias, position_ids, cache)
+            hidden = self.direct(inputs_embeds, bias, position_ids, cache, max_position)
         else:
             hidden = self.base(
                 inputs_embeds=inputs_embeds,

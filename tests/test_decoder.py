@@ -33,18 +33,18 @@ def _passes(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
     key_ok = torch.arange(s)[None] < lens[:, None]
     visible = torch.ones((s, s), dtype=torch.bool).tril()[None] & key_ok[:, None, :] | torch.eye(s, dtype=torch.bool)[None]
     cache.plan(0, b, s, 0)
-    outs = [runner.forward(runner.embed_ids(ids), attention_bias(visible, None, pos, s, runner.dtype), pos, cache)]
+    outs = [runner.forward(runner.embed_ids(ids), attention_bias(visible, None, pos, s, runner.dtype), pos, cache, s - 1)]
     # a tree block: root, two children of the root, a grandchild of the first (per-row cache lengths)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None]
     q = 4
     qpos = lens[:, None] + torch.tensor([0, 1, 1, 2])[None]
     cache.plan(0, b, s + q, lens)
     bias = attention_bias(tree, lens, qpos, s + q, runner.dtype, runner.sliding_window)
-    outs.append(runner.forward(runner.embed_ids(torch.randint(3, 200, (b, q), generator=g)), bias, qpos, cache))
+    outs.append(runner.forward(runner.embed_ids(torch.randint(3, 200, (b, q), generator=g)), bias, qpos, cache, s + 2))
     # plain decoding of rows of one length: no bias
     cache.plan(0, b, s + 1, s)
     one = torch.full((b, 1), s)
-    outs.append(runner.forward(runner.embed_ids(torch.randint(3, 200, (b, 1), generator=g)), None, one, cache))
+    outs.append(runner.forward(runner.embed_ids(torch.randint(3, 200, (b, 1), generator=g)), None, one, cache, s))
     return outs
 
 
@@ -66,3 +66,26 @@ def test_unsupported_architecture_falls_back():
         assert direct_decoder(base) is None
     finally:
         base.config.model_type = old
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rotary_table_grows_and_equals_the_module(arch):
+    direct = ModelRunner(tiny(arch)).direct
+    x = torch.zeros(1, 1, direct.base.config.hidden_size)
+    g = torch.Generator().manual_seed(3)
+    for bound in (5, 300, 1000):  # the table starts at 256 positions and grows past them
+        pos = torch.randint(0, bound + 1, (3, 7), generator=g)
+        cos, sin = direct._rotary(x, pos, bound)
+        ref_cos, ref_sin = direct.base.rotary_emb(x, position_ids=pos)
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    assert direct._cos_sin[0].shape[0] == 1024
+
+
+def test_fused_projections_keep_the_model_parameters():
+    lm = tiny("qwen2")  # q/k/v with biases
+    attn = lm.model.get_decoder().layers[0].self_attn
+    before = [t.clone() for t in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.bias)]
+    ModelRunner(lm)
+    after = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.bias)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
