@@ -59,7 +59,8 @@ class DirectDecoder:
         attn = base.layers[0].self_attn
         modeling = sys.modules[type(attn).__module__]  # the architecture's own rotary and eager attention
         self.rotate: Callable = modeling.apply_rotary_pos_emb
-        if base.config._attn_implementation == "eager":
+        self.sdpa = base.config._attn_implementation == "sdpa"  # bias None with Q > 1 = causal (is_causal)
+        if not self.sdpa:
             self.attend: Callable = modeling.eager_attention_forward
         else:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

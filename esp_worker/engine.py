@@ -32,6 +32,8 @@ from .tree import mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
 from .verify import VerifyResult, verify, verify_greedy
 
+PREFILL_PAD = 0.1  # a prefill chunk takes prompts at least 90% as long as its longest
+
 
 def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[int, bool], tuple[list[Request], bool]]:
     """take(n, wait) -> (up to n requests, no more will come) over an iterable or a RequestFeed."""
@@ -156,15 +158,18 @@ class Engine:
         return Seq(req=Request(rid, req.prompt, ids, params), prompt_ids=ids, seed=seed, stats=stats)
 
     def _prefill_chunks(self, seqs: list[Seq]) -> Iterator[list[Seq]]:
+        """Admitted sequences in prefill forwards: longest first, a chunk holds prompts within PREFILL_PAD of its
+        longest (padding is compute spent on nothing) and at most `prefill_batch_tokens` padded tokens."""
         chunk: list[Seq] = []
         longest = 0
-        for s in seqs:
+        for s in sorted(seqs, key=lambda x: -len(x.prompt_ids)):
             n = len(s.prompt_ids)
-            if chunk and max(longest, n) * (len(chunk) + 1) > self.cfg.prefill_batch_tokens:
+            if chunk and (longest * (len(chunk) + 1) > self.cfg.prefill_batch_tokens or n < longest * (1 - PREFILL_PAD)):
                 yield chunk
-                chunk, longest = [], 0
+                chunk = []
+            if not chunk:
+                longest = n
             chunk.append(s)
-            longest = max(longest, n)
         if chunk:
             yield chunk
 
@@ -227,7 +232,10 @@ class Engine:
         pos = pos.clamp(max=self.loaded.max_context - 1)
         cache.reserve(len(batch) + r, max([q] + [n + 1 for n in batch.lens]))
         cache.plan(len(batch), r, q, 0)
-        bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
+        if min(rows.lens) == lmax and self.runner.causal_without_bias and self.runner.sliding_window is None:
+            bias = None  # prompts of one length, then masks: plain causal attention, no mask tensor
+        else:
+            bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
         hidden = self.runner.forward(embeds, bias, pos, cache, q - 1)  # [R, Q, D]
         last = hidden[torch.arange(r, device=dev), lens - 1]  # [R, D]
         logits = self.runner.logits(last)  # [R, V]

@@ -275,6 +275,8 @@ class ModelRunner:
         # the layer loop called directly where the architecture allows (bitwise equal hidden states)
         self.direct = direct_decoder(self.base) if loaded.direct_forward else None
         self.lm_head = self.model.get_output_embeddings()
+        # a forward with bias None and Q > 1 is causal (SDPA's is_causal); the other paths need the mask
+        self.causal_without_bias = self.direct is not None and self.direct.sdpa
         self.embed = self.model.get_input_embeddings()
         self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
         self.logit_scale = getattr(self.model.config, "logit_scale", None)

@@ -89,3 +89,23 @@ def test_fused_projections_keep_the_model_parameters():
     after = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.bias)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_without_bias_is_causal(arch):
+    """A prefill of prompts of one length passes no mask (SDPA's is_causal): same hidden states as the causal bias."""
+    runner = ModelRunner(tiny(arch))
+    assert runner.causal_without_bias
+    b, s = 2, 12
+    ids = torch.randint(3, 200, (b, s), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(s)[None].expand(b, -1)
+    causal = torch.ones((s, s), dtype=torch.bool).tril()[None]
+    outs = []
+    for bias in (attention_bias(causal, None, pos, s, runner.dtype), None):
+        cache = kv_cache.new_cache(runner.model.config.num_hidden_layers)
+        cache.reserve(b, s)
+        cache.add_rows(b)
+        cache.plan(0, b, s, 0)
+        outs.append(runner.forward(runner.embed_ids(ids), bias, pos, cache, s - 1))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert not ModelRunner(tiny(arch, "eager")).causal_without_bias  # eager attention needs the mask
