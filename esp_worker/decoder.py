@@ -79,7 +79,22 @@ class DirectDecoder:
         ]
         rot = base.rotary_emb
         self.rope_table = getattr(rot, "rope_type", "default") not in ("dynamic", "longrope")
+        self.heads = (attn.config.num_attention_heads, attn.config.num_key_value_heads)
+        self.fast_rope = self._fast_rope_matches()
         self._cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # [P, hd] each
+
+    def _fast_rope_matches(self) -> bool:
+        """`_rope` on a probe is bitwise the architecture's apply_rotary_pos_emb (full-width rotary only)."""
+        attn, hd = self.base.layers[0].self_attn, self.base.layers[0].self_attn.head_dim
+        g = torch.Generator().manual_seed(0)
+        w = attn.q_proj.weight
+        pos = torch.arange(7, device=w.device)[None] * 37
+        cos, sin = self.base.rotary_emb(torch.zeros(1, 1, 1, device=w.device, dtype=w.dtype), position_ids=pos)
+        if cos.shape[-1] != hd:
+            return False
+        q = (torch.randn((1, 7, 3, hd), generator=g) * 3).to(w)
+        ref, _ = self.rotate(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
+        return torch.equal(_rope(q, cos[:, :, None], _signed_sin(sin)[:, :, None]).transpose(1, 2), ref)
 
     def _rotary(self, x: torch.Tensor, position_ids: torch.Tensor, max_position: Optional[int]):
         """(cos, sin) [B, Q, hd] for the positions: rows of a table where the caller bounds the positions."""
@@ -103,26 +118,39 @@ class DirectDecoder:
         max_position: Optional[int] = None,  # an upper bound of position_ids, known on the host (None = unknown)
     ) -> torch.Tensor:
         b, q, _ = inputs_embeds.shape
-        cos_sin = self._rotary(inputs_embeds, position_ids, max_position)
+        cos, sin = self._rotary(inputs_embeds, position_ids, max_position)  # [B, Q, hd]
+        if self.fast_rope:  # broadcast over heads in the [B, Q, H, hd] layout; sin with rotate_half's sign
+            rope = (cos[:, :, None], _signed_sin(sin)[:, :, None])
+        else:
+            rope = (cos, sin)
         h = inputs_embeds
         for i, layer in enumerate(self.base.layers):
-            h = h + self._attention(layer.self_attn, self.norms[i][0](h), cos_sin, bias, cache, i, b, q)
+            h = h + self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q)
             h = h + self._mlp(layer.mlp, self.norms[i][1](h), self.gate_up[i])
         return self.norm(h)
 
-    def _attention(self, attn: Any, x: torch.Tensor, cos_sin, bias, cache: Any, i: int, b: int, q: int) -> torch.Tensor:
-        qs, ks, vs = self.qkv[i](x)
-        qs, ks, vs = (t.view(b, q, -1, attn.head_dim) for t in (qs, ks, vs))  # [B, Q, H(kv), hd]
+    def _attention(self, attn: Any, x: torch.Tensor, rope, bias, cache: Any, i: int, b: int, q: int) -> torch.Tensor:
+        nq, nk = self.heads
+        qkv = self.qkv[i](x).view(b, q, -1, attn.head_dim)  # [B, Q, H + 2 Hkv, hd]
+        qs, ks, vs = qkv[:, :, :nq], qkv[:, :, nq: nq + nk], qkv[:, :, nq + nk:]
         if self.qk_norm:
             qs, ks = self.norms[i][2](qs), self.norms[i][3](ks)
-        qs, ks = self.rotate(qs.transpose(1, 2), ks.transpose(1, 2), *cos_sin)
+        if self.fast_rope and self.qk_norm:
+            qs, ks = _rope(qs, *rope), _rope(ks, *rope)
+        elif self.fast_rope:
+            qk = _rope(qkv[:, :, : nq + nk], *rope)  # q and k heads in one go
+            qs, ks = qk[:, :, :nq], qk[:, :, nq:]
+        else:
+            qs, ks = self.rotate(qs.transpose(1, 2), ks.transpose(1, 2), *rope)
+        if self.fast_rope:
+            qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [B, H(kv), Q, hd]
         ks, vs = cache.update(ks, vs.transpose(1, 2), i)  # [B, Hkv, S, hd]
         out, _ = self.attend(attn, qs, ks, vs, bias, dropout=0.0, scaling=attn.scaling)
         return _linear(attn.o_proj, out.reshape(b, q, -1).contiguous())
 
     @staticmethod
     def _mlp(mlp: Any, x: torch.Tensor, gate_up: Callable) -> torch.Tensor:
-        gate, up = gate_up(x)
+        gate, up = gate_up(x).chunk(2, dim=-1)
         return _linear(mlp.down_proj, mlp.act_fn.forward(gate) * up)
 
 
@@ -131,22 +159,35 @@ def _linear(layer: Any, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
-def _fuse(parent: Any, names: tuple[str, ...]) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-    """x -> the outputs of parent.<names> from one product: their weights become views of one buffer."""
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with the first half negated: rotate_half(x) * sin == x.roll(hd/2) * _signed_sin(sin), bitwise
+    (rotate_half(x) = [-x2, x1] and (-a) * b == a * (-b) exactly)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in 3 ops instead of 7: x [..., hd]."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def _fuse(parent: Any, names: tuple[str, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> the outputs of parent.<names> side by side [..., sum(out)] from one product: their weights (and
+    biases) become views of one buffer, so the model's own forward still reads the same numbers."""
     mods = [getattr(parent, n) for n in names]
     has_bias = [m.bias is not None for m in mods]
     if any(has_bias) and not all(has_bias):
-        return lambda x: tuple(_linear(m, x) for m in mods)
+        return lambda x: torch.cat([_linear(m, x) for m in mods], -1)
     sizes = [m.weight.shape[0] for m in mods]
     with torch.no_grad():
         weight = torch.cat([m.weight for m in mods])  # [sum(out), in]
         bias = torch.cat([m.bias for m in mods]) if has_bias[0] else None
         for m, w in zip(mods, weight.split(sizes)):
-            m.weight.data = w  # a view: the model's forward reads the same numbers, memory is not doubled
+            m.weight.data = w  # a view: memory is not doubled
         if bias is not None:
             for m, bb in zip(mods, bias.split(sizes)):
                 m.bias.data = bb
-    return lambda x: F.linear(x, weight, bias).split(sizes, dim=-1)
+    return lambda x: F.linear(x, weight, bias)
 
 
 def _norm_fn(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
