@@ -56,6 +56,10 @@ class EngineConfig:
     auto_max_block: int = 64  # largest block (tokens per sequence) the policy may choose
     auto_probe_interval: int = 8  # esp: after this many plain passes, one pass re-probes (root + masks)
     cost_curve_path: str = ""  # "" = measure at start and cache under $ESP_BATCH_CACHE (~/.cache/esp-batch)
+    # torch.compile of the decoder layers' projections, norms, rotary and MLP (esp_worker/compiled.py); off:
+    # on a CPU it runs slower than eager (README), on a GPU it is the place to start
+    compile: bool = False
+    compile_mode: str = ""  # torch.compile mode ("" = its default), e.g. max-autotune-no-cudagraphs
     # Batching
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward

@@ -67,8 +67,8 @@ class DirectDecoder:
 
             self.attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")  # Qwen3
-        self.qkv = [_fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in base.layers]
-        self.gate_up = [_fuse(layer.mlp, ("gate_proj", "up_proj")) for layer in base.layers]
+        self.qkv = [_Fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in base.layers]
+        self.gate_up = [_Fused(layer.mlp, ("gate_proj", "up_proj")) for layer in base.layers]
         self.norm = _norm_fn(base.norm)
         # per layer: input norm, post-attention norm, and Qwen3's q / k norms
         self.norms = [
@@ -82,6 +82,13 @@ class DirectDecoder:
         self.heads = (attn.config.num_attention_heads, attn.config.num_key_value_heads)
         self.fast_rope = self._fast_rope_matches()
         self._cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # [P, hd] each
+        self.compiled: Optional[Any] = None  # compiled.CompiledLayers under engine.compile
+
+    def compile(self, mode: Optional[str] = None) -> None:
+        """Run the layers' projections, norms, rotary and MLP as compiled graphs (engine.compile)."""
+        from .compiled import CompiledLayers
+
+        self.compiled = CompiledLayers(self, mode)
 
     def _fast_rope_matches(self) -> bool:
         """`_rope` on a probe is bitwise the architecture's apply_rotary_pos_emb (full-width rotary only)."""
@@ -123,6 +130,8 @@ class DirectDecoder:
             rope = (cos[:, :, None], _signed_sin(sin)[:, :, None])
         else:
             rope = (cos, sin)
+        if self.compiled is not None:
+            return self.norm(self.compiled.run(inputs_embeds, rope, bias, cache))
         h = inputs_embeds
         for i, layer in enumerate(self.base.layers):
             h = h + self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q)
@@ -171,23 +180,27 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-def _fuse(parent: Any, names: tuple[str, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+class _Fused:
     """x -> the outputs of parent.<names> side by side [..., sum(out)] from one product: their weights (and
     biases) become views of one buffer, so the model's own forward still reads the same numbers."""
-    mods = [getattr(parent, n) for n in names]
-    has_bias = [m.bias is not None for m in mods]
-    if any(has_bias) and not all(has_bias):
-        return lambda x: torch.cat([_linear(m, x) for m in mods], -1)
-    sizes = [m.weight.shape[0] for m in mods]
-    with torch.no_grad():
-        weight = torch.cat([m.weight for m in mods])  # [sum(out), in]
-        bias = torch.cat([m.bias for m in mods]) if has_bias[0] else None
-        for m, w in zip(mods, weight.split(sizes)):
-            m.weight.data = w  # a view: memory is not doubled
-        if bias is not None:
-            for m, bb in zip(mods, bias.split(sizes)):
-                m.bias.data = bb
-    return lambda x: F.linear(x, weight, bias)
+
+    def __init__(self, parent: Any, names: tuple[str, ...]):
+        mods = [getattr(parent, n) for n in names]
+        has_bias = [m.bias is not None for m in mods]
+        sizes = [m.weight.shape[0] for m in mods]
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight for m in mods])  # [sum(out), in]
+            self.bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods]) \
+                if any(has_bias) else None
+            for m, w in zip(mods, self.weight.split(sizes)):
+                m.weight.data = w  # a view: memory is not doubled
+            if self.bias is not None:
+                for m, bb, had in zip(mods, self.bias.split(sizes), has_bias):
+                    if had:
+                        m.bias.data = bb
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 def _norm_fn(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -55,7 +55,7 @@ class Engine:
         cfg.validate()
         self.cfg = cfg
         self.loaded = loaded
-        self.runner = ModelRunner(loaded)
+        self.runner = ModelRunner(loaded, cfg.compile, cfg.compile_mode)
         self.auto = cfg.block_complexity == "auto"
         sized = dataclasses.replace(cfg, block_complexity=cfg.auto_max_block) if self.auto else cfg
         self.drafter: Drafter = make_drafter(sized, self.runner)
@@ -83,6 +83,12 @@ class Engine:
         return self.loaded.tokenizer
 
     # ---- public API --------------------------------------------------------------------------------
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling under engine.compile (0 without it)."""
+        direct = self.runner.direct
+        return direct.compiled.compile_s if direct is not None and direct.compiled is not None else 0.0
+
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """All outputs, in input order. Request ids must be unique within one call."""
         reqs = list(requests)

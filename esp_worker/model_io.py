@@ -268,12 +268,19 @@ class ModelRunner:
     (`logits_at`), so a 60-token block does not materialise 60 x vocab logits it never reads.
     """
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, compile: bool = False, compile_mode: str = ""):
         self.loaded = loaded
         self.model = loaded.model
         self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         # the layer loop called directly where the architecture allows (bitwise equal hidden states)
         self.direct = direct_decoder(self.base) if loaded.direct_forward else None
+        if compile:
+            if self.direct is None:
+                raise ModelLoadError(
+                    "engine.compile needs the direct forward (model.direct_forward=true and a Llama, Mistral, Qwen2 or "
+                    "Qwen3 model with sdpa or eager attention); set engine.compile=false"
+                )
+            self.direct.compile(compile_mode or None)
         self.lm_head = self.model.get_output_embeddings()
         # a forward with bias None and Q > 1 is causal (SDPA's is_causal); the other paths need the mask
         self.causal_without_bias = self.direct is not None and self.direct.sdpa

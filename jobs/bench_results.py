@@ -94,6 +94,7 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
         rec["host_overhead"] = (t["decode_s"] - t["model_s"]) / t["decode_s"] if whole and t.get("decode_s") else None
         # peak KV-cache bytes of the run (the whole run, so on every record), and against ar's
         rec["peak_cache_mb"] = t["peak_cache_bytes"] / 2**20 if t.get("peak_cache_bytes") else None
+        rec["compile_s"] = t.get("compile_s") or None  # engine.compile: seconds compiling (warm-up included)
         rec["cache_vs_ar"] = (t["peak_cache_bytes"] / t_ar["peak_cache_bytes"]
                               if t.get("peak_cache_bytes") and t_ar.get("peak_cache_bytes") else None)
         records.append(rec)
