@@ -300,7 +300,8 @@ class Engine:
         if q == 1 and s_min == s_max and self.runner.sliding_window is None:
             bias = None  # plain decoding, rows of one length: every slot of the view is visible (no mask)
         else:
-            bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window)
+            bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window,
+                                  uniform_len=s_max if s_min == s_max else None)
         hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden[:, : tree.num_slots])

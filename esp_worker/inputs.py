@@ -19,6 +19,7 @@ def attention_bias(
     view_len: int,  # S: key slots the model sees (>= max cache_len + Q)
     dtype: torch.dtype,
     window: Optional[int] = None,  # sliding attention window (keys at distance >= window are hidden)
+    uniform_len: Optional[int] = None,  # every row has exactly this many cached slots and view_len = it + Q
 ) -> torch.Tensor:
     """Additive bias [B, 1, Q, S]: 0 where visible, finfo.min elsewhere (eager needs finite values).
 
@@ -26,6 +27,11 @@ def attention_bias(
     """
     b, q = position_ids.shape
     dev = position_ids.device
+    if uniform_len is not None and window is None and q > 1:  # rows of one length: [0 ... 0 | block bias]
+        assert view_len == uniform_len + q
+        block = torch.zeros(in_block.shape, dtype=dtype, device=dev).masked_fill_(~in_block, torch.finfo(dtype).min)
+        prefix = torch.zeros((1, q, uniform_len), dtype=dtype, device=dev).expand(block.shape[0], -1, -1)
+        return torch.cat([prefix, block], -1).expand(b, q, view_len)[:, None]
     if cache_len is None:  # prefill: the block is the whole view
         assert view_len == q
         visible = in_block.expand(b, q, q)

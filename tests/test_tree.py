@@ -63,3 +63,19 @@ def test_static_branches_match_paper_trees():
 def test_static_parents_top1_expansion():
     assert static_parents([3, 2]) == [-1, 0, 0, 0, 1, 1]
     assert static_parents([2, 1, 1]) == [-1, 0, 0, 1, 3]
+
+
+def test_attention_bias_rows_of_one_length_equal_the_general_form():
+    import torch
+
+    from esp_worker.inputs import attention_bias
+
+    g = torch.Generator().manual_seed(0)
+    for b, q, s, shared in [(1, 5, 7, True), (3, 4, 2, False), (2, 6, 11, True)]:
+        in_block = torch.rand((1 if shared else b, q, q), generator=g) < 0.5
+        in_block |= torch.eye(q, dtype=torch.bool)[None]
+        cache_len = torch.full((b,), s)
+        pos = s + torch.randint(0, q, (b, q), generator=g)
+        general = attention_bias(in_block, cache_len, pos, s + q, torch.float32)
+        fast = attention_bias(in_block, cache_len, pos, s + q, torch.float32, uniform_len=s)
+        assert fast.shape == general.shape == (b, 1, q, s + q) and torch.equal(fast, general)
