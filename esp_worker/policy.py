@@ -23,7 +23,7 @@ import torch
 from .cost_model import CostCurve, measure_cost_curve, powers_of_two
 from .model_io import ModelRunner
 
-CURVE_VERSION = 2  # bump when what a pass runs changes, so cached curves are measured again
+CURVE_VERSION = 3  # bump when what a pass runs changes, so cached curves are measured again (3: fused decoder)
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -225,6 +225,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ESP_BATCH_CACHE", Path.home() / ".cache" / "esp-batch"))
 
 
+def _forward_kind(runner: ModelRunner) -> str:
+    """Which forward a pass runs (the cost curve is per forward): the model's, the direct one, or compiled."""
+    if runner.direct is None:
+        return "model"
+    return "direct+compiled" if runner.direct.compiled is not None else "direct"
+
+
 def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "") -> CostCurve:
     """The cost curve for this model, device, dtype and thread count: loaded from `path` or the cache
     directory when present, else measured (a few seconds) and cached."""
@@ -236,7 +243,7 @@ def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "
     blocks = sorted(set(powers_of_two(max_block)) | {max_block})
     key = json.dumps(
         [CURVE_VERSION, runner.loaded.name, str(runner.device), str(runner.dtype), torch.get_num_threads(),
-         runner.direct is not None, batches, cache_lens, blocks]
+         _forward_kind(runner), batches, cache_lens, blocks]
     )
     file = cache_dir() / f"cost-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
     if file.exists():
