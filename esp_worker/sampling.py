@@ -42,6 +42,14 @@ def choose_tokens(
     return torch.where(sampled_rows, sampled, greedy)
 
 
+def upload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a host synchronisation: on CUDA through page-locked memory and an
+    asynchronous copy (a pageable copy waits for the device)."""
+    if torch.device(device).type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 class UniformStreams:
     """Per-row buffers of uniforms drawn from per-request generators; consumption is per committed token.
 
@@ -66,7 +74,8 @@ class UniformStreams:
     def append(self, generators: list[Optional[torch.Generator]]) -> None:
         fresh = torch.stack(
             [torch.rand(UNIFORM_CHUNK, generator=g) if g is not None else torch.zeros(UNIFORM_CHUNK) for g in generators]
-        ).to(self.device)
+        )
+        fresh = upload(fresh, self.device)
         self.generators.extend(generators)
         self.base.extend([0] * len(generators))
         self.buf = torch.cat([self.buf, fresh])
@@ -91,7 +100,7 @@ class UniformStreams:
             if p + needed <= UNIFORM_CHUNK:
                 continue
             if g is not None:  # greedy rows in a sampling batch only need a valid pointer
-                fresh = torch.rand(UNIFORM_CHUNK, generator=g).to(self.device)
+                fresh = upload(torch.rand(UNIFORM_CHUNK, generator=g), self.device)
                 self.buf[i] = torch.cat([self.buf[i, p:], fresh])[:UNIFORM_CHUNK]
             self.ptr[i] = 0
             self.base[i] += p

@@ -251,8 +251,9 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
             log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s (vs hf %s), exact %s", s.label, batch,
                      fmt(top["tau"]), fmt(top["tokens_per_s"], 1), fmt(top["speedup_vs_ar"]),
                      fmt(top["speedup_vs_hf"]), fmt(top["exact_match_rate"]))
-    (out / "bench.json").write_text(json.dumps(records, indent=1))
-    write_table(out / "bench.csv", records)
+        # written after every batch size, so a run cut short keeps the batch sizes it finished
+        (out / "bench.json").write_text(json.dumps(records, indent=1))
+        write_table(out / "bench.csv", records)
     plots = bench_plots(out, records, curve, b.tolerance)
     env = dict(device=str(loaded.device), torch=torch.__version__, torch_threads=torch.get_num_threads(),
                machine=f"{platform.machine()} {platform.processor() or platform.system()}")
