@@ -38,6 +38,7 @@ import torch
 
 from ..tree import DraftTree, best_nodes, block_layout
 from .base import Block, PassResult, RowsView
+from .calibration import AcceptanceCalibration
 from .common import NEG, pool_depth
 from .esp import ESPDrafter
 from .pld import PromptLookupDrafter
@@ -83,12 +84,8 @@ class HybridDrafter(ESPDrafter):
         self.mask_every = mask_every
         self.depth_bound = max(store.depth, num_masks)
         d = self.depth_bound
-        # calibration counters per (proposer, depth), flattened [3 * D]: predicted (sum of q over nodes whose
-        # parent was accepted) and accepted; the prior counts as one pass
-        self.prior = torch.tensor(prior).repeat_interleave(d)
-        self.pred = torch.zeros(3 * d)
-        self.acc = torch.zeros(3 * d)
-        self.decay = decay
+        # calibration per (proposer, depth), flattened [3 * D] (cell = proposer * D + depth - 1)
+        self.calibration = AcceptanceCalibration(torch.tensor(prior).repeat_interleave(d), decay)
         self._pool_key = None
         self._last = None
 
@@ -106,9 +103,9 @@ class HybridDrafter(ESPDrafter):
             return self.chain.block_tokens, self.chain.max_nodes
         return self.block_tokens, self.num_nodes
 
-    def alpha(self) -> torch.Tensor:
+    def alpha(self, dev: Optional[torch.device] = None) -> torch.Tensor:
         """[3 * D] calibration factors (ngram: the acceptance rate per depth)."""
-        return (self.acc + self.prior) / (self.pred + 1.0)
+        return self.calibration.factors(dev or self.calibration.pred.device)
 
     # ---- state -------------------------------------------------------------------------------------
     def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
@@ -129,20 +126,8 @@ class HybridDrafter(ESPDrafter):
         self._last = None
 
     def _calibrate(self, result: PassResult) -> None:
-        tree = result.block.tree
         cell, q = self._last  # [B, T] flat (proposer, depth) index, proposer probability
-        b, t = tree.tokens.shape
-        dev = tree.tokens.device
-        steps = torch.arange(result.path_slots.shape[1], device=dev)[None]
-        on_path = (steps < result.num_committed[:, None]).long()  # root + accepted nodes
-        accepted = torch.zeros((b, t), dtype=torch.long, device=dev).scatter_add_(1, result.path_slots, on_path) > 0
-        reached = tree.valid & accepted.gather(1, tree.parents.clamp(min=0))
-        reached[:, 0] = False
-        if self.pred.device != dev:  # the counters live where the rows do: no device read
-            self.pred, self.acc, self.prior = self.pred.to(dev), self.acc.to(dev), self.prior.to(dev)
-        idx = cell.clamp(min=0).reshape(-1)
-        self.pred = self.decay * self.pred + torch.zeros_like(self.pred).scatter_add_(0, idx, (q * reached).reshape(-1))
-        self.acc = self.decay * self.acc + torch.zeros_like(self.acc).scatter_add_(0, idx, (reached & accepted).float().reshape(-1))
+        self.calibration.update(result.block.tree, result.path_slots, result.num_committed, cell, q)
 
     # ---- candidates --------------------------------------------------------------------------------
     def _merged_pool(self, view: RowsView):
@@ -153,9 +138,7 @@ class HybridDrafter(ESPDrafter):
         root = view.root
         b, dev = root.shape[0], root.device
         dmax, k = self.depth_bound, self.num_masks
-        if self.pred.device != dev:
-            self.pred, self.acc, self.prior = self.pred.to(dev), self.acc.to(dev), self.prior.to(dev)
-        alpha = self.alpha()
+        alpha = self.alpha(dev)
         # n-gram pool, depth-major [chain_1, alt_1.., chain_2, ...] (STAND's layout)
         c = self.store.candidates(view)
         dep, kk = c["chain"].shape[1], self.store.topk
