@@ -78,8 +78,10 @@ class EngineConfig:
     # Trained rank-r CP multi-token heads (cp_heads): directory written by jobs.train_heads
     heads_path: str = ""
     # hybrid: n-gram continuation + STAND store (stand_* keys) + ESP probe (num_masks, mask_*) in one tree;
-    # the root and one node per hybrid_mask_every nodes own masks
+    # the root owns masks; trees of at least hybrid_mask_min_nodes draft nodes also give them to one node in
+    # hybrid_mask_every (the likeliest ends of the accepted path)
     hybrid_mask_every: int = 4
+    hybrid_mask_min_nodes: int = 32
 
     def validate(self) -> None:
         """Raise ValueError with a one-line, actionable message on a bad setting."""
@@ -129,5 +131,7 @@ class EngineConfig:
             bad(f"engine.pld_depth={self.pld_depth} must be >= 1")
         if self.hybrid_mask_every < 1:
             bad(f"engine.hybrid_mask_every={self.hybrid_mask_every} must be >= 1")
+        if self.hybrid_mask_min_nodes < 0:
+            bad(f"engine.hybrid_mask_min_nodes={self.hybrid_mask_min_nodes} must be >= 0")
         if any(b < 1 for b in self.branches):
             bad(f"engine.branches={list(self.branches)} must be positive integers")

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .sampling import argmax_last
 from .tree import DraftTree
 
 
@@ -74,7 +75,7 @@ def verify_greedy(
     """
     b, t = tree.tokens.shape
     dev = slot_logits.device
-    target = slot_logits.argmax(-1)  # [B, T]
+    target = argmax_last(slot_logits)  # [B, T]
     if t == 1:  # plain decoding: the argmax at the root is the bonus
         zeros = torch.zeros((b, 1), dtype=torch.long, device=dev)
         return VerifyResult(committed=target, num_committed=zeros[:, 0] + 1, path_slots=zeros, last_slot=zeros[:, 0])

@@ -38,6 +38,18 @@ def view_with_probe(d: HybridDrafter, hist: list[int], probe: dict[int, float]) 
 def test_sizes():
     assert [hybrid_nodes(bc, 1, 4) for bc in (10, 30, 60)] == [7, 23, 47]
     assert hybrid_tokens(7, 1, 4) == 10 and hybrid_tokens(-1, 1, 4) == 1 and hybrid_tokens(0, 2, 4) == 3
+    # from mask_min_nodes on, one node in mask_every owns masks too (the engine's default 32: root only below)
+    assert [hybrid_nodes(bc, 1, 4, 32) for bc in (10, 30, 60)] == [8, 28, 47]
+    assert hybrid_tokens(31, 1, 4, 32) == 33 and hybrid_tokens(32, 1, 4, 32) == 42
+
+
+def test_small_trees_put_masks_on_the_root_only():
+    d = drafter()
+    d.mask_min_nodes = 32
+    view = view_with_probe(d, [5, 6, 7, 8, 5, 6], {7: 0.5, 9: 0.3, 3: 0.1})
+    b = d.propose(view, 5)
+    assert b.mask_owner.tolist() == [[0, -1, -1, -1, -1, -1]] and b.aux_embeds.shape[1] == 1
+    assert b.layout.visible.shape[-1] == hybrid_tokens(5, 1, 4, 32) == 7
 
 
 def test_merge_ranks_chain_and_probe_by_calibrated_estimate():

@@ -85,3 +85,17 @@ def test_choose_tokens_top_p_keeps_smallest_prefix():
     assert tok.item() == 3
     tok = choose_tokens(logits, torch.zeros(1), torch.tensor([1.0]), torch.zeros(1, dtype=torch.long), torch.tensor([0.999]))
     assert tok.item() == 0  # temperature 0 is greedy
+
+
+def test_grouped_argmax_is_argmax_with_ties_and_nan():
+    from esp_worker.sampling import argmax_last
+
+    torch.manual_seed(0)
+    for shape in [(30, 4096), (4, 30, 4096), (1, 1, 4096), (2, 100, 320)]:
+        x = torch.randn(shape)
+        ties = (x * 2).round()  # many equal maxima: the first one must win, as in argmax
+        nan = x.clone()
+        nan[..., 100] = float("nan")
+        nan[..., 200] = float("nan")
+        for y in (x, ties, nan, x.bfloat16()):
+            assert torch.equal(argmax_last(y), y.argmax(-1)), shape

@@ -30,7 +30,8 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
                              cfg.stand_min_ngram)
         chain = PromptLookupDrafter(cfg.stand_max_ngram, cfg.stand_min_ngram, min(cfg.stand_depth, cfg.block_complexity - 1))
         d = HybridDrafter(store, chain, **_esp_kwargs(cfg, runner), block_complexity=cfg.block_complexity,
-                          mask_every=cfg.hybrid_mask_every)
+                          mask_every=cfg.hybrid_mask_every,
+                          mask_min_nodes=cfg.hybrid_mask_min_nodes)
         d.set_model_dtype(runner.dtype)
         return d
     if cfg.method == "stand":

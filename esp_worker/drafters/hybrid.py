@@ -15,8 +15,8 @@ Merge (per row, tensor ops only):
 3. A node's score is the product of c along its path (never above its parent's), and the best `n` nodes
    by score form the tree (`tree.best_nodes`, shared with ESP and STAND). A proposer with nothing to offer
    (no match, no probe) has only invalid entries and the others get the whole budget.
-4. ESP's masks ride on the root and on the `n // mask_every` nodes most likely to end the accepted path
-   (P(reach u) - sum of P(reach child)); the next pass's probe comes from the last accepted slot's masks
+4. ESP's masks ride on the root and, in trees of at least `mask_min_nodes` nodes, on the `n // mask_every`
+   nodes most likely to end the accepted path (P(reach u) - sum of P(reach child)); the next pass's probe comes from the last accepted slot's masks
    (none when that slot owned no masks: the row then drafts from the n-gram proposers and the root's
    masks give it a probe again).
 
@@ -26,7 +26,7 @@ lookups, no merge, the accepted path already in place), for text where copying c
 and the merge's own work would cost more than the extra drafts it finds. The store and the probe are not
 updated on ngram passes (the EMA of the mask vector is replayed when masks are fed again).
 
-Block tokens: (1 + n) tree slots + k * (1 + n // mask_every) masks. A fixed block complexity BC gets the
+Block tokens: (1 + n) tree slots + k * owners masks (owners = 1, or 1 + n // mask_every from mask_min_nodes on). A fixed block complexity BC gets the
 largest n that fits; block_complexity=auto asks `draft_mass` (the calibrated scores, best first) and the
 policy picks n, plain decoding included.
 """
@@ -47,17 +47,24 @@ from .stand import StandDrafter
 NGRAM, STORE, ESP = 0, 1, 2
 
 
-def hybrid_tokens(num_nodes: int, num_masks: int, mask_every: int) -> int:
+def mask_owners(num_nodes: int, mask_every: int, mask_min_nodes: int) -> int:
+    """Slots that own masks in a tree of n draft nodes: the root, plus n // mask_every nodes once n reaches
+    mask_min_nodes (below it a draft node is worth more than a probe on an unlikely path end)."""
+    return 1 + (num_nodes // mask_every if num_nodes >= mask_min_nodes else 0)
+
+
+def hybrid_tokens(num_nodes: int, num_masks: int, mask_every: int, mask_min_nodes: int = 0) -> int:
     """Tokens fed per row for n draft nodes (-1 = plain pass, 0 = root + its masks)."""
     if num_nodes < 0:
         return 1
-    return 1 + num_nodes + num_masks * (1 + num_nodes // mask_every)
+    return 1 + num_nodes + num_masks * mask_owners(num_nodes, mask_every, mask_min_nodes)
 
 
-def hybrid_nodes(block_complexity: int, num_masks: int, mask_every: int) -> int:
-    """The most draft nodes a block of `block_complexity` tokens holds. BC 10/30/60, k=1 -> 7/23/47."""
+def hybrid_nodes(block_complexity: int, num_masks: int, mask_every: int, mask_min_nodes: int = 0) -> int:
+    """The most draft nodes a block of `block_complexity` tokens holds (tokens grow with n).
+    k=1, every 4: BC 10/30/60 -> 7/23/47 nodes; with mask_min_nodes 32 -> 8/28/47."""
     n = 0
-    while hybrid_tokens(n + 1, num_masks, mask_every) <= block_complexity:
+    while hybrid_tokens(n + 1, num_masks, mask_every, mask_min_nodes) <= block_complexity:
         n += 1
     return n
 
@@ -69,9 +76,9 @@ class HybridDrafter(ESPDrafter):
     variants = ("merged", "ngram")
 
     def __init__(self, store: StandDrafter, chain: PromptLookupDrafter, block_complexity: int, num_masks: int,
-                 mask_every: int = 4,
+                 mask_every: int = 4, mask_min_nodes: int = 0,
                  prior: tuple[float, float, float] = (0.8, 0.5, 1.0), decay: float = 0.99, **esp_kwargs):
-        n = hybrid_nodes(block_complexity, num_masks, mask_every)
+        n = hybrid_nodes(block_complexity, num_masks, mask_every, mask_min_nodes)
         if n < 1:
             raise ValueError(f"block_complexity={block_complexity} leaves no draft node for hybrid with num_masks={num_masks}")
         # the ESP part: a dynamic pool sized for the whole node budget (its masks are this drafter's masks)
@@ -82,6 +89,7 @@ class HybridDrafter(ESPDrafter):
         self.variant = "merged"
         self._chain_pass = False  # the last propose was an ngram-variant pass
         self.mask_every = mask_every
+        self.mask_min_nodes = mask_min_nodes
         self.depth_bound = max(store.depth, num_masks)
         d = self.depth_bound
         # calibration per (proposer, depth), flattened [3 * D] (cell = proposer * D + depth - 1)
@@ -95,7 +103,7 @@ class HybridDrafter(ESPDrafter):
         return self.num_nodes
 
     def block_tokens(self, num_nodes: int) -> int:
-        return hybrid_tokens(num_nodes, self.num_masks, self.mask_every)
+        return hybrid_tokens(num_nodes, self.num_masks, self.mask_every, self.mask_min_nodes)
 
     def use_variant(self, variant: str) -> tuple[Callable[[int], int], int]:
         self.variant = variant
@@ -227,7 +235,7 @@ class HybridDrafter(ESPDrafter):
         reach = pad(rank.gather(1, keep).clamp(min=0.0), 1.0) * tree.valid
         below = torch.zeros_like(reach).scatter_add_(1, tree.parents[:, 1:].clamp(min=0), reach[:, 1:])
         end = torch.where(tree.valid, reach - below, -1.0)
-        m = 1 + n // self.mask_every
+        m = mask_owners(n, self.mask_every, self.mask_min_nodes)
         extra = end[:, 1:].topk(m - 1, dim=1).indices + 1 if m > 1 else end.new_zeros((b, 0), dtype=torch.long)
         owners = torch.cat([torch.zeros((b, 1), dtype=torch.long, device=dev), extra.sort(dim=1).values], 1)  # [B, M]
         mask_owner = torch.full((b, t), -1, dtype=torch.long, device=dev)
