@@ -1,8 +1,8 @@
 """Online calibration of a drafter's acceptance estimates, per cell (proposer x depth).
 
-A drafter that ranks its candidates by an estimated chance of acceptance (hybrid, cp_heads) gives every
-candidate a cell index c and its own conditional estimate q = P(accepted | parent accepted). After the pass,
-every node whose parent was accepted counts q into `pred[c]` and 1 into `acc[c]` if it was itself accepted;
+A drafter that ranks its candidates by an estimated chance of acceptance (hybrid) gives every candidate
+a cell index c and its own conditional estimate q = P(accepted | parent accepted). After the pass, every
+node whose parent was accepted counts q into `pred[c]` and 1 into `acc[c]` if it was itself accepted;
 the counts decay by `decay` per pass and start from a prior of one pass (acc = prior[c], pred = 1), so
 
     factor[c] = (acc[c] + prior[c]) / (pred[c] + 1)

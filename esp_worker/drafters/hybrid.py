@@ -16,9 +16,9 @@ Merge (per row, tensor ops only):
    by score form the tree (`tree.best_nodes`, shared with ESP and STAND). A proposer with nothing to offer
    (no match, no probe) has only invalid entries and the others get the whole budget.
 4. ESP's masks ride on the root and, in trees of at least `mask_min_nodes` nodes, on the `n // mask_every`
-   nodes most likely to end the accepted path (P(reach u) - sum of P(reach child)); the next pass's probe comes from the last accepted slot's masks
-   (none when that slot owned no masks: the row then drafts from the n-gram proposers and the root's
-   masks give it a probe again).
+   nodes most likely to end the accepted path (P(reach u) - sum of P(reach child)); the next pass's probe
+   comes from the last accepted slot's masks (none when that slot owned no masks: the row then drafts from
+   the n-gram proposers and the root's masks give it a probe again).
 
 Variants (block_complexity=auto picks one per look by measured throughput, `policy.BlockPolicy`):
 "merged" is the above; "ngram" is the n-gram continuation alone (a prompt-lookup chain: no masks, no store
@@ -26,9 +26,9 @@ lookups, no merge, the accepted path already in place), for text where copying c
 and the merge's own work would cost more than the extra drafts it finds. The store and the probe are not
 updated on ngram passes (the EMA of the mask vector is replayed when masks are fed again).
 
-Block tokens: (1 + n) tree slots + k * owners masks (owners = 1, or 1 + n // mask_every from mask_min_nodes on). A fixed block complexity BC gets the
-largest n that fits; block_complexity=auto asks `draft_mass` (the calibrated scores, best first) and the
-policy picks n, plain decoding included.
+Block tokens: (1 + n) tree slots + k * owners masks (owners = 1, or 1 + n // mask_every from mask_min_nodes
+nodes on). A fixed block complexity BC gets the largest n that fits; block_complexity=auto asks `draft_mass`
+(the calibrated scores, best first) and the policy picks n, plain decoding included.
 """
 from __future__ import annotations
 
