@@ -82,6 +82,9 @@ class EngineConfig:
     # hybrid_mask_every (the likeliest ends of the accepted path)
     hybrid_mask_every: int = 4
     hybrid_mask_min_nodes: int = 32
+    # hybrid: tokens of the job's finished requests (prompt + output) kept to draft from where a row's own
+    # history has no n-gram match (the "corpus" proposer; stand_max_ngram .. stand_min_ngram); 0 = off
+    hybrid_corpus_tokens: int = 262144
 
     def validate(self) -> None:
         """Raise ValueError with a one-line, actionable message on a bad setting."""
@@ -133,5 +136,7 @@ class EngineConfig:
             bad(f"engine.hybrid_mask_every={self.hybrid_mask_every} must be >= 1")
         if self.hybrid_mask_min_nodes < 0:
             bad(f"engine.hybrid_mask_min_nodes={self.hybrid_mask_min_nodes} must be >= 0")
+        if self.hybrid_corpus_tokens < 0:
+            bad(f"engine.hybrid_corpus_tokens={self.hybrid_corpus_tokens} must be >= 0 (0 turns the corpus off)")
         if any(b < 1 for b in self.branches):
             bad(f"engine.branches={list(self.branches)} must be positive integers")

@@ -103,6 +103,7 @@ class Engine:
         `requests` is an iterable (read lazily, as slots free up) or a RequestFeed that other threads
         fill while the loop runs; with a feed the loop ends when the feed is closed and drained."""
         take = _feed_taker(requests)
+        self.drafter.start_job()
         rows = Rows([], {}, {}, UniformStreams(self.device), kv_cache.new_cache(self.num_layers))
         exhausted = False
         while True:
@@ -382,6 +383,7 @@ class Engine:
         for r in done:
             s = rows.seqs[r]
             ids = t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist()
+            self.drafter.finish_request(s.prompt_ids + ids)
             counters = [int(t["drafted"][r]), int(t["accepted"][r]), t["acc_depth"][r].tolist(), t["committed_hist"][r].tolist()]
             finish_stats(s.stats, counters, len(ids), *self.passes.since(s))
             if self.drafter.proposers:

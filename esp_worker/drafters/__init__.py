@@ -22,16 +22,20 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
         d.set_model_dtype(runner.dtype)
         return d
     if cfg.method == "hybrid":
+        from .corpus import CorpusNgrams
         from .hybrid import HybridDrafter
         from .pld import PromptLookupDrafter
         from .stand import StandDrafter
 
         store = StandDrafter(max(cfg.block_complexity - 1, 1), cfg.stand_depth, cfg.stand_topk, cfg.stand_max_ngram,
                              cfg.stand_min_ngram)
-        chain = PromptLookupDrafter(cfg.stand_max_ngram, cfg.stand_min_ngram, min(cfg.stand_depth, cfg.block_complexity - 1))
+        corpus = CorpusNgrams(cfg.hybrid_corpus_tokens, cfg.stand_max_ngram, cfg.stand_min_ngram, runner.device) \
+            if cfg.hybrid_corpus_tokens > 0 else None
+        chain = PromptLookupDrafter(cfg.stand_max_ngram, cfg.stand_min_ngram, min(cfg.stand_depth, cfg.block_complexity - 1),
+                                    corpus=corpus)
         d = HybridDrafter(store, chain, **_esp_kwargs(cfg, runner), block_complexity=cfg.block_complexity,
                           mask_every=cfg.hybrid_mask_every,
-                          mask_min_nodes=cfg.hybrid_mask_min_nodes)
+                          mask_min_nodes=cfg.hybrid_mask_min_nodes, corpus=corpus)
         d.set_model_dtype(runner.dtype)
         return d
     if cfg.method == "stand":

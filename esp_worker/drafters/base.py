@@ -96,6 +96,12 @@ class Drafter(ABC):
     def __init__(self) -> None:
         self._layouts: dict[tuple, BlockLayout] = {}
 
+    def start_job(self) -> None:
+        """A new `generate_iter` call begins: forget what belonged to the previous job. Default: nothing."""
+
+    def finish_request(self, token_ids: list[int]) -> None:
+        """A request finished with these tokens (prompt + output), known on the host. Default: nothing."""
+
     def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
         """Initialise state for new rows (prompt only in view.hist). Return prefill aux embeds [R, A, D] or None."""
         return None

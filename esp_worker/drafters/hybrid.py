@@ -3,7 +3,9 @@
 Proposers (`proposers`, the index is Block.source):
     0 "ngram": the tokens that followed the latest, longest earlier match of the context's suffix (as pld);
     1 "store": STAND's stored alternatives (the model's own past top-k) at each depth of that continuation;
-    2 "esp":   the candidates of the mask probe (ESP's Algorithm 1 pool, top-1 expansion).
+    2 "esp":   the candidates of the mask probe (ESP's Algorithm 1 pool, top-1 expansion);
+    3 "corpus": where a row's own history has no match, the continuation of the latest, longest match in the
+               requests the job has already finished (`corpus.CorpusNgrams`; engine.hybrid_corpus_tokens).
 
 Merge (per row, tensor ops only):
 1. Every candidate gets a *conditional* acceptance estimate c = P(accepted | parent accepted): ngram nodes
@@ -40,11 +42,12 @@ from ..tree import DraftTree, best_nodes, block_layout
 from .base import Block, PassResult, RowsView
 from .calibration import AcceptanceCalibration
 from .common import NEG, pool_depth
+from .corpus import CorpusNgrams
 from .esp import ESPDrafter
 from .pld import PromptLookupDrafter
 from .stand import StandDrafter
 
-NGRAM, STORE, ESP = 0, 1, 2
+NGRAM, STORE, ESP, CORPUS = 0, 1, 2, 3
 
 
 def mask_owners(num_nodes: int, mask_every: int, mask_min_nodes: int) -> int:
@@ -77,7 +80,8 @@ class HybridDrafter(ESPDrafter):
 
     def __init__(self, store: StandDrafter, chain: PromptLookupDrafter, block_complexity: int, num_masks: int,
                  mask_every: int = 4, mask_min_nodes: int = 0,
-                 prior: tuple[float, float, float] = (0.8, 0.5, 1.0), decay: float = 0.99, **esp_kwargs):
+                 prior: tuple[float, ...] = (0.8, 0.5, 1.0, 0.6), decay: float = 0.99,
+                 corpus: Optional[CorpusNgrams] = None, **esp_kwargs):
         n = hybrid_nodes(block_complexity, num_masks, mask_every, mask_min_nodes)
         if n < 1:
             raise ValueError(f"block_complexity={block_complexity} leaves no draft node for hybrid with num_masks={num_masks}")
@@ -86,13 +90,16 @@ class HybridDrafter(ESPDrafter):
         self.num_nodes = n
         self.store = store
         self.chain = chain  # the "ngram" variant
+        self.corpus = corpus  # the job's n-grams (shared with `chain`), or None
+        if corpus is not None:
+            self.proposers = HybridDrafter.proposers + ("corpus",)
         self.variant = "merged"
         self._chain_pass = False  # the last propose was an ngram-variant pass
         self.mask_every = mask_every
         self.mask_min_nodes = mask_min_nodes
         self.depth_bound = max(store.depth, num_masks)
         d = self.depth_bound
-        # calibration per (proposer, depth), flattened [3 * D] (cell = proposer * D + depth - 1)
+        # calibration per (proposer, depth), flattened [4 * D] (cell = proposer * D + depth - 1)
         self.calibration = AcceptanceCalibration(torch.tensor(prior).repeat_interleave(d), decay)
         self._pool_key = None
         self._last = None
@@ -112,10 +119,18 @@ class HybridDrafter(ESPDrafter):
         return self.block_tokens, self.num_nodes
 
     def alpha(self, dev: Optional[torch.device] = None) -> torch.Tensor:
-        """[3 * D] calibration factors (ngram: the acceptance rate per depth)."""
+        """[4 * D] calibration factors (ngram and corpus: the acceptance rate per depth)."""
         return self.calibration.factors(dev or self.calibration.pred.device)
 
     # ---- state -------------------------------------------------------------------------------------
+    def start_job(self) -> None:
+        if self.corpus is not None:
+            self.corpus.reset()
+
+    def finish_request(self, token_ids: list[int]) -> None:
+        if self.corpus is not None:
+            self.corpus.add(token_ids)
+
     def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
         self.store.start_rows(view)
         return super().start_rows(view)
@@ -149,15 +164,20 @@ class HybridDrafter(ESPDrafter):
         alpha = self.alpha(dev)
         # n-gram pool, depth-major [chain_1, alt_1.., chain_2, ...] (STAND's layout)
         c = self.store.candidates(view)
-        dep, kk = c["chain"].shape[1], self.store.topk
+        chain, ok = c["chain"], c["ok"]
+        if self.corpus is not None:  # rows with no match of their own: the job's n-grams (no stored branches)
+            chain, ok, from_corpus = self.corpus.fill(view.hist, view.hist_len, chain, ok)
+        dep, kk = chain.shape[1], self.store.topk
         p1 = dep * kk
-        ng_tok = torch.cat([c["chain"][..., None], c["alt_ids"]], 2).reshape(b, p1)
-        ng_q = torch.cat([c["ok"].float()[..., None], c["alt_lp"].exp()], 2).reshape(b, p1)
-        ng_valid = torch.cat([c["ok"][..., None], c["alt_lp"] > NEG], 2).reshape(b, p1)
+        ng_tok = torch.cat([chain[..., None], c["alt_ids"]], 2).reshape(b, p1)
+        ng_q = torch.cat([ok.float()[..., None], c["alt_lp"].exp()], 2).reshape(b, p1)
+        ng_valid = torch.cat([ok[..., None], c["alt_lp"] > NEG], 2).reshape(b, p1)
         ng_par = self.store.pool_parents(dev).expand(b, -1)
         d = torch.arange(dep, device=dev)[:, None].expand(dep, kk).reshape(-1)  # depth - 1
-        kind = torch.where(torch.arange(kk, device=dev) == 0, NGRAM, STORE).repeat(dep)
-        ng_cell = (kind * dmax + d).expand(b, -1)
+        kind = torch.where(torch.arange(kk, device=dev) == 0, NGRAM, STORE).repeat(dep).expand(b, -1)  # [B, P1]
+        if self.corpus is not None:
+            kind = torch.where(from_corpus[:, None] & (kind == NGRAM), CORPUS, kind)
+        ng_cell = kind * dmax + d
         # esp pool (Algorithm 1, top-1 expansion), parents offset behind the n-gram pool
         score, e_tok, e_par = self._pool(root, st["cand_lp"], st["cand_ids"])
         p2 = score.shape[1]
@@ -182,7 +202,7 @@ class HybridDrafter(ESPDrafter):
         q = torch.cat([ng_q, e_q], 1)
         cell = torch.cat([ng_cell, e_cell], 1)
         valid = torch.cat([ng_valid, e_valid & ~dup], 1)
-        src = torch.cat([kind.expand(b, -1), torch.full((b, p2), ESP, device=dev)], 1)
+        src = torch.cat([kind, torch.full((b, p2), ESP, device=dev)], 1)
         cond = (alpha[cell] * q).clamp(max=1.0)  # calibrated P(accepted | parent accepted)
         merged = torch.where(dup, cond[:, p1:], 0.0)  # a merged node keeps the larger estimate
         into = torch.zeros_like(cond).scatter_reduce(1, alias[:, p1:], merged, reduce="amax", include_self=False)
@@ -215,7 +235,9 @@ class HybridDrafter(ESPDrafter):
             return self.block(DraftTree.root_only(view.root), None, max_depth=0)
         if self.variant == "ngram" and n > 0:
             block = self.chain.propose(view, n)
-            block.source = torch.where(torch.arange(block.tree.num_slots, device=view.root.device) == 0, -1, NGRAM)[None]
+            dev = view.root.device
+            kind = torch.where(self.chain.from_corpus(view), CORPUS, NGRAM)[:, None]  # [B, 1]
+            block.source = torch.where(torch.arange(block.tree.num_slots, device=dev)[None] == 0, -1, kind)
             self._chain_pass = True
             return block
         if self._lag:

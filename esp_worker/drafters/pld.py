@@ -8,6 +8,7 @@ from typing import Optional
 
 from .base import Block, Drafter, PassResult, RowsView
 from .common import find_continuation
+from .corpus import CorpusNgrams
 
 
 class PromptLookupDrafter(Drafter):
@@ -20,12 +21,15 @@ class PromptLookupDrafter(Drafter):
 
     name = "pld"
 
-    def __init__(self, max_ngram: int, min_ngram: int, depth: int):
+    def __init__(self, max_ngram: int, min_ngram: int, depth: int, corpus: Optional[CorpusNgrams] = None):
         super().__init__()
         self.max_ngram, self.min_ngram, self.depth = max_ngram, min_ngram, depth
         self.max_nodes = depth
+        self.corpus = corpus  # hybrid's ngram variant: the job's n-grams where a row's own history has none
         self._parents: dict[tuple, torch.Tensor] = {}
-        self._match = None  # (hist_len tensor, match start) of the last lookup: draft_mass then propose
+        # (hist_len tensor, (chain [B, depth], valid [B, depth], from_corpus [B])) of the last lookup, reused
+        # within a pass (draft_mass then propose)
+        self._match = None
         # per depth d (decayed counts): passes that offered node d with node d-1 accepted, and those accepting
         # node d. The rate adds an optimistic prior (0.8 with the weight of one pass) so that depths the
         # auto policy has not tried yet still look worth trying: an estimate that only learns from the
@@ -38,7 +42,7 @@ class PromptLookupDrafter(Drafter):
         hist, length = view.hist, view.hist_len  # [B, C], [B]
         b, c = hist.shape
         dev = hist.device
-        chain, valid = self._chain(hist, length, depth)
+        chain, valid, _ = self._chain(hist, length, depth)
         tokens = torch.cat([view.root[:, None], chain], 1)
         valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), valid], 1)
         key = (b, depth, dev)
@@ -48,20 +52,29 @@ class PromptLookupDrafter(Drafter):
         return self.block(tree, max_depth=depth)
 
     def _chain(self, hist: torch.Tensor, length: torch.Tensor, depth: int):
-        """([B, depth] tokens, [B, depth] valid) following the best match (the match is reused within a pass)."""
-        c = hist.shape[1]
-        if self._match is not None and self._match[0] is length:
-            start = self._match[1]
-        else:
+        """([B, depth] tokens, [B, depth] valid, [B] from the corpus) following the best match (computed once
+        per pass at the full depth)."""
+        if self._match is None or self._match[0] is not length:
+            c = hist.shape[1]
             start = self.find_continuation(hist, length)  # [B], -1 = no match
-            self._match = (length, start)
-        idx = start[:, None] + torch.arange(depth, device=hist.device)  # [B, depth]
-        valid = (start[:, None] >= 0) & (idx < length[:, None])
-        return hist.gather(1, idx.clamp(0, c - 1)), valid
+            idx = start[:, None] + torch.arange(self.depth, device=hist.device)  # [B, depth]
+            valid = (start[:, None] >= 0) & (idx < length[:, None])
+            chain = hist.gather(1, idx.clamp(0, c - 1))
+            if self.corpus is not None:
+                chain, valid, used = self.corpus.fill(hist, length, chain, valid)
+            else:
+                used = torch.zeros_like(start, dtype=torch.bool)
+            self._match = (length, (chain, valid, used))
+        chain, valid, used = self._match[1]
+        return chain[:, :depth], valid[:, :depth], used
+
+    def from_corpus(self, view: RowsView) -> torch.Tensor:
+        """[B] rows whose chain this pass comes from the job's n-grams (the corpus), not their own history."""
+        return self._chain(view.hist, view.hist_len, self.depth)[2]
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:
         """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i)."""
-        _, valid = self._chain(view.hist, view.hist_len, self.depth)
+        _, valid, _ = self._chain(view.hist, view.hist_len, self.depth)
         rate = ((self.accepted + 0.8) / (self.reached + 1.0)).to(valid.device)  # [depth]
         return valid.float() * rate.cumprod(0)[None]
 

@@ -1,0 +1,72 @@
+"""The job's n-grams (hybrid's "corpus" proposer): lookups against known stores, and the engine feeding it."""
+from __future__ import annotations
+
+import torch
+
+from esp_worker import EngineConfig, GenerationParams, Request
+from esp_worker.drafters.corpus import CorpusNgrams
+from esp_worker.engine import Engine
+
+from engine_helpers import tiny
+
+
+def lookup(c: CorpusNgrams, rows: list[list[int]], depth: int = 4) -> list[list[int]]:
+    """Valid continuation tokens per row."""
+    width = max(len(r) for r in rows)
+    hist = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    chain, ok = c.continuation(hist, torch.tensor([len(r) for r in rows]), depth)
+    return [chain[i][ok[i]].tolist() for i in range(len(rows))]
+
+
+def test_longest_match_wins_then_latest_and_a_request_end_stops_the_chain():
+    c = CorpusNgrams(capacity=64, max_ngram=3, min_ngram=1)
+    assert lookup(c, [[1, 2]]) == [[]]  # empty store: nothing
+    c.add([5, 6, 7, 8])
+    c.add([9, 6, 3, 4, 1])
+    # [.. 5 6] matches [5 6] (n = 2) in the first request, not the later [6] alone; [.. 0 6] only the
+    # latest [6] (n = 1) -> 3 4 1 then the end of that request; [.. 8] -> the first request's end
+    assert lookup(c, [[5, 6], [0, 6], [2, 8], [2, 2]]) == [[7, 8], [3, 4, 1], [], []]
+    c.add([2, 6, 11])
+    assert lookup(c, [[0, 6], [5, 6]]) == [[11], [7, 8]]  # latest [6] is now the third request's
+
+
+def test_a_row_shorter_than_the_ngram_and_hash_collisions_do_not_match():
+    c = CorpusNgrams(capacity=64, max_ngram=3, min_ngram=2)
+    c.add([1, 2, 3, 4])
+    assert lookup(c, [[3], [2, 3], [9, 3]]) == [[], [4], []]  # min_ngram 2: [3] alone is too short
+    # every n-gram lands in some bucket; filling the table's buckets with other n-grams must never produce
+    # a continuation whose n-gram differs from the row's suffix
+    c.table.fill_(c.written)  # every bucket points just past the request's last token
+    assert lookup(c, [[7, 8], [3, 4], [2, 3]]) == [[], [], []]
+
+
+def test_ring_buffer_wraps_and_forgets_overwritten_requests():
+    c = CorpusNgrams(capacity=10, max_ngram=2, min_ngram=1)
+    c.add([1, 2, 3, 4])  # offsets 0-4 (with its separator)
+    c.add([5, 6, 7])  # 5-8
+    c.add([1, 2, 9])  # does not fit behind: starts over at 0, overwriting the first request
+    assert lookup(c, [[1, 2], [6], [3]]) == [[9], [7], []]
+    c.reset()
+    assert c.empty and lookup(c, [[6]]) == [[]]
+
+
+def _engine(**kw) -> Engine:
+    return Engine(tiny("llama"), EngineConfig(method="hybrid", block_complexity=10, max_batch_size=1, **kw))
+
+
+def test_engine_drafts_from_finished_requests_and_forgets_them_between_calls():
+    eng = _engine()
+    prompt = list(range(40, 60))  # distinct tokens: the row's own history starts with no match
+    params = GenerationParams(max_new_tokens=24)
+    reqs = [Request(id=str(i), prompt_ids=prompt, params=params) for i in range(2)]
+    first, second = eng.generate(reqs)
+    assert first.token_ids == second.token_ids  # lossless whatever the drafts
+    # the second request repeats the first: the corpus proposes its continuation and it is accepted
+    assert "corpus" in second.stats.accepted_by_proposer
+    assert second.stats.accepted_by_proposer["corpus"] > 0 and first.stats.accepted_by_proposer["corpus"] == 0
+    assert second.stats.num_decode_passes < first.stats.num_decode_passes
+    # a new generate() call is a new job: its first request drafts exactly as the first call's did
+    again = eng.generate(reqs[:1])[0]
+    assert again.token_ids == first.token_ids and again.stats.accepted_by_proposer == first.stats.accepted_by_proposer
+    off = _engine(hybrid_corpus_tokens=0).generate(reqs)
+    assert [o.token_ids for o in off] == [first.token_ids] * 2 and "corpus" not in off[1].stats.accepted_by_proposer
