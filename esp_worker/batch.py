@@ -1,9 +1,9 @@
 """Batch-row bookkeeping: the rows in flight, their tensors, host mirrors and per-row statistics counters.
 
-Every tensor in `Rows.t` / `Rows.state` is [B, ...] and moves with `select` (rows leave) and `extend` (rows
-join). Statistics are counted on the device with tensor ops (`count`) and turned into a RequestStats once,
-when a row retires; passes and block sizes are the same for every row of a pass, so they are counted once
-per pass on the host and each row keeps the counts it saw at admission.
+Every tensor in `Rows.t` / `Rows.state` (the drafter's typed RowState) is [B, ...] and moves with `select`
+(rows leave) and `extend` (rows join). Statistics are counted on the device with tensor ops (`count`) and
+turned into a RequestStats once, when a row retires; passes and block sizes are the same for every row of a
+pass, so they are counted once per pass on the host and each row keeps the counts it saw at admission.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .drafters import RowsView
+from .drafters.state import RowState, cat_rows
 from .kv_cache import KVCache
 from .sampling import UniformStreams
 from .types import Request, RequestStats
@@ -56,7 +57,7 @@ class Rows:
     # hist, hist_len, prompt_len, max_total, temperature, top_p, top_k, stop_ids, and statistics counters:
     # drafted [B], accepted [B], acc_depth [B, W] (passes whose path reached depth d+1), committed_hist [B, W+1]
     t: dict[str, torch.Tensor]
-    state: dict[str, torch.Tensor]  # drafter state
+    state: RowState  # the drafter's per-row state (its own dataclass; the engine only moves rows of it)
     uniforms: UniformStreams
     cache: KVCache
     reason: Optional[torch.Tensor] = None  # [B] finish reason code (0 = running)
@@ -93,7 +94,7 @@ class Rows:
         self.lens = [self.lens[i] for i in keep]
         self.done = [self.done[i] for i in keep]
         self.t = {k: v.index_select(0, rows) for k, v in self.t.items()}
-        self.state = {k: v.index_select(0, rows) for k, v in self.state.items()}
+        self.state.select(rows)
         self.uniforms.select(rows, keep)
         self.cache.select_rows(rows)
         self.reason = self.reason.index_select(0, rows)
@@ -107,8 +108,8 @@ class Rows:
             return
         self.seqs = self.seqs + other.seqs
         self.lens, self.done = self.lens + other.lens, self.done + other.done
-        self.t = {k: _cat_rows(v, other.t[k], -1 if k == "stop_ids" else 0) for k, v in self.t.items()}
-        self.state = {k: _cat_rows(v, other.state[k], 0) for k, v in self.state.items()}
+        self.t = {k: cat_rows(v, other.t[k], -1 if k == "stop_ids" else 0) for k, v in self.t.items()}
+        self.state.extend(other.state)
         self.uniforms.append_from(other.uniforms)
         self.reason = torch.cat([self.reason, other.reason])
 
@@ -172,12 +173,3 @@ def _trim(xs: list[int]) -> list[int]:
     while n and xs[n - 1] == 0:
         n -= 1
     return xs[:n]
-
-
-def _cat_rows(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:
-    if a.ndim >= 2 and a.shape[1:] != b.shape[1:]:
-        # pad dim 1 (history capacity, stop-id lists, histogram widths) to the larger size
-        width = max(a.shape[1], b.shape[1])
-        a = torch.nn.functional.pad(a, (0, 0) * (a.ndim - 2) + (0, width - a.shape[1]), value=fill)
-        b = torch.nn.functional.pad(b, (0, 0) * (b.ndim - 2) + (0, width - b.shape[1]), value=fill)
-    return torch.cat([a, b])

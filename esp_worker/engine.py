@@ -104,7 +104,7 @@ class Engine:
         fill while the loop runs; with a feed the loop ends when the feed is closed and drained."""
         take = _feed_taker(requests)
         self.drafter.start_job()
-        rows = Rows([], {}, {}, UniformStreams(self.device), kv_cache.new_cache(self.num_layers))
+        rows = Rows([], {}, self.drafter.new_state(), UniformStreams(self.device), kv_cache.new_cache(self.num_layers))
         exhausted = False
         while True:
             admit: list[Seq] = []
@@ -209,7 +209,7 @@ class Engine:
         uni = UniformStreams(dev)
         uni.append([UniformStreams.generator(s.seed) if x.temperature > 0 else None for s, x in zip(seqs, p)])
         reason = torch.zeros(len(seqs), dtype=torch.long, device=dev)
-        return Rows(seqs, t, {}, uni, cache, reason, lens=list(lens), done=[0] * len(seqs))
+        return Rows(seqs, t, self.drafter.new_state(), uni, cache, reason, lens=list(lens), done=[0] * len(seqs))
 
     # ---- prefill -----------------------------------------------------------------------------------
     @torch.inference_mode()

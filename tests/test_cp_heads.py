@@ -132,7 +132,7 @@ def test_pool_is_the_best_joint_continuations():
     h = torch.randn(1, 6)
     root = 3
     view = RowsView(torch.tensor([[0, root]]), torch.tensor([2]), torch.tensor([1]), [0],
-                    {"cp_h": h, "cp_ok": torch.ones(1, dtype=torch.bool)})
+                    drafter.state_type(cp_h=h, cp_ok=torch.ones(1, dtype=torch.bool)))
     tree = drafter.propose(view).tree
     with torch.no_grad():
         log_w, log_p = heads(h, lm)

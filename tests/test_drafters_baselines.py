@@ -7,8 +7,8 @@ import torch
 from engine_helpers import ARCHS, reference, run, tiny
 from esp_worker import EngineConfig, GenerationParams
 from esp_worker.drafters.base import PassResult, RowsView
-from esp_worker.drafters.lade import LookaheadDrafter, lade_sizes, ngram_trie, window_layout
-from esp_worker.drafters.stand import StandDrafter
+from esp_worker.drafters.lade import LadeState, LookaheadDrafter, lade_sizes, ngram_trie, window_layout
+from esp_worker.drafters.stand import StandDrafter, StandState
 
 GREEDY = GenerationParams(max_new_tokens=64)
 
@@ -86,39 +86,39 @@ def test_ngram_trie_pads_rows_to_one_shape():
     assert tree.parents[1, :3].tolist() == [-1, 0, 1]
 
 
-def _pool_state(pool_size: int, n: int, passes: int = 0) -> dict:
-    return {
-        "pool": torch.zeros((1, pool_size, n), dtype=torch.long),
-        "seen": torch.full((1, pool_size), -1, dtype=torch.long),
-        "passes": torch.tensor([passes]),
-    }
+def _pool_state(pool_size: int, n: int, passes: int = 0) -> LadeState:
+    return LadeState(
+        pool=torch.zeros((1, pool_size, n), dtype=torch.long),
+        seen=torch.full((1, pool_size), -1, dtype=torch.long),
+        passes=torch.tensor([passes]),
+    )
 
 
 def test_pool_insert_dedupes_and_evicts_least_recent():
     st = _pool_state(pool_size=3, n=2)
     LookaheadDrafter.insert(st, torch.tensor([[[1, 2], [1, 2], [3, 4]]]), torch.ones(1, 3, dtype=torch.bool))
-    assert sorted(map(tuple, st["pool"][0][st["seen"][0] >= 0].tolist())) == [(1, 2), (3, 4)]
+    assert sorted(map(tuple, st.pool[0][st.seen[0] >= 0].tolist())) == [(1, 2), (3, 4)]
     # seen again at pass 1: (1, 2) refreshed, (5, 6) fills the empty entry, (7, 8) evicts (3, 4)
-    st["passes"] = torch.tensor([1])
+    st.passes = torch.tensor([1])
     LookaheadDrafter.insert(st, torch.tensor([[[1, 2], [5, 6], [7, 8]]]), torch.ones(1, 3, dtype=torch.bool))
-    entries = {tuple(g): s for g, s in zip(st["pool"][0].tolist(), st["seen"][0].tolist())}
+    entries = {tuple(g): s for g, s in zip(st.pool[0].tolist(), st.seen[0].tolist())}
     assert entries == {(1, 2): 3, (5, 6): 4, (7, 8): 5}
 
 
 def test_pool_insert_skips_not_ok():
     st = _pool_state(pool_size=4, n=3)
     LookaheadDrafter.insert(st, torch.tensor([[[1, 2, 3], [4, 5, 6]]]), torch.tensor([[False, True]]))
-    assert st["pool"][0][st["seen"][0] >= 0].tolist() == [[4, 5, 6]]
+    assert st.pool[0][st.seen[0] >= 0].tolist() == [[4, 5, 6]]
 
 
 def test_lade_proposes_most_recent_ngrams_for_the_root():
     d = LookaheadDrafter(lambda ids: torch.zeros(*ids.shape, 4), None, ngram=3, window=2, guess=2, pool_size=8)
     hist = torch.tensor([[5, 6, 7]])
-    view = RowsView(hist, torch.tensor([3]), torch.tensor([3]), [0], {})
+    view = RowsView(hist, torch.tensor([3]), torch.tensor([3]), [0], LadeState())
     d.start_rows(view)
     st = view.state
-    st["pool"][0, :3] = torch.tensor([[7, 1, 2], [7, 3, 4], [7, 5, 6]])
-    st["seen"][0, :3] = torch.tensor([0, 2, 1])
+    st.pool[0, :3] = torch.tensor([[7, 1, 2], [7, 3, 4], [7, 5, 6]])
+    st.seen[0, :3] = torch.tensor([0, 2, 1])
     block = d.propose(view)
     # (7, 3, 4) and (7, 5, 6) are the two most recent with key 7 = root
     assert block.tree.tokens[0].tolist() == [7, 3, 5, 4, 6]
@@ -133,16 +133,16 @@ def test_lade_proposes_most_recent_ngrams_for_the_root():
 # ---- STAND parts ------------------------------------------------------------------------------------
 def _stand_view(hist: list[int], prompt_len: int) -> RowsView:
     h = torch.tensor([hist])
-    return RowsView(h, torch.tensor([len(hist)]), torch.tensor([prompt_len]), [0], {})
+    return RowsView(h, torch.tensor([len(hist)]), torch.tensor([prompt_len]), [0], StandState())
 
 
 def test_stand_store_one_hot_for_prompt():
     d = StandDrafter(num_nodes=9, depth=10, topk=3, max_ngram=3, min_ngram=1)
     view = _stand_view([5, 6, 7], 3)
     d.start_rows(view)
-    assert view.state["store_ids"][0, :2, 0].tolist() == [6, 7]
-    assert view.state["store_lp"][0, :2, 0].tolist() == [0.0, 0.0]
-    assert view.state["store_lp"][0, 2].tolist() == [float("-inf")] * 3  # no next token yet
+    assert view.state.store_ids[0, :2, 0].tolist() == [6, 7]
+    assert view.state.store_lp[0, :2, 0].tolist() == [0.0, 0.0]
+    assert view.state.store_lp[0, 2].tolist() == [float("-inf")] * 3  # no next token yet
 
 
 @pytest.mark.parametrize(
@@ -160,10 +160,10 @@ def test_stand_tree_chain_then_branches(num_nodes, tokens, parents):
     d.start_rows(view)
     # the model saw [8 (p 0.6), 9 (p 0.3)] after position 2 and [6 (p 0.5), 3 (p 0.1)] after position 4
     st = view.state
-    st["store_ids"][0, 2] = torch.tensor([8, 9])
-    st["store_lp"][0, 2] = torch.tensor([0.6, 0.3]).log()
-    st["store_ids"][0, 4] = torch.tensor([6, 3])
-    st["store_lp"][0, 4] = torch.tensor([0.5, 0.1]).log()
+    st.store_ids[0, 2] = torch.tensor([8, 9])
+    st.store_lp[0, 2] = torch.tensor([0.6, 0.3]).log()
+    st.store_ids[0, 4] = torch.tensor([6, 3])
+    st.store_lp[0, 4] = torch.tensor([0.5, 0.1]).log()
     tree = d.propose(view).tree
     assert tree.tokens[0].tolist() == tokens
     assert tree.parents[0].tolist() == parents
@@ -184,6 +184,6 @@ def test_stand_observe_stores_topk_along_the_accepted_path():
         slot_logits=logits, path_slots=torch.tensor([[0, 2]]),
     )
     d.observe(view, res)
-    assert view.state["store_ids"][0, 2].tolist()[0] == 4
-    assert view.state["store_ids"][0, 3].tolist() == [1, 2]
-    assert view.state["store_ids"][0, 1, 0].item() == 7  # prompt entries untouched
+    assert view.state.store_ids[0, 2].tolist()[0] == 4
+    assert view.state.store_ids[0, 3].tolist() == [1, 2]
+    assert view.state.store_ids[0, 1, 0].item() == 7  # prompt entries untouched

@@ -6,7 +6,7 @@ import math
 import torch
 
 from esp_worker.drafters.base import PassResult, RowsView
-from esp_worker.drafters.esp import ESPDrafter, topk_excluding
+from esp_worker.drafters.esp import ESPDrafter, ESPState, topk_excluding
 
 V, D = 16, 4
 
@@ -95,39 +95,39 @@ def test_ema_update_per_committed_token_in_order():
     mask_hidden = torch.zeros((2, 1, D))
     for plain_first in (False, True):
         d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
-        view = RowsView(hist, hist_len, torch.ones(2, dtype=torch.long), [0, 0])
+        view = RowsView(hist, hist_len, torch.ones(2, dtype=torch.long), [0, 0], ESPState())
         view.state.update(m=m0.clone(), m_len=torch.ones(2, dtype=torch.long), has_probe=torch.zeros(2, dtype=torch.bool))
         if plain_first:  # a plain pass defers the update; the next mask pass applies it
             d.observe(view, PassResult(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), None, None))
-            assert torch.equal(view.state["m"], m0)
+            assert torch.equal(view.state.m, m0)
         d.observe(view, PassResult(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), None, mask_hidden))
         for r in range(2):
-            assert torch.allclose(view.state["m"][r], expected[r], atol=1e-5)
-        assert view.state["m_len"].tolist() == [4, 2]
+            assert torch.allclose(view.state.m[r], expected[r], atol=1e-5)
+        assert view.state.m_len.tolist() == [4, 2]
 
 
 def test_ema_lambda_zero_freezes_mask():
     d = drafter(num_masks=1, block_complexity=10, ema_lambda=0.0)
-    view = RowsView(torch.tensor([[1, 3, 0, 0]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0])
+    view = RowsView(torch.tensor([[1, 3, 0, 0]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState())
     view.state.update(m=torch.ones((1, D)), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
     d.observe(view, PassResult(torch.tensor([[3]]), torch.tensor([1]), None, torch.zeros((1, 1, D))))
-    assert torch.equal(view.state["m"], torch.ones((1, D)))
+    assert torch.equal(view.state.m, torch.ones((1, D)))
 
 
 def test_mask_inits():
     hist = torch.tensor([[1, 2, 3, 0]])
-    view = lambda: RowsView(hist, torch.tensor([3]), torch.tensor([3]), [5])
+    view = lambda: RowsView(hist, torch.tensor([3]), torch.tensor([3]), [5], ESPState())
     table = torch.arange(V * D, dtype=torch.float32).reshape(V, D)
     v = view()
     drafter(num_masks=1, block_complexity=10, mask_init="mean").start_rows(v)
-    assert torch.allclose(v.state["m"][0], table[[1, 2, 3]].mean(0))
+    assert torch.allclose(v.state.m[0], table[[1, 2, 3]].mean(0))
     v = view()
     drafter(num_masks=1, block_complexity=10, mask_init="last_k", mask_init_last_k=2).start_rows(v)
-    assert torch.allclose(v.state["m"][0], table[[2, 3]].mean(0))
+    assert torch.allclose(v.state.m[0], table[[2, 3]].mean(0))
     v = view()
     drafter(num_masks=1, block_complexity=10, mask_init="offset", mask_init_offset=5.0).start_rows(v)
-    assert torch.allclose(v.state["m"][0], table.mean(0) + 5 * table.std(0))
+    assert torch.allclose(v.state.m[0], table.mean(0) + 5 * table.std(0))
     v1, v2 = view(), view()
     drafter(num_masks=1, block_complexity=10, mask_init="sample").start_rows(v1)
     drafter(num_masks=1, block_complexity=10, mask_init="sample").start_rows(v2)
-    assert torch.equal(v1.state["m"], v2.state["m"])  # seeded per request
+    assert torch.equal(v1.state.m, v2.state.m)  # seeded per request

@@ -25,7 +25,7 @@ def drafter(bc: int = 10, k: int = 1) -> HybridDrafter:
 def view_with_probe(d: HybridDrafter, hist: list[int], probe: dict[int, float]) -> RowsView:
     h = torch.tensor([hist])
     n = torch.tensor([len(hist)])
-    view = RowsView(h, n, n.clone(), [0])
+    view = RowsView(h, n, n.clone(), [0], d.new_state())
     d.start_rows(view)
     lp = torch.full((1, 1, d.num_cand), float("-inf"))
     ids = torch.zeros((1, 1, d.num_cand), dtype=torch.long)
@@ -77,7 +77,7 @@ def test_no_match_gives_the_probe_the_whole_budget_and_no_probe_the_chain():
     assert b.tree.tokens.tolist() == [[4, 7, 9, 3]] and b.tree.valid.all()
     assert b.source.tolist() == [[-1, 2, 2, 2]]
     view = view_with_probe(d, [5, 6, 7, 8, 5, 6], {7: 0.5})
-    view.state["has_probe"] = torch.zeros(1, dtype=torch.bool)  # a stale probe offers nothing
+    view.state.has_probe = torch.zeros(1, dtype=torch.bool)  # a stale probe offers nothing
     b = d.propose(view, 5)
     kept = b.tree.tokens[0][b.tree.valid[0]].tolist()
     assert kept == [6, 7, 8, 5, 6] and (b.source[0][b.tree.valid[0]] != 2).all()  # the chain only

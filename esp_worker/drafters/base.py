@@ -1,7 +1,8 @@
 """The drafter interface: propose a draft tree (+ auxiliary inputs such as ESP's mask tokens), observe.
 
-A drafter keeps its per-row state as tensors in `view.state` ([B, ...] each); the engine selects and
-appends rows of that dict together with its own row tensors, so drafters never see batch bookkeeping.
+A drafter keeps its per-row state in `view.state`, a `RowState` dataclass of [B, ...] tensors it declares
+(`state_type`); the engine selects and appends its rows together with its own row tensors without reading
+it, so drafters never see batch bookkeeping.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from ..tree import BlockLayout, DraftTree, block_layout
+from .state import RowState
 
 
 @dataclass
@@ -70,8 +72,8 @@ class RowsView:
     prompt_len: torch.Tensor
     # per-row seeds (for drafters that draw random numbers)
     seeds: list[int]
-    # drafter-owned per-row tensors, [B, ...] each
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # drafter-owned per-row tensors, [B, ...] each (the drafter's state_type)
+    state: RowState = field(default_factory=RowState)
 
     @functools.cached_property
     def root(self) -> torch.Tensor:
@@ -83,6 +85,7 @@ class Drafter(ABC):
     """Base class. Subclasses implement `propose`; ESP-like drafters also use masks (`num_masks` > 0)."""
 
     name: str = "base"
+    state_type: type[RowState] = RowState  # the per-row tensors the drafter keeps
     num_masks: int = 0  # auxiliary mask inputs owned by each tree slot (their hidden states come back)
     # names of the proposers a Block.source indexes (hybrid); () = one proposer, the drafter itself
     proposers: tuple[str, ...] = ()
@@ -95,6 +98,10 @@ class Drafter(ABC):
 
     def __init__(self) -> None:
         self._layouts: dict[tuple, BlockLayout] = {}
+
+    def new_state(self) -> RowState:
+        """An empty per-row state for a new batch (start_rows fills it for the rows it is given)."""
+        return self.state_type()
 
     def start_job(self) -> None:
         """A new `generate_iter` call begins: forget what belonged to the previous job. Default: nothing."""

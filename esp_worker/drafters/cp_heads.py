@@ -20,6 +20,7 @@ State per row: `cp_h` [B, E] the last accepted slot's hidden state; `cp_ok` [B] 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,12 +28,20 @@ import torch
 from ..cp_heads import CPHeads
 from ..tree import DraftTree, best_nodes
 from .base import Block, Drafter, PassResult, RowsView
+from .state import RowState, row_field
 
 NEG = float("-inf")
 
 
+@dataclass
+class CPHeadsState(RowState):
+    cp_h: Optional[torch.Tensor] = row_field()  # [B, E] hidden state of the last accepted slot
+    cp_ok: Optional[torch.Tensor] = row_field()  # [B] bool: False until a decode pass gave one
+
+
 class CPHeadsDrafter(Drafter):
     name = "cp_heads"
+    state_type = CPHeadsState
 
     def __init__(self, heads: CPHeads, unembed, num_nodes: int):
         super().__init__()
@@ -52,18 +61,18 @@ class CPHeadsDrafter(Drafter):
     def start_rows(self, view: RowsView) -> None:
         b = view.hist.shape[0]
         dev = view.hist.device
-        view.state["cp_h"] = torch.zeros((b, self.heads.cfg.hidden_size), device=dev)
-        view.state["cp_ok"] = torch.zeros(b, dtype=torch.bool, device=dev)
+        view.state.cp_h = torch.zeros((b, self.heads.cfg.hidden_size), device=dev)
+        view.state.cp_ok = torch.zeros(b, dtype=torch.bool, device=dev)
         return None
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         st = view.state
         if result.prefill or result.hidden is None or result.last_slot is None:
-            st["cp_ok"] = torch.zeros_like(st["cp_ok"])
+            st.cp_ok = torch.zeros_like(st.cp_ok)
             return
         h = result.hidden
-        st["cp_h"] = h.gather(1, result.last_slot[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0].float()
-        st["cp_ok"] = torch.ones_like(st["cp_ok"])
+        st.cp_h = h.gather(1, result.last_slot[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0].float()
+        st.cp_ok = torch.ones_like(st.cp_ok)
 
     # ---- the mixture and its candidate pool ---------------------------------------------------------
     @torch.inference_mode()
@@ -74,10 +83,10 @@ class CPHeadsDrafter(Drafter):
         best 2 children (a tree of 3 nodes holds at most 2 nodes below depth 1); P = 3 + 2 * 2.
         """
         st = view.state
-        key = (st["cp_h"], view.hist_len)
+        key = (st.cp_h, view.hist_len)
         if self._pool_cache is not None and self._pool_cache[0][0] is key[0] and self._pool_cache[0][1] is key[1]:
             return self._pool_cache[1]
-        h, root = st["cp_h"], view.root  # [B, E], [B]
+        h, root = st.cp_h, view.root  # [B, E], [B]
         b, dev, n = h.shape[0], h.device, self.num_nodes
         log_w, log_p = self.heads(h, self.unembed)  # [B, r], [B, r, n, V]
         r, v = log_p.shape[1], log_p.shape[-1]
@@ -120,7 +129,7 @@ class CPHeadsDrafter(Drafter):
         """[B, max_nodes] joint probability of each node of the largest tree, best first (0 without a state)."""
         score = self._pool(view)[0]
         k = min(self.num_nodes, score.shape[1])
-        top = score.topk(k, dim=1).values.exp() * view.state["cp_ok"][:, None]
+        top = score.topk(k, dim=1).values.exp() * view.state.cp_ok[:, None]
         return torch.nn.functional.pad(top, (0, self.num_nodes - k))
 
     def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
@@ -130,5 +139,5 @@ class CPHeadsDrafter(Drafter):
             return self.block(DraftTree.root_only(view.root), max_depth=0)
         score, tok, par = self._pool(view)
         tree, _ = best_nodes(view.root, score, score > NEG, tok, par, n)  # the shared tree selection
-        tree.valid[:, 1:] &= view.state["cp_ok"][:, None]
+        tree.valid[:, 1:] &= view.state.cp_ok[:, None]
         return self.block(tree, max_depth=self.depth)

@@ -10,6 +10,7 @@ tokens; `has_probe` [B] bool (False until a probe exists, e.g. when prefill prob
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -17,8 +18,19 @@ import torch
 from ..tree import DraftTree, best_nodes, static_branches, static_parents
 from .base import Block, Drafter, PassResult, RowsView
 from .common import NEG, topk_excluding  # noqa: F401  (topk_excluding re-exported for callers of esp)
+from .state import RowState, row_field
+
+
+@dataclass
+class ESPState(RowState):
+    m: Optional[torch.Tensor] = row_field()  # [B, D] running mask embedding (EMA of the history's embeddings)
+    m_len: Optional[torch.Tensor] = row_field()  # [B] history length m has seen (the EMA is applied lazily)
+    cand_lp: Optional[torch.Tensor] = row_field(NEG)  # [B, k, C] the probe's candidates per mask, log-probs
+    cand_ids: Optional[torch.Tensor] = row_field()  # [B, k, C] their token ids
+    has_probe: Optional[torch.Tensor] = row_field()  # [B] bool: the candidates come from the last pass
 
 class ESPDrafter(Drafter):
+    state_type = ESPState
     name = "esp"
 
     def __init__(
@@ -78,11 +90,11 @@ class ESPDrafter(Drafter):
         else:  # offset
             m = (self.table_mu + self.offset * self.table_sigma).to(dev).expand(b, -1).clone()
         k, cn = self.num_masks, self.num_cand
-        view.state["m"] = m
-        view.state["m_len"] = plen.clone()  # history length m has seen (EMA applied lazily, see _catch_up)
-        view.state["cand_lp"] = torch.full((b, k, cn), NEG, device=dev)
-        view.state["cand_ids"] = torch.zeros((b, k, cn), dtype=torch.long, device=dev)
-        view.state["has_probe"] = torch.zeros(b, dtype=torch.bool, device=dev)
+        view.state.m = m
+        view.state.m_len = plen.clone()  # history length m has seen (EMA applied lazily, see _catch_up)
+        view.state.cand_lp = torch.full((b, k, cn), NEG, device=dev)
+        view.state.cand_ids = torch.zeros((b, k, cn), dtype=torch.long, device=dev)
+        view.state.has_probe = torch.zeros(b, dtype=torch.bool, device=dev)
         if not self.probe_prefill:
             return None
         return self._mask_embeds(m, 1)
@@ -104,9 +116,9 @@ class ESPDrafter(Drafter):
             lp = torch.log_softmax(self.logits(result.mask_hidden), dim=-1)  # [B, k, V]
             top = lp.topk(min(self.num_cand, lp.shape[-1]), dim=-1)
             cn = self.num_cand
-            st["cand_lp"] = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
-            st["cand_ids"] = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
-            st["has_probe"] = torch.ones_like(st["has_probe"]) if result.mask_ok is None else result.mask_ok.clone()
+            st.cand_lp = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
+            st.cand_ids = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
+            st.has_probe = torch.ones_like(st.has_probe) if result.mask_ok is None else result.mask_ok.clone()
             self.probe_maybe = True
             if result.prefill:
                 self._catch_up(view, committed)
@@ -116,7 +128,7 @@ class ESPDrafter(Drafter):
         elif not result.prefill:
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
             # until masks are fed again (_catch_up replays the committed tokens from the history)
-            st["has_probe"] = torch.zeros_like(st["has_probe"])
+            st.has_probe = torch.zeros_like(st.has_probe)
             self.probe_maybe = False
             self._lag += committed
         else:
@@ -130,22 +142,22 @@ class ESPDrafter(Drafter):
         `bound` >= every row's n is known on the host, so the width of the gather needs no device read."""
         st = view.state
         lam = self.ema_lambda
-        gap = view.hist_len - st["m_len"]  # [B]
+        gap = view.hist_len - st.m_len  # [B]
         g = bound
         if lam > 0 and g > 0:
             i = torch.arange(g, device=gap.device)[None]
-            idx = (st["m_len"][:, None] + i).clamp(max=view.hist.shape[1] - 1)
+            idx = (st.m_len[:, None] + i).clamp(max=view.hist.shape[1] - 1)
             tokens = view.hist.gather(1, idx)  # [B, G]
             n = gap[:, None]
             w = torch.where(i < n, lam * (1 - lam) ** (n - 1 - i).clamp(min=0).float(), 0.0)  # [B, G]
             emb = self.embed(tokens).float()  # [B, G, D]
-            st["m"] = (1 - lam) ** gap[:, None].float() * st["m"] + (w[..., None] * emb).sum(1)
-        st["m_len"] = view.hist_len.clone()
+            st.m = (1 - lam) ** gap[:, None].float() * st.m + (w[..., None] * emb).sum(1)
+        st.m_len = view.hist_len.clone()
 
     def needs_probe(self, view: RowsView) -> bool:
         if not self.needs_probe_to_draft:
             return False
-        return not self.probe_maybe or not bool(view.state["has_probe"].any())
+        return not self.probe_maybe or not bool(view.state.has_probe.any())
 
     # ---- trees -------------------------------------------------------------------------------------
     @property
@@ -167,17 +179,17 @@ class ESPDrafter(Drafter):
             tree, depth = DraftTree.root_only(view.root), 0
         elif self.num_masks == 1:
             # one mask: Algorithm 1 keeps the n most probable depth-1 candidates, which is the static tree [n]
-            tree, depth = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], [n]), 1
+            tree, depth = self._static_tree(view.root, st.cand_lp, st.cand_ids, [n]), 1
         elif self.tree_mode == "static":
             branches = self.branches if n == self.num_nodes else static_branches((self.num_masks + 1) * (n + 1), self.num_masks)
-            tree, depth = self._static_tree(view.root, st["cand_lp"], st["cand_ids"], branches), len(branches)
+            tree, depth = self._static_tree(view.root, st.cand_lp, st.cand_ids, branches), len(branches)
         else:
-            tree, depth = self._dynamic_tree(view.root, st["cand_lp"], st["cand_ids"], n), min(self.num_masks, n)
-        tree.valid = tree.valid & (st["has_probe"][:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0))
+            tree, depth = self._dynamic_tree(view.root, st.cand_lp, st.cand_ids, n), min(self.num_masks, n)
+        tree.valid = tree.valid & (st.has_probe[:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0))
         if self._lag:
             self._catch_up(view, self._lag)  # after plain passes m still owes their tokens
             self._lag = 0
-        aux = self._mask_embeds(st["m"], tree.num_slots)
+        aux = self._mask_embeds(st.m, tree.num_slots)
         return self.block(tree, aux, max_depth=depth)
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:
@@ -186,10 +198,10 @@ class ESPDrafter(Drafter):
         Their prefix sums estimate the drafts a tree of n nodes gets accepted (before calibration).
         """
         st = view.state
-        score = self._pool(view.root, st["cand_lp"], st["cand_ids"])[0]
+        score = self._pool(view.root, st.cand_lp, st.cand_ids)[0]
         n = min(self.num_nodes, score.shape[1])
         top = score.topk(n, dim=1).values.exp()
-        top = top * st["has_probe"][:, None]
+        top = top * st.has_probe[:, None]
         return torch.nn.functional.pad(top, (0, self.num_nodes - n))
 
     def _parents_for(self, b: int, dev, branches: list[int]) -> torch.Tensor:

@@ -34,6 +34,7 @@ nodes on). A fixed block complexity BC gets the largest n that fits; block_compl
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -43,9 +44,9 @@ from .base import Block, PassResult, RowsView
 from .calibration import AcceptanceCalibration
 from .common import NEG, pool_depth
 from .corpus import CorpusNgrams
-from .esp import ESPDrafter
+from .esp import ESPDrafter, ESPState
 from .pld import PromptLookupDrafter
-from .stand import StandDrafter
+from .stand import StandDrafter, StandState
 
 NGRAM, STORE, ESP, CORPUS = 0, 1, 2, 3
 
@@ -72,8 +73,14 @@ def hybrid_nodes(block_complexity: int, num_masks: int, mask_every: int, mask_mi
     return n
 
 
+@dataclass
+class HybridState(ESPState, StandState):
+    """ESP's probe and mask vector plus STAND's logit store."""
+
+
 class HybridDrafter(ESPDrafter):
     name = "hybrid"
+    state_type = HybridState
     proposers = ("ngram", "store", "esp")
     drafts_without_probe = True
     variants = ("merged", "ngram")
@@ -155,7 +162,7 @@ class HybridDrafter(ESPDrafter):
     # ---- candidates --------------------------------------------------------------------------------
     def _merged_pool(self, view: RowsView):
         """(rank, valid, tok, par, src, cell, q) [B, P] of the merged pool; cached within a pass."""
-        if self._pool_key is not None and self._pool_key[0] is view.hist_len and self._pool_key[1] is view.state.get("cand_lp"):
+        if self._pool_key is not None and self._pool_key[0] is view.hist_len and self._pool_key[1] is view.state.cand_lp:
             return self._pool_key[2]
         st = view.state
         root = view.root
@@ -179,9 +186,9 @@ class HybridDrafter(ESPDrafter):
             kind = torch.where(from_corpus[:, None] & (kind == NGRAM), CORPUS, kind)
         ng_cell = kind * dmax + d
         # esp pool (Algorithm 1, top-1 expansion), parents offset behind the n-gram pool
-        score, e_tok, e_par = self._pool(root, st["cand_lp"], st["cand_ids"])
+        score, e_tok, e_par = self._pool(root, st.cand_lp, st.cand_ids)
         p2 = score.shape[1]
-        e_valid = (score > NEG) & st["has_probe"][:, None]
+        e_valid = (score > NEG) & st.has_probe[:, None]
         e_depth = pool_depth(e_par, k)
         parent_score = torch.where(e_par < 0, 0.0, score.gather(1, e_par.clamp(min=0)))
         e_q = torch.where(e_valid, (score - parent_score).exp(), 0.0)
@@ -214,7 +221,7 @@ class HybridDrafter(ESPDrafter):
             valid = valid & ((par < 0) | valid.gather(1, up))
         rank = torch.where(valid, cum, -1.0)
         out = (rank, valid, tok, par, src, cell, q)
-        self._pool_key = (view.hist_len, st.get("cand_lp"), out)
+        self._pool_key = (view.hist_len, st.cand_lp, out)
         return out
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:
@@ -245,7 +252,7 @@ class HybridDrafter(ESPDrafter):
             self._lag = 0
         st = view.state
         if n == 0:
-            return self.block(DraftTree.root_only(view.root), self._mask_embeds(st["m"], 1), max_depth=0)
+            return self.block(DraftTree.root_only(view.root), self._mask_embeds(st.m, 1), max_depth=0)
         rank, valid, tok, par, src, cell, q = self._merged_pool(view)
         tree, keep = best_nodes(view.root, rank, valid, tok, par, n)
         b, t, dev = tree.tokens.shape[0], tree.num_slots, tree.tokens.device
@@ -263,6 +270,6 @@ class HybridDrafter(ESPDrafter):
         mask_owner = torch.full((b, t), -1, dtype=torch.long, device=dev)
         mask_owner.scatter_(1, owners, torch.arange(m, device=dev).expand(b, -1))
         layout = block_layout(tree.parents, self.num_masks, owners)
-        aux = self._mask_embeds(st["m"], m)
+        aux = self._mask_embeds(st.m, m)
         return Block(tree=tree, layout=layout, aux_embeds=aux, max_depth=min(n, self.depth_bound),
                      mask_owner=mask_owner, source=source)

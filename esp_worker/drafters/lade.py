@@ -22,6 +22,7 @@ n-grams with the root as key, as LADE's per-key LRU of size G does.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -30,6 +31,15 @@ from ..config import EngineConfig
 from ..model_io import ModelRunner
 from ..tree import BlockLayout, DraftTree, ancestor_matrix
 from .base import Block, Drafter, PassResult, RowsView
+from .state import RowState, row_field
+
+
+@dataclass
+class LadeState(RowState):
+    window: Optional[torch.Tensor] = row_field()  # [B, N-1, W] the lookahead window
+    passes: Optional[torch.Tensor] = row_field()  # [B] passes seen (n-gram recency clock)
+    pool: Optional[torch.Tensor] = row_field()  # [B, P, N] remembered n-grams
+    seen: Optional[torch.Tensor] = row_field(-1)  # [B, P] when each was last seen (-1 = empty slot)
 
 # Paper Appendix F: block complexity -> (N, W, G) with (N - 1)(W + G) = BC
 PAPER_SIZES = {10: (3, 4, 1), 30: (4, 5, 5), 60: (5, 8, 7)}
@@ -97,6 +107,7 @@ def ngram_trie(root: torch.Tensor, cands: torch.Tensor, ok: torch.Tensor) -> Dra
 
 
 class LookaheadDrafter(Drafter):
+    state_type = LadeState
     name = "lade"
 
     def __init__(
@@ -142,10 +153,10 @@ class LookaheadDrafter(Drafter):
         draws = torch.stack([torch.randint(1 << 30, (k,), generator=_gen(s)) for s in view.seeds]).to(dev)
         window = hist.gather(1, draws % plen[:, None]).reshape(b, self.levels, self.w)
         st = view.state
-        st["window"] = window
-        st["passes"] = torch.zeros(b, dtype=torch.long, device=dev)
-        st["pool"] = torch.zeros((b, self.pool_size, self.n), dtype=torch.long, device=dev)
-        st["seen"] = torch.full((b, self.pool_size), -1, dtype=torch.long, device=dev)
+        st.window = window
+        st.passes = torch.zeros(b, dtype=torch.long, device=dev)
+        st.pool = torch.zeros((b, self.pool_size, self.n), dtype=torch.long, device=dev)
+        st.seen = torch.full((b, self.pool_size), -1, dtype=torch.long, device=dev)
         return None
 
     # ---- one pass ----------------------------------------------------------------------------------
@@ -154,12 +165,12 @@ class LookaheadDrafter(Drafter):
         root = view.root  # [B]
         b = root.shape[0]
         dev = root.device
-        hit = (st["pool"][..., 0] == root[:, None]) & (st["seen"] >= 0)  # [B, P]
-        recency, idx = torch.where(hit, st["seen"], -1).topk(self.g, dim=1)  # [B, G]
-        cands = st["pool"].gather(1, idx[..., None].expand(-1, -1, self.n))[..., 1:]  # [B, G, N-1]
+        hit = (st.pool[..., 0] == root[:, None]) & (st.seen >= 0)  # [B, P]
+        recency, idx = torch.where(hit, st.seen, -1).topk(self.g, dim=1)  # [B, G]
+        cands = st.pool.gather(1, idx[..., None].expand(-1, -1, self.n))[..., 1:]  # [B, G, N-1]
         tree = ngram_trie(root, cands, recency >= 0)
         t = tree.num_slots
-        aux_ids = st["window"].reshape(b, -1)[:, 1:]  # [B, A] (window (0, 0) is the root)
+        aux_ids = st.window.reshape(b, -1)[:, 1:]  # [B, A] (window (0, 0) is the root)
         a = aux_ids.shape[1]
         q = t + a
         anc = ancestor_matrix(tree.parents)  # [B, T, T]
@@ -180,25 +191,25 @@ class LookaheadDrafter(Drafter):
         t = result.block.tree.num_slots
         last = t - 1 + (self.levels - 1) * self.w  # block index of window token (N-2, 0)
         guesses = self.logits(result.hidden[:, last : last + self.w]).argmax(-1)  # [B, W]
-        fed = st["window"].clone()
+        fed = st.window.clone()
         fed[:, 0, 0] = result.block.tree.tokens[:, 0]  # the root stood at (0, 0)
         ngrams = torch.cat([fed, guesses[:, None]], 1).transpose(1, 2)  # [B, W, N]
-        ready = st["passes"] >= self.n - 2  # levels 1..N-2 all hold guesses, so every column is a chain
+        ready = st.passes >= self.n - 2  # levels 1..N-2 all hold guesses, so every column is a chain
         self.insert(st, ngrams, ready[:, None].expand(-1, self.w))
-        st["window"] = torch.cat([st["window"][:, 1:], guesses[:, None]], 1)
-        st["passes"] = st["passes"] + 1
+        st.window = torch.cat([st.window[:, 1:], guesses[:, None]], 1)
+        st.passes = st.passes + 1
 
     @staticmethod
-    def insert(st: dict[str, torch.Tensor], ngrams: torch.Tensor, ok: torch.Tensor) -> None:
+    def insert(st: "LadeState", ngrams: torch.Tensor, ok: torch.Tensor) -> None:
         """Add n-grams [B, W, N] where ok [B, W] to the pool: a known n-gram is marked as seen now, a new
         one replaces the least recently seen entry (empty entries first). Duplicates within `ngrams` count
         once (the first column). Sightings are stamped passes * W + column, so later columns are newer.
         """
-        pool, seen = st["pool"], st["seen"]  # [B, P, N], [B, P]
+        pool, seen = st.pool, st.seen  # [B, P, N], [B, P]
         b, w, _ = ngrams.shape
         p = pool.shape[1]
         dev = ngrams.device
-        now = st["passes"][:, None] * w + torch.arange(w, device=dev)[None]  # [B, W]
+        now = st.passes[:, None] * w + torch.arange(w, device=dev)[None]  # [B, W]
         twin = (ngrams[:, :, None] == ngrams[:, None]).all(-1)  # [B, W, W]
         earlier = torch.tril(torch.ones((w, w), dtype=torch.bool, device=dev), -1)
         ok = ok & ~(twin & earlier & ok[:, None, :]).any(-1)
@@ -212,7 +223,7 @@ class LookaheadDrafter(Drafter):
         seen = torch.cat([seen, seen.new_zeros((b, 1))], 1)
         pool.scatter_(1, slot[..., None].expand_as(ngrams), ngrams)
         seen.scatter_(1, slot, now)
-        st["pool"], st["seen"] = pool[:, :p], seen[:, :p]
+        st.pool, st.seen = pool[:, :p], seen[:, :p]
 
 
 def _gen(seed: int) -> torch.Generator:

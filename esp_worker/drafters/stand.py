@@ -23,6 +23,7 @@ output distribution exact either way).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,10 +33,18 @@ from ..model_io import ModelRunner
 from ..tree import best_nodes
 from .base import Block, Drafter, PassResult, RowsView
 from .common import NEG, find_continuation, topk_excluding
+from .state import RowState, row_field
+
+
+@dataclass
+class StandState(RowState):
+    store_ids: Optional[torch.Tensor] = row_field()  # [B, C, K] top-K next-token candidates per history position
+    store_lp: Optional[torch.Tensor] = row_field(NEG)  # [B, C, K] their log-probs (NEG = none)
 
 
 class StandDrafter(Drafter):
     name = "stand"
+    state_type = StandState
 
     def __init__(self, num_nodes: int, depth: int, topk: int, max_ngram: int, min_ngram: int):
         super().__init__()
@@ -72,16 +81,16 @@ class StandDrafter(Drafter):
         has_next = torch.arange(c, device=dev)[None] < (plen - 1)[:, None]
         ids[..., 0] = nxt
         lp[..., 0] = torch.where(has_next, 0.0, NEG)
-        view.state["store_ids"], view.state["store_lp"] = ids, lp
+        view.state.store_ids, view.state.store_lp = ids, lp
         return None
 
     def _fit_store(self, view: RowsView) -> None:
         """Grow the store with the history capacity (the engine pads `hist` as rows get longer)."""
         st = view.state
-        extra = view.hist.shape[1] - st["store_ids"].shape[1]
+        extra = view.hist.shape[1] - st.store_ids.shape[1]
         if extra > 0:
-            st["store_ids"] = torch.nn.functional.pad(st["store_ids"], (0, 0, 0, extra))
-            st["store_lp"] = torch.nn.functional.pad(st["store_lp"], (0, 0, 0, extra), value=NEG)
+            st.store_ids = torch.nn.functional.pad(st.store_ids, (0, 0, 0, extra))
+            st.store_lp = torch.nn.functional.pad(st.store_lp, (0, 0, 0, extra), value=NEG)
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         """Store the model's top-K at the root and every accepted node: n positions ending at hist_len - 2.
@@ -107,12 +116,12 @@ class StandDrafter(Drafter):
             ids = torch.nn.functional.pad(top.indices, (0, self.topk - k))
         pos = view.hist_len[:, None] - n[:, None] - 1 + torch.arange(ids.shape[1], device=n.device)[None]  # [B, S]
         keep = torch.arange(pos.shape[1], device=pos.device)[None] < n[:, None]  # [B, S]
-        c = st["store_ids"].shape[1]
+        c = st.store_ids.shape[1]
         pos = pos.clamp(0, c - 1)
         idx = pos[..., None].expand(-1, -1, self.topk)
         for key, new in (("store_ids", ids), ("store_lp", lp)):
-            cur = st[key].gather(1, idx)
-            st[key].scatter_(1, idx, torch.where(keep[..., None], new, cur))
+            cur = getattr(st, key).gather(1, idx)
+            getattr(st, key).scatter_(1, idx, torch.where(keep[..., None], new, cur))
 
     # ---- draft tree --------------------------------------------------------------------------------
     def candidates(self, view: RowsView) -> dict[str, torch.Tensor]:
@@ -134,8 +143,8 @@ class StandDrafter(Drafter):
         ok = (start[:, None] >= 0) & (q < length[:, None])
         chain = hist.gather(1, q.clamp(0, c - 1))  # [B, D]
         src = (q - 1).clamp(0, c - 1)[..., None].expand(-1, -1, k)  # stored candidates for each depth
-        cand_ids = st["store_ids"].gather(1, src)  # [B, D, K]
-        cand_lp = st["store_lp"].gather(1, src)
+        cand_ids = st.store_ids.gather(1, src)  # [B, D, K]
+        cand_lp = st.store_lp.gather(1, src)
         # the chain token's log-prob (NEG if it is not among the stored candidates)
         hit = cand_ids == chain[..., None]
         chain_lp = torch.where(hit, cand_lp, NEG).max(-1).values  # [B, D]

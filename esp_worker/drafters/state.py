@@ -1,0 +1,68 @@
+"""Typed per-row drafter state.
+
+Each drafter declares the [B, ...] tensors it keeps per row as a `RowState` dataclass (`Drafter.state_type`);
+the engine creates one per batch and moves its rows (`select` when rows leave, `extend` when rows join)
+without knowing the fields, and nothing but the drafter reads them. A field is None until the drafter's
+`start_rows` sets it; assigning a name that is not a field raises (a typo fails at once, not as a stale key).
+
+Example: ESP keeps `m` [B, D] (the running mask vector) and `has_probe` [B]; when rows 0 and 2 of three stay,
+`state.select(tensor([0, 2]))` keeps those rows of every set field.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+def cat_rows(a: torch.Tensor, b: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """Rows of `a` then rows of `b`, padding dim 1 (history capacity, list widths) to the larger size with `fill`."""
+    if a.ndim >= 2 and a.shape[1:] != b.shape[1:]:
+        width = max(a.shape[1], b.shape[1])
+        a = torch.nn.functional.pad(a, (0, 0) * (a.ndim - 2) + (0, width - a.shape[1]), value=fill)
+        b = torch.nn.functional.pad(b, (0, 0) * (b.ndim - 2) + (0, width - b.shape[1]), value=fill)
+    return torch.cat([a, b])
+
+
+def row_field(fill: float = 0) -> Optional[torch.Tensor]:
+    """A [B, ...] state tensor; `fill` pads dim 1 when batches of different widths join."""
+    return dataclasses.field(default=None, metadata={"fill": fill})
+
+
+@dataclasses.dataclass
+class RowState:
+    """Base of every drafter's state (no fields: a drafter that keeps nothing per row)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name not in self._names():
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        object.__setattr__(self, name, value)
+
+    @classmethod
+    def _names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))
+
+    def update(self, **values: Optional[torch.Tensor]) -> None:
+        """Set several fields at once (unknown names raise)."""
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields that are set."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep rows `rows` [R] (in that order) of every set field."""
+        for name, value in self.tensors().items():
+            setattr(self, name, value.index_select(0, rows))
+
+    def extend(self, other: "RowState") -> None:
+        """Append `other`'s rows (same type) to every set field."""
+        assert type(other) is type(self), (type(self).__name__, type(other).__name__)
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a is not None and b is not None:
+                setattr(self, f.name, cat_rows(a, b, f.metadata.get("fill", 0)))
+            elif a is not None or b is not None:
+                raise ValueError(f"{type(self).__name__}.{f.name} is set on one side of a join only")
