@@ -30,14 +30,20 @@ def test_longest_match_wins_then_latest_and_a_request_end_stops_the_chain():
     assert lookup(c, [[0, 6], [5, 6]]) == [[11], [7, 8]]  # latest [6] is now the third request's
 
 
-def test_a_row_shorter_than_the_ngram_and_hash_collisions_do_not_match():
+def test_a_row_shorter_than_the_ngram_and_a_bucket_of_another_ngram_do_not_match():
     c = CorpusNgrams(capacity=64, max_ngram=3, min_ngram=2)
     c.add([1, 2, 3, 4])
     assert lookup(c, [[3], [2, 3], [9, 3]]) == [[], [4], []]  # min_ngram 2: [3] alone is too short
-    # every n-gram lands in some bucket; filling the table's buckets with other n-grams must never produce
-    # a continuation whose n-gram differs from the row's suffix
-    c.table.fill_(c.written)  # every bucket points just past the request's last token
-    assert lookup(c, [[7, 8], [3, 4], [2, 3]]) == [[], [], []]
+    # every bucket points at a live position but holds another n-gram's hash: nothing matches
+    c.stamps.fill_(2)
+    c.hashes.add_(1)
+    assert lookup(c, [[2, 3], [1, 2], [7, 8]]) == [[], [], []]
+    # the bucket of a longer n-gram lost to another one: the shorter match still drafts
+    c = CorpusNgrams(capacity=64, max_ngram=3, min_ngram=1)
+    c.add([1, 2, 3, 4])
+    h = c._hashes(torch.tensor([[1, 2, 3]]))[0, 0]
+    c.hashes[h % c.num_buckets] = -5  # the 3-gram [1 2 3]'s slot (row 0 of the table)
+    assert lookup(c, [[1, 2, 3]]) == [[4]]  # from the 2-gram [2 3]
 
 
 def test_ring_buffer_wraps_and_forgets_overwritten_requests():

@@ -187,3 +187,30 @@ def test_stand_observe_stores_topk_along_the_accepted_path():
     assert view.state.store_ids[0, 2].tolist()[0] == 4
     assert view.state.store_ids[0, 3].tolist() == [1, 2]
     assert view.state.store_ids[0, 1, 0].item() == 7  # prompt entries untouched
+
+
+def test_find_continuation_equals_brute_force():
+    """Longest n first, then the latest earlier match; -1 without one (random small histories)."""
+    import random
+
+    from esp_worker.drafters.common import find_continuation
+
+    def brute(row: list[int], length: int, max_n: int, min_n: int) -> int:
+        for n in range(max_n, min_n - 1, -1):
+            if length < n + 1:
+                continue
+            suffix = row[length - n: length]
+            for s in range(length - n - 1, -1, -1):  # the continuation s + n must exist before the end
+                if row[s: s + n] == suffix:
+                    return s + n
+        return -1
+
+    rng = random.Random(0)
+    for _ in range(400):
+        b, c, v = rng.randint(1, 4), rng.randint(1, 24), rng.randint(2, 5)
+        max_n = rng.randint(1, 5)
+        min_n = rng.randint(1, max_n)
+        rows = [[rng.randrange(v) for _ in range(c)] for _ in range(b)]
+        lengths = [rng.randint(1, c) for _ in range(b)]
+        got = find_continuation(torch.tensor(rows), torch.tensor(lengths), max_n, min_n).tolist()
+        assert got == [brute(r, n, max_n, min_n) for r, n in zip(rows, lengths)]

@@ -34,23 +34,23 @@ def find_continuation(hist: torch.Tensor, length: torch.Tensor, max_ngram: int, 
     For n from max_ngram down to min_ngram the last n tokens (root included) are matched against every
     earlier window of prompt + output; the longest n wins, and among matches of one n the latest start.
     Example (n=2): history [5 6 7 8 5 6] -> suffix [5 6] matched at 0 -> 2 (the continuation starts with 7).
+
+    One comparison for every length: window e holds the m = max_ngram tokens ending at position e, compared
+    with the suffix's last m; a run of equal tokens from the end of the window of length >= n is a match of n
+    ending at e (the history is left-padded with m - 1 tokens that match nothing).
     """
     b, c = hist.shape
-    dev = hist.device
-    best = torch.full((b,), -1, dtype=torch.long, device=dev)
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if c < n + 1:
-            continue
-        suffix_idx = (length[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
-        suffix = hist.gather(1, suffix_idx)  # [B, n]
-        windows = hist.unfold(1, n, 1)  # [B, C-n+1, n]
-        match = (windows == suffix[:, None, :]).all(-1)  # [B, W]
-        starts = torch.arange(windows.shape[1], device=dev)
-        match &= (starts[None] + n < length[:, None]) & (length[:, None] >= n + 1)
-        latest = torch.where(match, starts[None], -1).max(-1).values  # [B]
-        take = (best < 0) & (latest >= 0)
-        best = torch.where(take, latest + n, best)
-    return best
+    dev, m = hist.device, max_ngram
+    suffix = hist.gather(1, (length[:, None] - m + torch.arange(m, device=dev)).clamp(min=0))  # [B, m]
+    padded = torch.nn.functional.pad(hist, (m - 1, 0), value=-1)  # [B, C + m - 1]
+    same = padded.unfold(1, m, 1) == suffix[:, None, :]  # [B, C, m]: window ending at e, oldest token first
+    run = same.flip(-1).cumprod(-1)[..., min_ngram - 1:].flip(-1)  # [B, C, N]: a match of n, n = m .. min_ngram
+    end = torch.arange(c, device=dev)[None, :, None]
+    before = end + 1 < length[:, None, None]  # the continuation exists (and the window is not the suffix)
+    latest = torch.where(run.bool() & before, end, -1).amax(1)  # [B, N] latest end per n, longest n first
+    first = (latest >= 0).long().argmax(-1, keepdim=True)  # the longest n that matched
+    best = latest.gather(1, first).squeeze(1)
+    return torch.where(best >= 0, best + 1, -1)
 
 
 def pool_depth(par: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -4,13 +4,14 @@ A large offline job generates from many prompts of a kind (the same template, th
 style); what earlier requests said (their prompts and outputs) predicts what a later one will say where its
 own history has no match. The store keeps the latest `capacity` tokens of finished requests in a ring buffer
 (`tokens` [G], -1 = separator / empty) and, per n-gram length n, a hash table from an n-gram to the stamp
-(absolute write offset) just past its latest occurrence (`table` [N, H]). Lookups are tensor ops over the
-rows (no host read); insertion happens when a request finishes, between passes, once per request.
+(absolute write offset) just past its latest occurrence and the n-gram's full hash (`stamps`, `hashes`
+[N * H]). Lookups are tensor ops over the rows (no host read); insertion happens when a request finishes,
+between passes, once per request.
 
 Lookup (`continuation`): for n from max_ngram down to min_ngram, hash the row's last n tokens (root included),
-read the table, check that the buffer still holds exactly those n tokens there (hash collisions and
-overwritten slots fail the check), and take the longest n that matches; the draft is the (up to) `depth`
-tokens that followed it, stopping at the end of that request.
+read the table, check that the slot holds this n-gram's hash (another n-gram in the bucket fails) and has not
+been overwritten since, and take the longest n that matches; the draft is the (up to) `depth` tokens that
+followed it, stopping at the end of that request.
 
 Example: finished request [5 6 7 8]; a row ending in [.. 9 5 6] with no earlier [5 6] of its own gets the chain
 [7 8] (n = 2).
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-PRIME = 2_147_483_647  # 2^31 - 1: hash values stay below it, products below 2^52 (exact in int64)
+PRIME = 2_147_483_647  # 2^31 - 1: the n-gram hash is a polynomial modulo this prime
 MULT = 1_000_003
 
 
@@ -32,47 +33,52 @@ class CorpusNgrams:
     def __init__(self, capacity: int, max_ngram: int, min_ngram: int, device: torch.device | str = "cpu"):
         if capacity < 1:
             raise ValueError("the corpus needs a capacity >= 1 token")
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError("corpus n-gram lengths need 1 <= min_ngram <= max_ngram")
+        if not 1 <= min_ngram <= max_ngram <= 64:
+            raise ValueError("corpus n-gram lengths need 1 <= min_ngram <= max_ngram <= 64")
         self.capacity = capacity
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_buckets = 1 << max(10, (2 * capacity - 1).bit_length())  # >= 2 buckets per token
         self.device = torch.device(device)
+        self.written = -1
+        self._constants()
         self.reset()
+
+    def _constants(self) -> None:
+        dev, m = self.device, self.max_ngram
+        # MULT^i mod PRIME, newest token first: (t + 1) * power < 2^56 and a sum of m <= 64 terms stays in int64
+        self._power = torch.tensor([pow(MULT, i, PRIME) for i in range(m)], dtype=torch.long, device=dev)
+        self._lengths = torch.arange(m, self.min_ngram - 1, -1, device=dev)  # [N] n-gram lengths, longest first
+        self._rows = (torch.arange(len(self._lengths), device=dev) * self.num_buckets)  # [N] table row offsets
+        self._offsets = torch.arange(-m, 0, device=dev)  # [m] a row's last m positions, relative to its length
 
     def reset(self) -> None:
         """Forget everything (a new job)."""
-        if getattr(self, "written", 1) == 0:
+        if self.written == 0:
             return  # already empty
-        n = self.max_ngram - self.min_ngram + 1
+        n, h = len(self._lengths), self.num_buckets
         self.tokens = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)  # [G]
-        self.table = torch.full((n, self.num_buckets), -1, dtype=torch.long, device=self.device)  # [N, H] stamps
+        self.stamps = torch.full((n * h,), -1, dtype=torch.long, device=self.device)  # [N * H] just past the latest
+        self.hashes = torch.full((n * h,), -1, dtype=torch.long, device=self.device)  # [N * H] the n-gram's full hash
         self.written = 0  # host: stamp of the next write (tokens written so far, separators included)
         self.empty = True
 
     def to(self, device: torch.device) -> "CorpusNgrams":
         if torch.device(device) != self.device:
             self.device = torch.device(device)
-            self.tokens, self.table = self.tokens.to(device), self.table.to(device)
+            self.tokens, self.stamps, self.hashes = (x.to(device) for x in (self.tokens, self.stamps, self.hashes))
+            self._constants()
         return self
 
     # ---- hashing -----------------------------------------------------------------------------------
-    def _suffix_hashes(self, windows: torch.Tensor) -> torch.Tensor:
-        """windows [..., max_ngram] (oldest first) -> [..., N] hash of the last n tokens, n = max_ngram .. min_ngram.
+    def _hashes(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows [..., m] (oldest first) -> [..., N] hash of the last n tokens, n = max_ngram .. min_ngram.
 
-        Folded from the newest token backwards, so the hash of n + 1 tokens extends the hash of n."""
-        h = torch.zeros(windows.shape[:-1], dtype=torch.long, device=windows.device)
-        out = {}
-        for n in range(1, self.max_ngram + 1):
-            h = (h * MULT + windows[..., -n] + 1) % PRIME
-            if n >= self.min_ngram:
-                out[n] = h
-        return torch.stack([out[n] for n in range(self.max_ngram, self.min_ngram - 1, -1)], -1)
-
-    def _slots(self, hashes: torch.Tensor) -> torch.Tensor:
-        """[..., N] hashes -> [..., N] flat indices into table (row = n-gram length)."""
-        rows = torch.arange(hashes.shape[-1], device=hashes.device) * self.num_buckets
-        return rows + hashes % self.num_buckets
+        hash_n = sum_{i<n} (t_{-1-i} + 1) * MULT^i mod PRIME: one cumulative sum from the newest token back,
+        so every length costs the same. A table slot holds the full hash, so two n-grams sharing a bucket are
+        told apart (up to 2^-31 per lookup; a false match only costs a draft that verification rejects)."""
+        terms = (windows.flip(-1) + 1) * self._power  # [..., m] newest first
+        sums = terms.cumsum(-1) % PRIME  # [..., m] hash of the newest 1 .. m tokens
+        return sums.flip(-1)[..., : len(self._lengths)]  # lengths m, m-1, .. min_ngram
 
     # ---- insertion (host side, once per finished request) ------------------------------------------
     def add(self, ids: list[int]) -> None:
@@ -89,38 +95,32 @@ class CorpusNgrams:
         self.tokens[start: start + len(x)] = x
         m = self.max_ngram
         if len(ids) >= self.min_ngram:
-            padded = torch.cat([torch.full((m - 1,), -2, dtype=torch.long, device=self.device), x[:-1]])
-            windows = padded.unfold(0, m, 1)  # [L, m]: the m tokens ending at each position (-2 = before start)
-            hashes = self._suffix_hashes(windows)  # [L, N]
-            lengths = torch.arange(self.max_ngram, self.min_ngram - 1, -1, device=self.device)  # [N]
+            padded = torch.cat([torch.zeros((m - 1,), dtype=torch.long, device=self.device), x[:-1]])
+            hashes = self._hashes(padded.unfold(0, m, 1))  # [L, N] the n-grams ending at each position
             ends = torch.arange(1, len(ids) + 1, device=self.device)  # [L] exclusive end offset in the request
-            fits = ends[:, None] >= lengths[None]  # [L, N] the n-gram lies inside the request
-            stamps = (self.written + ends)[:, None].expand_as(hashes)
-            self.table.view(-1).scatter_reduce_(0, self._slots(hashes)[fits], stamps[fits], reduce="amax")
+            fits = ends[:, None] >= self._lengths[None]  # [L, N] the n-gram lies inside the request
+            slots = (hashes % self.num_buckets + self._rows)[fits]
+            stamps = (self.written + ends)[:, None].expand_as(hashes)[fits]
+            # the latest occurrence wins a slot; its hash is written with it
+            self.stamps.scatter_reduce_(0, slots, stamps, reduce="amax")
+            won = self.stamps[slots] == stamps
+            self.hashes[slots[won]] = hashes[fits][won]
         self.written += len(x)
         self.empty = False
 
     # ---- lookup (tensor ops, no host read) ----------------------------------------------------------
     def continuation(self, hist: torch.Tensor, length: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, depth] tokens, [B, depth] valid, prefix-closed) following the longest match of each row's suffix."""
-        b, c = hist.shape
-        dev, m, g = hist.device, self.max_ngram, self.capacity
-        steps = torch.arange(m, device=dev)
-        idx = length[:, None] - m + steps  # [B, m] the row's last m tokens
-        suffix = torch.where(idx >= 0, hist.gather(1, idx.clamp(0, c - 1)), -2)
-        stamp = self.table.view(-1)[self._slots(self._suffix_hashes(suffix))]  # [B, N]
-        lengths = torch.arange(self.max_ngram, self.min_ngram - 1, -1, device=dev)  # [N]
-        end = stamp % g  # [B, N] buffer offset just past the n-gram
-        # the buffer must still hold the n-gram there: compare the last n of m tokens
-        back = end[..., None] - m + steps  # [B, N, m]
-        held = self.tokens[back % g]
-        used = steps[None, None] >= (m - lengths)[None, :, None]  # [1, N, m] positions inside the n-gram
-        same = ((held == suffix[:, None, :]) | ~used).all(-1) & (back >= 0).where(used, True).all(-1)
-        ok_n = same & (stamp >= 0) & (stamp > self.written - g) & (length[:, None] >= lengths[None])  # [B, N]
-        first = ok_n.long().argmax(-1)  # longest n that matched (lengths are in decreasing order)
-        start = end.gather(1, first[:, None])  # [B, 1]
-        chain = self.tokens[(start + torch.arange(depth, device=dev)[None]) % g]  # [B, depth]
-        valid = ok_n.any(-1)[:, None] & (chain >= 0).cumprod(1).bool()
+        g = self.capacity
+        suffix = hist.gather(1, (length[:, None] + self._offsets).clamp(min=0))  # [B, m]
+        hashes = self._hashes(suffix)  # [B, N]
+        slots = hashes % self.num_buckets + self._rows
+        stamp = self.stamps[slots]  # [B, N]
+        ok = (self.hashes[slots] == hashes) & (stamp > self.written - g) & (length[:, None] >= self._lengths)
+        first = ok.long().argmax(-1, keepdim=True)  # [B, 1] the longest n that matched (lengths decrease)
+        start = stamp.gather(1, first) % g  # [B, 1] buffer offset just past the n-gram
+        chain = self.tokens[(start + torch.arange(depth, device=hist.device)) % g]  # [B, depth]
+        valid = ok.any(-1, keepdim=True) & (chain >= 0).cumprod(1).bool()
         return chain.clamp(min=0), valid
 
     def fill(self, hist: torch.Tensor, length: torch.Tensor, chain: torch.Tensor, ok: torch.Tensor):
