@@ -24,18 +24,20 @@ def apply_stops(
 
     Example: committed [[5, 9, 7]], n [3], stop_ids [[9]] -> n_final [2], reason [1].
     """
-    i = torch.arange(committed.shape[1], device=committed.device)[None]
-    is_stop = (committed[..., None] == stop_ids[:, None, :]).any(-1) & (i < n[:, None])  # [B, P]
-    big = torch.full_like(n, 1 << 30)
-    n_stop = torch.where(is_stop.any(-1), is_stop.long().argmax(-1) + 1, big)
-    n_len = max_total - hist_len
-    n_ctx = max_context - hist_len
-    n_fin = torch.minimum(torch.minimum(n, n_stop), torch.minimum(n_len, n_ctx))
-    reason = torch.zeros_like(n)
-    reason = torch.where(n_fin == n_ctx, 3, reason)
-    reason = torch.where(n_fin == n_len, 2, reason)
-    reason = torch.where(n_fin == n_stop, 1, reason)
+    dev = committed.device
+    p = committed.shape[1]
+    # [B, P] the committed slots that hold a stop id; the first one ends the row (n_stop = its slot + 1)
+    is_stop = (committed[..., None] == stop_ids[:, None, :]).any(-1) & (torch.arange(p, device=dev) < n[:, None])
+    n_stop = torch.where(is_stop, torch.arange(1, p + 1, device=dev), 1 << 30).amin(-1)
+    # candidates in priority order (a stop before the length before the context, when they cut at the same
+    # token): the smallest wins, and its code is the reason (n itself: still running)
+    cands = torch.stack([n_stop, max_total - hist_len, max_context - hist_len, n], -1)  # [B, 4]
+    n_fin = cands.amin(-1)
+    reason = _CODES.to(dev)[(cands == n_fin[:, None]).long().argmax(-1)]
     return n_fin, reason
+
+
+_CODES = torch.tensor([1, 2, 3, 0])  # reason of each candidate of apply_stops
 
 
 def apply_stop_strings(
