@@ -1,6 +1,9 @@
 """The only code that touches the KV cache: a preallocated slab that presents itself as a transformers Cache.
 
-Layout: every layer holds key and value buffers [R, H, C, D] (R rows of capacity, C slots of capacity).
+Layout: every layer holds key and value buffers [R, H, C, D] (R rows of capacity, C slots of capacity). They
+are views of one slab [L, 2, R, H, C, D] shared by all layers of the first layer's shape (every layer, for the
+supported architectures), so that bookkeeping after a pass (`keep`, `select_rows`, growth) is one tensor
+operation for the whole model, not two per layer; a layer of another shape gets buffers of its own.
 Rows 0 .. num_rows-1 are the batch in flight. Row b's valid slots are 0 .. cache_len[b]-1, packed to the
 front in position order (slot s holds position s); later slots are stale and masked out by the caller.
 
@@ -41,20 +44,20 @@ class _Plan:
 
 
 class _SlabLayer(CacheLayerMixin):
-    """One layer: `keys` / `values` are the whole buffers [R, H, C, D]; `update` writes per the shared plan."""
+    """One layer: `keys` / `values` are the whole buffers [R, H, C, D] (views of the shared slab, or its own
+    buffers when its shape differs); `update` writes per the shared plan."""
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, owner: "KVCache"):
+    def __init__(self, owner: "KVCache", index: int):
         super().__init__()
         self.owner = owner
+        self.index = index
+        self.in_slab = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        r, c = self.owner.capacity
-        b, h, _, d = key_states.shape
-        self.keys = key_states.new_zeros((r, h, c, d))
-        self.values = value_states.new_zeros((r, h, c, value_states.shape[-1]))
+        self.owner.attach(self, key_states, value_states)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -90,14 +93,45 @@ class KVCache(Cache):
     """Preallocated per-layer key/value buffers for the rows in flight (see the module docstring)."""
 
     def __init__(self, num_layers: int):
-        super().__init__(layers=[_SlabLayer(self) for _ in range(num_layers)])
+        super().__init__(layers=[_SlabLayer(self, i) for i in range(num_layers)])
         self.num_rows = 0  # rows of the batch in flight (0 .. num_rows-1)
         self.capacity = (0, 0)  # (rows R, slots C) of every buffer
         self.plan_ = _Plan()
+        self.slab: Optional[torch.Tensor] = None  # [L, 2, R, H, C, D] keys and values of every slab layer
 
-    # ---- capacity ----------------------------------------------------------------------------------
-    def _buffers(self):
-        return [(l, n) for l in self.layers if l.is_initialized for n in ("keys", "values")]
+    # ---- buffers -----------------------------------------------------------------------------------
+    def attach(self, layer: _SlabLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Give `layer` its buffers at its first update: views of the slab (made at the first layer's) when
+        its keys and values have the slab's shape and dtype, buffers of its own otherwise."""
+        r, c = self.capacity
+        _, h, _, d = key_states.shape
+        uniform = value_states.shape[-1] == d and value_states.dtype == key_states.dtype
+        if self.slab is None and uniform:
+            self.slab = key_states.new_zeros((len(self.layers), 2, r, h, c, d))
+        s = self.slab
+        if uniform and s is not None and (s.shape[3], s.shape[5], s.dtype, s.device) == (h, d, key_states.dtype, key_states.device):
+            layer.in_slab = True
+            layer.keys, layer.values = s[layer.index, 0], s[layer.index, 1]
+        else:
+            layer.keys = key_states.new_zeros((r, h, c, d))
+            layer.values = value_states.new_zeros((r, h, c, value_states.shape[-1]))
+
+    def _tensors(self) -> list[tuple[torch.Tensor, int, Optional[_SlabLayer], str]]:
+        """(tensor, its row dim, owning layer or None for the slab, attribute): the slab, then own buffers."""
+        out = [(self.slab, 2, None, "")] if self.slab is not None else []
+        for layer in self.layers:
+            if layer.is_initialized and not layer.in_slab:
+                out += [(layer.keys, 0, layer, "keys"), (layer.values, 0, layer, "values")]
+        return out
+
+    def _set(self, layer: Optional[_SlabLayer], name: str, t: torch.Tensor) -> None:
+        if layer is not None:
+            setattr(layer, name, t)
+            return
+        self.slab = t
+        for l in self.layers:
+            if l.in_slab:
+                l.keys, l.values = t[l.index, 0], t[l.index, 1]
 
     @torch.inference_mode()
     def reserve(self, num_rows: int, length: int) -> None:
@@ -112,14 +146,15 @@ class KVCache(Cache):
         new_r, new_c = num_rows, max(need_c, length)
         self.capacity = (new_r, new_c)
         keep_r, keep_c = min(self.num_rows, new_r), min(c, new_c)
-        for layer, name in self._buffers():
-            old = getattr(layer, name)  # [R, H, C, D]
-            new = old.new_zeros((new_r, old.shape[1], new_c, old.shape[3]))
-            new[:keep_r, :, :keep_c] = old[:keep_r, :, :keep_c]
-            setattr(layer, name, new)
+        for old, rd, layer, name in self._tensors():  # rows at dim rd, slots at rd + 2
+            size = list(old.shape)
+            size[rd], size[rd + 2] = new_r, new_c
+            new = old.new_zeros(size)
+            new.narrow(rd, 0, keep_r).narrow(rd + 2, 0, keep_c).copy_(old.narrow(rd, 0, keep_r).narrow(rd + 2, 0, keep_c))
+            self._set(layer, name, new)
 
     def nbytes(self) -> int:
-        return sum(getattr(l, n).numel() * getattr(l, n).element_size() for l, n in self._buffers())
+        return sum(t.numel() * t.element_size() for t, *_ in self._tensors())
 
     # ---- one forward -------------------------------------------------------------------------------
     def plan(self, row0: int, num_rows: int, view_len: int, write_at: Union[int, torch.Tensor]) -> None:
@@ -142,19 +177,20 @@ class KVCache(Cache):
         root only: dst [5, 6], src [5, 6] (slot 6 is beyond its new length, whatever lands there is stale).
         """
         b, p = src.shape
-        for layer, name in self._buffers():
-            t = getattr(layer, name)[:b]  # [B, H, C, D]
-            h, d = t.shape[1], t.shape[3]
-            moved = torch.gather(t, 2, src[:, None, :, None].expand(b, h, p, d))  # [B, H, P, D]
-            t.scatter_(2, dst[:, None, :, None].expand(b, h, p, d), moved)
+        for t, rd, _, _ in self._tensors():
+            t = t.narrow(rd, 0, b)  # slab [L, 2, B, H, C, D] / own buffer [B, H, C, D]
+            lead = (None,) * rd
+            size = list(t.shape)
+            size[rd + 2] = p
+            moved = torch.gather(t, rd + 2, src[lead + (slice(None), None, slice(None), None)].expand(size))
+            t.scatter_(rd + 2, dst[lead + (slice(None), None, slice(None), None)].expand(size), moved)
 
     @torch.inference_mode()
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` ([R] long, increasing or not), compacted to the front in that order."""
         n = rows.shape[0]
-        for layer, name in self._buffers():
-            t = getattr(layer, name)
-            t[:n] = t.index_select(0, rows)
+        for t, rd, _, _ in self._tensors():
+            t.narrow(rd, 0, n).copy_(t.index_select(rd, rows))
         self.num_rows = n
 
     def add_rows(self, n: int) -> None:

@@ -77,7 +77,7 @@ class RequestStats:
     # block size (tokens fed per sequence) -> passes
     block_size_histogram: dict[int, int] = field(default_factory=dict)
     time_s: float = 0.0
-    # hybrid: accepted drafts by the proposer that supplied them (ngram | store | esp); {} for one-drafter methods
+    # hybrid: accepted drafts by the proposer that supplied them (ngram | store | esp | corpus); {} otherwise
     accepted_by_proposer: dict[str, int] = field(default_factory=dict)
 
     @property

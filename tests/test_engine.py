@@ -56,6 +56,40 @@ def test_kv_select_rows_compacts_and_capacity_stays_bounded():
     assert cache.nbytes() == 2 * 1 * kv_cache.bucket(40) * 4
 
 
+def test_kv_slab_shared_by_layers_of_one_shape_and_own_buffers_for_another():
+    """Layers 0 and 1 (D = 1) live in one slab, layer 2 (D = 2) has its own buffers; keep, select_rows and growth
+    move every layer's keys and values alike."""
+    cache = kv_cache.new_cache(3)
+    rows, slots = 3, 12
+    cache.reserve(rows, slots)
+    cache.plan(0, rows, slots, 0)
+    base = torch.arange(rows * slots, dtype=torch.float32).reshape(rows, 1, slots, 1)  # [B, H, S, 1]
+    for i, d in enumerate((1, 1, 2)):
+        k = (base + 1000 * i).expand(-1, -1, -1, d)
+        cache.update(k, k + 100, i)
+    cache.add_rows(rows)
+    layers = cache.layers
+    assert layers[0].in_slab and layers[1].in_slab and not layers[2].in_slab
+    assert cache.slab.shape[:2] == (3, 2) and layers[1].keys.data_ptr() != layers[0].keys.data_ptr()
+
+    def snapshot():  # [layer][k/v] -> [rows, slots] (first feature)
+        return [[t[: cache.num_rows, 0, :slots, 0].clone() for t in (l.keys, l.values)] for l in layers]
+
+    expect = snapshot()
+    cache.keep(torch.tensor([[4, 5], [2, 3], [7, 8]]), torch.tensor([[4, 9], [2, 3], [7, 10]]))
+    for layer in expect:
+        for t in layer:
+            t[0, 5], t[2, 8] = t[0, 9].clone(), t[2, 10].clone()
+    assert all(torch.equal(a, b) for la, lb in zip(snapshot(), expect) for a, b in zip(la, lb))
+    cache.select_rows(torch.tensor([2, 0]))
+    expect = [[t[[2, 0]] for t in layer] for layer in expect]
+    assert all(torch.equal(a, b) for la, lb in zip(snapshot(), expect) for a, b in zip(la, lb))
+    cache.reserve(5, 40)  # growth keeps the live rows and slots of every layer, the slab views follow
+    assert layers[0].keys.shape == (5, 1, kv_cache.bucket(40), 1) and layers[0].keys.data_ptr() == cache.slab.data_ptr()
+    assert all(torch.equal(a, b) for la, lb in zip(snapshot(), expect) for a, b in zip(la, lb))
+    assert layers[2].keys[:2, 0, :slots, 1].equal(expect[2][0])  # layer 2's second feature moved too
+
+
 @pytest.mark.parametrize(
     "hist,n_max,n_min,expected",
     [

@@ -1,4 +1,4 @@
-"""Hybrid drafting: one draft tree per row per pass, merged from the n-gram continuation and ESP's mask probe.
+"""Hybrid drafting: one draft tree per row per pass, merged from n-gram continuations and ESP's mask probe.
 
 Proposers (`proposers`, the index is Block.source):
     0 "ngram": the tokens that followed the latest, longest earlier match of the context's suffix (as pld);
@@ -8,8 +8,8 @@ Proposers (`proposers`, the index is Block.source):
                requests the job has already finished (`corpus.CorpusNgrams`; engine.hybrid_corpus_tokens).
 
 Merge (per row, tensor ops only):
-1. Every candidate gets a *conditional* acceptance estimate c = P(accepted | parent accepted): ngram nodes
-   c = r[ngram, d] (a running acceptance rate per depth); store and esp nodes c = min(1, a[p, d] * q) where
+1. Every candidate gets a *conditional* acceptance estimate c = P(accepted | parent accepted): ngram and
+   corpus nodes c = r[p, d] (a running acceptance rate per proposer and depth); store and esp nodes c = min(1, a[p, d] * q) where
    q is the proposer's own probability (stored log-prob / probe probability) and a[p, d] a running ratio of
    accepted to predicted, per proposer and depth (decayed counts with a prior). These are the calibration.
 2. An esp candidate equal to an n-gram candidate under the same parent is merged into it (one node, its
@@ -24,7 +24,8 @@ Merge (per row, tensor ops only):
 
 Variants (block_complexity=auto picks one per look by measured throughput, `policy.BlockPolicy`):
 "merged" is the above; "ngram" is the n-gram continuation alone (a prompt-lookup chain: no masks, no store
-lookups, no merge, the accepted path already in place), for text where copying carries the acceptance
+lookups, no merge, the accepted path already in place; the corpus fills in where the row's own history
+has no match), for text where copying carries the acceptance
 and the merge's own work would cost more than the extra drafts it finds. The store and the probe are not
 updated on ngram passes (the EMA of the mask vector is replayed when masks are fed again).
 
