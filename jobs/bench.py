@@ -244,8 +244,11 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         ar_run = median_run(runs[settings[0]])
         hf = [s for s in settings if s.method == "hf"]
         hf_run = median_run(runs[hf[0]]) if hf else None
+        secs = {s: [r["seconds"] for r in runs[s]] for s in settings}
         for s in settings:
-            recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance, hf_run)
+            rounds = {"self": secs[s], "ar": secs[settings[0]], "hf": secs[hf[0]] if hf else []}
+            recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance, hf_run,
+                             rounds)
             records += recs
             top = recs[-1]
             log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s (vs hf %s), exact %s", s.label, batch,

@@ -2,6 +2,8 @@
 
 - `summarise(...)`: one record per category (and one for ALL) from a setting's run against the `ar` run:
   tau, tokens/s, speedup vs ar/hf, exact-match and token-mismatch rates, predicted speedup, cache use.
+  With repeats, `speedup_vs_ar_paired` / `speedup_vs_hf_paired` are the median over repeats of the ratio
+  within one round-robin round (both settings ran minutes apart), robust to a machine whose speed drifts.
 - `token_mismatch_rate(outputs, references)`: divergences per compared token.
 - `write_table(path, records)`: records as CSV (bench.csv, cost_curve.csv).
 
@@ -10,6 +12,7 @@ report.md and the PNG plots are written by jobs/report.py.
 from __future__ import annotations
 
 import csv
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -34,9 +37,10 @@ def token_mismatch_rate(outputs: list[list[int]], references: list[list[int]]) -
 
 
 def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any], prompts: list[Prompt],
-              curve: Any, max_new_tokens: int, tolerance: float, hf_run: Optional[dict[str, Any]] = None
-              ) -> list[dict[str, Any]]:
-    """One record per category and one for ALL."""
+              curve: Any, max_new_tokens: int, tolerance: float, hf_run: Optional[dict[str, Any]] = None,
+              rounds: Optional[dict[str, list[dict[str, float]]]] = None) -> list[dict[str, Any]]:
+    """One record per category and one for ALL. `rounds`: seconds per category of every repeat, of this
+    setting ("self"), of ar ("ar") and of hf generate ("hf"), for the paired ratios."""
     from esp_worker import RequestStats
     from esp_worker.cost_model import predict_speedup
 
@@ -82,6 +86,8 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
             accepted_per_depth=" ".join(f"{n / st.num_decode_passes:.3f}" for n in st.accepted_per_depth)
             if st.num_decode_passes else "",
         )
+        for base, key in (("ar", "speedup_vs_ar_paired"), ("hf", "speedup_vs_hf_paired")):
+            rec[key] = _paired(rounds, base, {p.category for p in ps}) if rounds else None
         rec["predicted_speedup"] = None
         rec["within_tolerance"] = None
         if curve is not None and tau and block and s.method != "hf":
@@ -99,6 +105,14 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
                               if t.get("peak_cache_bytes") and t_ar.get("peak_cache_bytes") else None)
         records.append(rec)
     return records
+
+
+def _paired(rounds: dict[str, list[dict[str, float]]], base: str, cats: set[str]) -> Optional[float]:
+    """Median over repeats of (base seconds / this setting's seconds) in the same round: the tokens are the
+    same in both (lossless), so it is the tokens/s ratio of that round."""
+    mine, theirs = rounds.get("self") or [], rounds.get(base) or []
+    ratios = [sum(b[c] for c in cats) / sum(a[c] for c in cats) for a, b in zip(mine, theirs) if sum(a[c] for c in cats)]
+    return statistics.median(ratios) if ratios else None
 
 
 def write_table(path: Path, records: list[dict[str, Any]]) -> None:

@@ -562,19 +562,21 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
         f"({overall[0]['num_prompts']} prompts{f', {skipped} rows skipped for errors' if skipped else ''}), "
         f"{_length_note(cfg)}, temperature {cfg.generation.temperature}, "
         f"torch {env['torch']} with {env['torch_threads']} thread(s) on {env['machine']}; {b.warmup} warm-up prompt(s) per "
-        f"setting, {b.repeats} timed repeat(s) per setting run round-robin (median time). tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
+        f"setting, {b.repeats} timed repeat(s) per setting run round-robin (median time; 'paired': the median over "
+        f"repeats of the ratio within one round). tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
         "exact match are against `ar` in the same run.", "",
         "## All prompts", "",
-        "| setting | batch | tau | accepted/pass | 1-1/tau | tokens fed/pass | tokens/s | speedup | vs hf | predicted | "
-        "host overhead | KV cache MB (vs ar) | exact match | token mismatch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | batch | tau | accepted/pass | 1-1/tau | tokens fed/pass | tokens/s | speedup | vs hf | paired vs ar / hf | "
+        "predicted | host overhead | KV cache MB (vs ar) | exact match | token mismatch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in overall:
         mem = f"{fmt(r.get('peak_cache_mb'), 1)} ({fmt(r.get('cache_vs_ar'))})" if r.get("peak_cache_mb") else "-"
         lines.append(
             f"| {r['setting']} | {r['batch_size']} | {fmt(r['tau'])} | {fmt(r['accepted_per_pass'])} | "
             f"{fmt(r['calls_saved'])} | {fmt(r['mean_block_size'], 1)} | {fmt(r['tokens_per_s'], 1)} | "
-            f"{fmt(r['speedup_vs_ar'])} | {fmt(r.get('speedup_vs_hf'))} | {fmt(r['predicted_speedup'])} | "
+            f"{fmt(r['speedup_vs_ar'])} | {fmt(r.get('speedup_vs_hf'))} | "
+            f"{fmt(r.get('speedup_vs_ar_paired'))} / {fmt(r.get('speedup_vs_hf_paired'))} | {fmt(r['predicted_speedup'])} | "
             f"{fmt(r['host_overhead'])} | {mem} | {fmt(r['exact_match_rate'])} | {fmt(r.get('token_mismatch_rate'), 4)} |"
         )
     auto = [r for r in overall if r["block_complexity"] == "auto"]

@@ -39,6 +39,8 @@ def test_bench_end_to_end(tmp_path):
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0
     assert all(r["speedup_vs_ar"] == 1.0 for r in records if r["method"] == "ar")
     assert all(r["speedup_vs_hf"] == 1.0 for r in records if r["method"] == "hf")
+    assert all(r["speedup_vs_ar_paired"] == 1.0 for r in records if r["method"] == "ar")
+    assert all(r["speedup_vs_ar_paired"] > 0 and r["speedup_vs_hf_paired"] > 0 for r in records)
     assert all(r["peak_cache_mb"] > 0 for r in records if r["method"] != "hf")
     assert next(r for r in records if r["setting"] == "ar" and r["category"] == "all")["num_prompts"] == 4
     with open(out / "bench.csv") as f:
@@ -98,3 +100,13 @@ def test_token_mismatch_rate():
 
     assert token_mismatch_rate([[1, 2, 3], [5, 6]], [[1, 2, 4], [5, 6]]) == pytest.approx(0.2)
     assert token_mismatch_rate([[1, 2]], [[1, 2, 3]]) == 0.0
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    from jobs.bench_results import _paired
+
+    rounds = {"self": [{"a": 1.0, "b": 1.0}, {"a": 4.0, "b": 4.0}, {"a": 1.5, "b": 0.5}],
+              "ar": [{"a": 2.0, "b": 2.0}, {"a": 4.0, "b": 4.0}, {"a": 1.0, "b": 2.0}]}
+    # per round: 4/2 = 2.0, 8/8 = 1.0, 3/2 = 1.5 -> median 1.5; category a alone: 2.0, 1.0, 0.67 -> 1.0
+    assert _paired(rounds, "ar", {"a", "b"}) == 1.5 and _paired(rounds, "ar", {"a"}) == 1.0
+    assert _paired(rounds, "hf", {"a"}) is None
