@@ -9,9 +9,10 @@ Proposers (`proposers`, the index is Block.source):
 
 Merge (per row, tensor ops only):
 1. Every candidate gets a *conditional* acceptance estimate c = P(accepted | parent accepted): ngram and
-   corpus nodes c = r[p, d] (a running acceptance rate per proposer and depth); store and esp nodes c = min(1, a[p, d] * q) where
-   q is the proposer's own probability (stored log-prob / probe probability) and a[p, d] a running ratio of
-   accepted to predicted, per proposer and depth (decayed counts with a prior). These are the calibration.
+   corpus nodes c = r[p, d] (a running acceptance rate per proposer and depth); store and esp nodes
+   c = min(1, a[p, d] * q) where q is the proposer's own probability (stored log-prob / probe probability)
+   and a[p, d] a running ratio of accepted to predicted, per proposer and depth (decayed counts with a
+   prior). These are the calibration.
 2. An esp candidate equal to an n-gram candidate under the same parent is merged into it (one node, its
    estimate the larger of the two; its esp children move under it).
 3. A node's score is the product of c along its path (never above its parent's), and the best `n` nodes
@@ -25,8 +26,8 @@ Merge (per row, tensor ops only):
 Variants (block_complexity=auto picks one per look by measured throughput, `policy.BlockPolicy`):
 "merged" is the above; "ngram" is the n-gram continuation alone (a prompt-lookup chain: no masks, no store
 lookups, no merge, the accepted path already in place; the corpus fills in where the row's own history
-has no match), for text where copying carries the acceptance
-and the merge's own work would cost more than the extra drafts it finds. The store and the probe are not
+has no match), for text where copying carries the acceptance and the merge's own work would cost more
+than the extra drafts it finds. The store and the probe are not
 updated on ngram passes (the EMA of the mask vector is replayed when masks are fed again).
 
 Block tokens: (1 + n) tree slots + k * owners masks (owners = 1, or 1 + n // mask_every from mask_min_nodes
