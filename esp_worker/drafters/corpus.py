@@ -62,13 +62,6 @@ class CorpusNgrams:
         self.written = 0  # host: stamp of the next write (tokens written so far, separators included)
         self.empty = True
 
-    def to(self, device: torch.device) -> "CorpusNgrams":
-        if torch.device(device) != self.device:
-            self.device = torch.device(device)
-            self.tokens, self.stamps, self.hashes = (x.to(device) for x in (self.tokens, self.stamps, self.hashes))
-            self._constants()
-        return self
-
     # ---- hashing -----------------------------------------------------------------------------------
     def _hashes(self, windows: torch.Tensor) -> torch.Tensor:
         """windows [..., m] (oldest first) -> [..., N] hash of the last n tokens, n = max_ngram .. min_ngram.
