@@ -262,7 +262,7 @@ class Engine:
     @torch.inference_mode()
     def _step(self, rows: Rows) -> None:
         """One decode pass over every row: named phases, no host read until `read_back`."""
-        t_start, model_s0 = time.perf_counter(), self.runner.model_s
+        t_start, model_s0, len0 = time.perf_counter(), self.runner.model_s, sum(rows.lens)
         block = self._propose(rows)
         hidden, slot_logits = self._forward(rows, block)
         res = self._verify(rows, block, slot_logits)
@@ -275,14 +275,14 @@ class Engine:
         rows.read_back()  # the one host read of the pass: lengths and finish reasons
         seconds = time.perf_counter() - t_start
         if self.policy is not None:
-            self.policy.observe_pass(res.num_committed, seconds)
+            self.policy.observe_pass(sum(rows.lens) - len0, seconds)  # tokens committed (host, no read)
         self.timing["decode_s"] += seconds
         self.timing["model_s"] += self.runner.model_s - model_s0  # includes the drafter's LM-head calls
         self.timing["decode_passes"] += 1
 
     def _propose(self, rows: Rows) -> Block:
         view = rows.view()
-        n_nodes = None if self.policy is None else self.policy.plan(self.drafter, view)
+        n_nodes = None if self.policy is None else self.policy.plan(self.drafter, view, rows.lens)
         return self.drafter.propose(view, n_nodes)
 
     def _forward(self, rows: Rows, block: Block) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,8 +104,9 @@ class BlockPolicy:
         self._next_wait = 0  # wait after the next look that chooses plain
         self._looks = 0
         self._last: Optional[tuple[str, float]] = None  # (mode, predicted model seconds) of the planned pass
-        self._mass: Optional[torch.Tensor] = None  # [B, max_nodes] of the last plan
+        self._mass: Optional[list[float]] = None  # [max_nodes + 1] cumulative mass of the last plan (host)
         self._n = -1
+        self._batch = 0  # rows of the last plan
 
     @property
     def sizes(self) -> list[int]:
@@ -115,10 +116,12 @@ class BlockPolicy:
     def alpha(self) -> float:
         return self.arm.alpha
 
-    def plan(self, drafter, view) -> int:
-        """Draft nodes for this pass: -1 = plain decoding, 0 = root + masks (a probe), n > 0 = a tree."""
+    def plan(self, drafter, view, lens: Optional[list[int]] = None) -> int:
+        """Draft nodes for this pass: -1 = plain decoding, 0 = root + masks (a probe), n > 0 = a tree.
+        lens: the rows' history lengths on the host (the engine's mirror); read from view.hist_len if None."""
         self._mass = None
-        batch, cache_len = len(view.seeds), int(view.hist_len.float().mean()) - 1
+        batch = len(view.seeds)
+        cache_len = (sum(lens) // len(lens) if lens else int(view.hist_len.float().mean())) - 1
         if self._wait > 0 or self._since["plain"] >= self.explore_every:
             self._wait = max(self._wait - 1, 0)
             return self._planned(-1, batch, cache_len)
@@ -131,12 +134,12 @@ class BlockPolicy:
         base = self.probe_interval if drafter.needs_probe_to_draft else 1
         if n > 0:
             self._next_wait = base
-        elif mass is not None and bool(mass.sum() > 0):  # drafting was possible but does not pay: back off
+        elif mass is not None and self._mass[-1] > 0:  # drafting was possible but does not pay: back off
             self._wait = self._next_wait or base
             self._next_wait = min(2 * self._wait, 64 * base)
         else:  # nothing to draft right now (no match, no probe): look again soon
             self._wait = base
-        self._mass, self._n = mass, n
+        self._n = n
         return self._planned(n, batch, cache_len)
 
     def _pick_arm(self, drafter) -> None:
@@ -163,7 +166,7 @@ class BlockPolicy:
     def _planned(self, n: int, batch: int, cache_len: int) -> int:
         arm = self.arm
         if n in arm.sizes:
-            model_s = float(self.costs(batch, cache_len)[arm.sizes.index(n)])
+            model_s = self.costs(batch, cache_len)[arm.sizes.index(n)]
         else:
             model_s = self.curve.time(batch, float(arm.block_tokens(n)), cache_len)
         mode = "plain" if n < 0 else "draft"
@@ -172,17 +175,19 @@ class BlockPolicy:
             self._since[m] = 0 if m == mode else self._since[m] + 1
         return n
 
-    def observe_pass(self, num_committed: torch.Tensor, seconds: Optional[float] = None) -> None:
-        """Calibrate with the pass just verified ([B] tokens committed per row) and its wall time."""
+    def observe_pass(self, num_committed: "torch.Tensor | int", seconds: Optional[float] = None) -> None:
+        """Calibrate with the pass just verified (tokens committed: [B] per row, or their sum as a host int,
+        which costs no device read) and its wall time."""
         arm = self.arm
+        committed = num_committed if isinstance(num_committed, int) else int(num_committed.sum())
         if self._mass is not None and self._n > 0:
-            self.observe(float(self._mass[:, : self._n].sum()), float((num_committed - 1).sum()))
+            self.observe(self._mass[min(self._n, len(self._mass) - 1)], float(committed - self._batch))
         if seconds is not None and self._last is not None:
             mode, model_s = self._last
             (self._plain if mode == "plain" else arm.over).append(max(seconds - model_s, 0.0))
             if len(self.arms) > 1:  # throughput of the proposer set in charge (its plain passes included)
                 d = self.rate_decay
-                arm.tokens = d * arm.tokens + float(num_committed.sum())
+                arm.tokens = d * arm.tokens + committed
                 arm.seconds = d * arm.seconds + seconds
                 arm.passes += 1
         self._last = None
@@ -193,27 +198,33 @@ class BlockPolicy:
         obs = self._plain if mode == "plain" else self.arm.over
         return statistics.median(obs) if obs else 0.0
 
-    def costs(self, batch: int, cache_len: int) -> torch.Tensor:
+    def costs(self, batch: int, cache_len: int) -> list[float]:
         """[C] seconds per pass for each candidate (cache length bucketed to 64 tokens for reuse)."""
         bucket = int(cache_len) // 64 * 64 + 32
         key = (batch, bucket)
         arm = self.arm
         if key not in arm.cost:
-            arm.cost[key] = torch.tensor([self.curve.time(batch, q, bucket) for q in arm.q])
+            arm.cost[key] = [float(self.curve.time(batch, q, bucket)) for q in arm.q]
         return arm.cost[key]
 
     def choose(self, mass: Optional[torch.Tensor], batch: int, cache_len: int, measured: bool = True) -> int:
         """Draft nodes for this pass (-1 = plain). mass: [B, max_nodes] best-first node probabilities.
-        measured=False: the cost curve alone (exploring), without the measured overheads."""
+        measured=False: the cost curve alone (exploring), without the measured overheads.
+        One device read (the batch's cumulative mass); the rest is host arithmetic over the few sizes."""
+        self._batch = batch
         if mass is None:
+            self._mass = None
             return -1
-        sizes = self.arm.sizes
-        cum = torch.cat([torch.zeros(1), mass.float().sum(0).cumsum(0).cpu()])  # [max_nodes + 1]
-        n = torch.tensor([max(s, 0) for s in sizes])
-        expected = batch + self.alpha * cum[n.clamp(max=cum.shape[0] - 1)]  # [C]
-        extra = torch.tensor([self.overhead("plain")] + [self.overhead("draft")] * (len(sizes) - 1)) * measured
-        rate = expected / (self.costs(batch, cache_len) + extra)
-        return sizes[int(rate.argmax())]
+        cum = [0.0] + mass.float().sum(0).cumsum(0).tolist()  # [max_nodes + 1]
+        self._mass = cum
+        alpha, top = self.alpha, len(cum) - 1
+        plain, draft = (self.overhead("plain"), self.overhead("draft")) if measured else (0.0, 0.0)
+        best, best_rate = -1, -1.0
+        for s, cost in zip(self.arm.sizes, self.costs(batch, cache_len)):
+            rate = (batch + alpha * cum[min(max(s, 0), top)]) / (cost + (plain if s < 0 else draft))
+            if rate > best_rate:  # the first of equal rates, as argmax
+                best, best_rate = s, rate
+        return best
 
     def observe(self, predicted: float, accepted: float) -> None:
         """Calibrate alpha with one pass: predicted mass of the drafted nodes vs drafts accepted."""
