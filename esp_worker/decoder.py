@@ -63,9 +63,7 @@ class DirectDecoder:
         if not self.sdpa:
             self.attend: Callable = modeling.eager_attention_forward
         else:
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-            self.attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
+            self.attend = sdpa_packed_gqa
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")  # Qwen3
         self.qkv = [_Fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in base.layers]
         self.gate_up = [_Fused(layer.mlp, ("gate_proj", "up_proj")) for layer in base.layers]
@@ -161,6 +159,30 @@ class DirectDecoder:
     def _mlp(mlp: Any, x: torch.Tensor, gate_up: Callable) -> torch.Tensor:
         gate, up = gate_up(x).chunk(2, dim=-1)
         return _linear(mlp.down_proj, mlp.act_fn.forward(gate) * up)
+
+
+def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    bias: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None):
+    """transformers' sdpa attention, except that with a bias and grouped-query heads the g query heads of each
+    key/value head are packed into the query dimension: query [B, H, Q, hd] -> [B, Hkv, g * Q, hd], bias
+    [B, 1, Q, S] tiled g times. transformers repeats the keys and values per query head there instead
+    (`repeat_kv`), a copy of the whole cache view per layer per pass: at batch 16 with 300 cached tokens a pass
+    of Q = 2 spent 5.6 ms per layer copying against 0.3 ms packed (esp-tiny-llama, one CPU thread). Each query
+    row sees the same keys in the same order either way; the tests check the result is bitwise equal.
+    Packing copies the bias g times, so it is used while that is smaller than the keys and values
+    (g * Q <= 2 * H * hd; a long masked prefill keeps transformers' way). Returns ([B, Q, H, hd], None)."""
+    b, h, q, hd = query.shape
+    hkv = key.shape[1]
+    g = h // hkv
+    if bias is None or g == 1 or g * q > 2 * h * hd:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, bias, dropout=dropout, scaling=scaling)
+    s = key.shape[2]
+    packed_q = query.reshape(b, hkv, g * q, hd)  # heads j * g .. j * g + g - 1 share key/value head j
+    packed_bias = bias[:, :, None].expand(bias.shape[0], 1, g, q, s).reshape(bias.shape[0], 1, g * q, s)
+    out = F.scaled_dot_product_attention(packed_q, key, value, attn_mask=packed_bias, dropout_p=dropout, scale=scaling)
+    return out.view(b, h, q, hd).transpose(1, 2), None
 
 
 def _linear(layer: Any, x: torch.Tensor) -> torch.Tensor:

@@ -112,3 +112,29 @@ def test_prefill_without_bias_is_causal(arch):
         outs.append(runner.forward(runner.embed_ids(ids), bias, pos, cache, s - 1))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     assert not ModelRunner(tiny(arch, "eager")).causal_without_bias  # eager attention needs the mask
+
+
+@pytest.mark.parametrize("b,q,s,g", [(16, 2, 300, 4), (1, 30, 230, 4), (3, 9, 9, 2), (2, 200, 200, 4)])
+def test_packed_gqa_attention_is_bitwise_transformers_sdpa(b, q, s, g):
+    """Grouped-query heads packed into the query dimension (no copy of the cache per query head) give bitwise
+    transformers' sdpa attention with repeated keys and values; the last case (g * Q > 2 * H * hd) takes
+    transformers' own path."""
+    from types import SimpleNamespace
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from esp_worker.decoder import sdpa_packed_gqa
+
+    gen = torch.Generator().manual_seed(b * q)
+    hkv, hd = 2, 8
+    module = SimpleNamespace(num_key_value_groups=g, is_causal=True, training=False)
+    cache = torch.randn((b, hkv, s + 16, hd), generator=gen)
+    k, v = cache[:, :, :s], torch.randn((b, hkv, s, hd), generator=gen)  # k: a view of a larger buffer, as the cache
+    query = torch.randn((b, q, hkv * g, hd), generator=gen).transpose(1, 2)  # [B, H, Q, hd] as the decoder makes it
+    hidden = torch.rand((b, 1, q, s), generator=gen) < 0.3
+    hidden[..., 0] = False  # every query sees at least one key
+    bias = torch.zeros((b, 1, q, s)).masked_fill_(hidden, torch.finfo(torch.float32).min)
+    want, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, k, v, bias, dropout=0.0, scaling=0.3)
+    got, _ = sdpa_packed_gqa(module, query, k, v, bias, scaling=0.3)
+    assert got.shape == want.shape == (b, q, hkv * g, hd)
+    assert torch.equal(got, want)
