@@ -73,7 +73,9 @@ class BlockPolicy:
 
     Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
     chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
-    doubling up to 64x the base while looks keep choosing plain; a look that drafts resets it."""
+    doubling up to 64x the base while looks keep choosing plain; a look that drafts resets it. A trial look
+    of a proposer set that is not the best (sampling or exploring it) starts no back-off: the best set looks
+    again at the next pass."""
 
     def __init__(
         self,
@@ -127,13 +129,15 @@ class BlockPolicy:
             return self._planned(-1, batch, cache_len)
         if drafter.needs_probe(view):  # a mask drafter after plain passes: look with a probe pass
             return self._planned(0, batch, cache_len)
-        self._pick_arm(drafter)
+        trial = self._pick_arm(drafter)
         mass = drafter.draft_mass(view)
         explore = len(self.arm.over) < self.min_samples or self._since["draft"] >= self.explore_every
         n = self.choose(mass, batch, cache_len, measured=not explore)
         base = self.probe_interval if drafter.needs_probe_to_draft else 1
         if n > 0:
             self._next_wait = base
+        elif trial:  # a trial of another proposer set that would not draft: the best set looks next pass
+            pass
         elif mass is not None and self._mass[-1] > 0:  # drafting was possible but does not pay: back off
             self._wait = self._next_wait or base
             self._next_wait = min(2 * self._wait, 64 * base)
@@ -142,11 +146,13 @@ class BlockPolicy:
         self._n = n
         return self._planned(n, batch, cache_len)
 
-    def _pick_arm(self, drafter) -> None:
-        """Select the proposer set for this look (the drafter's own when it has one)."""
+    def _pick_arm(self, drafter) -> bool:
+        """Select the proposer set for this look (the drafter's own when it has one). True when the look is a
+        trial of a set that is not the best (still sampling it, or exploring): its choosing plain decoding says
+        nothing about the best set, so it starts no back-off."""
         names = drafter.variants
         if len(names) == 1:
-            return
+            return False
         self._looks += 1
         for v in names:
             if v not in self.arms:
@@ -154,7 +160,7 @@ class BlockPolicy:
         tried = {v: self.arms[v] for v in names}
         new = [v for v, a in tried.items() if a.passes < self.min_samples]
         if new:
-            pick = new[0]
+            pick, best = new[0], None
         else:
             best = max(tried, key=lambda v: tried[v].rate)
             explore = self._looks % max(self.explore_every // 2, 1) == 0
@@ -162,6 +168,7 @@ class BlockPolicy:
             pick = others[(self._looks // max(self.explore_every // 2, 1)) % len(others)] if explore else best
         drafter.use_variant(pick)
         self.arm = self.arms[pick]
+        return pick != best
 
     def _planned(self, n: int, batch: int, cache_len: int) -> int:
         arm = self.arm
@@ -209,8 +216,11 @@ class BlockPolicy:
 
     def choose(self, mass: Optional[torch.Tensor], batch: int, cache_len: int, measured: bool = True) -> int:
         """Draft nodes for this pass (-1 = plain). mass: [B, max_nodes] best-first node probabilities.
-        measured=False: the cost curve alone (exploring), without the measured overheads.
-        One device read (the batch's cumulative mass); the rest is host arithmetic over the few sizes."""
+        measured=False (exploring): the best drafting size by the cost curve alone, without the measured
+        overheads, whenever there is something to draft, so that alpha and the drafting overhead are measured
+        again even while plain decoding wins (an estimate that only learns from the passes it chooses would
+        never recover from a low alpha). One device read (the batch's cumulative mass); the rest is host
+        arithmetic over the few sizes."""
         self._batch = batch
         if mass is None:
             self._mass = None
@@ -221,6 +231,8 @@ class BlockPolicy:
         plain, draft = (self.overhead("plain"), self.overhead("draft")) if measured else (0.0, 0.0)
         best, best_rate = -1, -1.0
         for s, cost in zip(self.arm.sizes, self.costs(batch, cache_len)):
+            if s < 0 and not measured and cum[-1] > 0:
+                continue  # exploring: draft
             rate = (batch + alpha * cum[min(max(s, 0), top)]) / (cost + (plain if s < 0 else draft))
             if rate > best_rate:  # the first of equal rates, as argmax
                 best, best_rate = s, rate
