@@ -40,7 +40,11 @@ class _Arm:
         self.pred = prior_weight  # running predicted accepted drafts (decayed)
         self.acc = prior_alpha * prior_weight  # running accepted drafts (decayed)
         self.over: collections.deque = collections.deque(maxlen=15)  # drafting seconds beyond the curve
-        self.tokens = 0.0  # decayed tokens committed / seconds over the passes this arm planned
+        # decayed tokens committed per row / seconds in units of the curve's plain pass at that batch and
+        # cache length, over the passes this arm planned: a speed relative to plain decoding, so that batch
+        # occupancy (the tail of a job) and context length, which change throughput whatever the arm, do not
+        # bias the comparison between arms
+        self.tokens = 0.0
         self.seconds = 0.0
         self.passes = 0
 
@@ -68,8 +72,9 @@ class BlockPolicy:
     something to draft).
 
     Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set with the most tokens
-    committed per second over the passes it planned (decayed), after `min_samples` looks each; every
-    `explore_every // 2` looks the other set gets one.
+    committed per row per curve-predicted plain pass time over the passes it planned (decayed; a speed
+    relative to plain decoding, not biased by batch occupancy or context length), after `min_samples` looks
+    each; every `explore_every // 2` looks the other set gets one.
 
     Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
     chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
@@ -105,7 +110,8 @@ class BlockPolicy:
         self._wait = 0  # plain passes left before the next look
         self._next_wait = 0  # wait after the next look that chooses plain
         self._looks = 0
-        self._last: Optional[tuple[str, float]] = None  # (mode, predicted model seconds) of the planned pass
+        # (mode, predicted model seconds, the curve's plain pass seconds, batch) of the planned pass
+        self._last: Optional[tuple[str, float, float, int]] = None
         self._mass: Optional[list[float]] = None  # [max_nodes + 1] cumulative mass of the last plan (host)
         self._n = -1
         self._batch = 0  # rows of the last plan
@@ -177,7 +183,7 @@ class BlockPolicy:
         else:
             model_s = self.curve.time(batch, float(arm.block_tokens(n)), cache_len)
         mode = "plain" if n < 0 else "draft"
-        self._last = (mode, model_s)
+        self._last = (mode, model_s, self.costs(batch, cache_len)[0], batch)  # sizes[0] is plain decoding
         for m in self._since:
             self._since[m] = 0 if m == mode else self._since[m] + 1
         return n
@@ -190,12 +196,12 @@ class BlockPolicy:
         if self._mass is not None and self._n > 0:
             self.observe(self._mass[min(self._n, len(self._mass) - 1)], float(committed - self._batch))
         if seconds is not None and self._last is not None:
-            mode, model_s = self._last
+            mode, model_s, plain_s, batch = self._last
             (self._plain if mode == "plain" else arm.over).append(max(seconds - model_s, 0.0))
-            if len(self.arms) > 1:  # throughput of the proposer set in charge (its plain passes included)
+            if len(self.arms) > 1:  # speed of the proposer set in charge (its plain passes included)
                 d = self.rate_decay
-                arm.tokens = d * arm.tokens + committed
-                arm.seconds = d * arm.seconds + seconds
+                arm.tokens = d * arm.tokens + committed / max(batch, 1)
+                arm.seconds = d * arm.seconds + seconds / plain_s
                 arm.passes += 1
         self._last = None
 
