@@ -73,8 +73,8 @@ class BlockPolicy:
 
     Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set with the most tokens
     committed per row per curve-predicted plain pass time over the passes it planned (decayed; a speed
-    relative to plain decoding, not biased by batch occupancy or context length), after `min_samples` looks
-    each; every `explore_every // 2` looks the other set gets one.
+    relative to plain decoding, not biased by batch occupancy or context length), after `arm_min_passes`
+    passes each (a speed decayed over a few noisy passes picked the wrong set for hundreds of passes); every `explore_every // 2` looks the other set gets one.
 
     Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
     chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
@@ -94,6 +94,7 @@ class BlockPolicy:
         probe_interval: int = 8,
         explore_every: int = 64,
         min_samples: int = 3,
+        arm_min_passes: int = 16,
         rate_decay: float = 0.95,
     ):
         self.curve = curve
@@ -105,6 +106,7 @@ class BlockPolicy:
         self._plain: collections.deque = collections.deque(maxlen=15)  # plain seconds beyond the curve
         self.explore_every = explore_every
         self.min_samples = min_samples
+        self.arm_min_passes = arm_min_passes  # passes each proposer set runs before their speeds are compared
         self._since = {"plain": 0, "draft": 0}  # passes since the last one of each mode
         self.probe_interval = probe_interval  # base wait of mask drafters (a look costs them a probe pass)
         self._wait = 0  # plain passes left before the next look
@@ -164,7 +166,7 @@ class BlockPolicy:
             if v not in self.arms:
                 self.arms[v] = _Arm(*drafter.use_variant(v), self.max_block, *self._prior)
         tried = {v: self.arms[v] for v in names}
-        new = [v for v, a in tried.items() if a.passes < self.min_samples]
+        new = [v for v, a in tried.items() if a.passes < self.arm_min_passes]
         if new:
             pick, best = new[0], None
         else:
