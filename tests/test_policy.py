@@ -174,3 +174,51 @@ def test_proposer_set_with_more_tokens_per_second_wins_and_the_other_is_explored
     assert late.count("fast") > 0.8 * len(late)
     assert 0 < late.count("slow") < 0.1 * len(late)  # explored now and then
     assert p.arms["fast"].rate > p.arms["slow"].rate
+
+
+def test_an_exploring_look_drafts_even_with_a_low_alpha():
+    p = policy(STEEP)
+    for _ in range(200):
+        p.observe(predicted=1.0, accepted=0.0)  # alpha ~0: the estimate says drafting never pays
+    mass = torch.full((2, 29), 0.5)
+    assert p.choose(mass, 2, 100) == -1  # measured: plain wins
+    assert p.choose(mass, 2, 100, measured=False) > 0  # exploring: a tree, so alpha is measured again
+    assert p.choose(torch.zeros((2, 29)), 2, 100, measured=False) == -1  # nothing to draft: plain
+
+
+def test_a_trial_of_the_other_proposer_set_starts_no_back_off():
+    p = policy(STEEP)  # every tree loses on the curve; "fast" is the best set, "slow" the one on trial
+    d = _TwoSets(torch.full((2, 29), 0.5))
+    from types import SimpleNamespace
+
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    p.arm_min_passes = 0
+    p.arms["slow"] = _arm = type(p.arm)(*d.use_variant("slow"), p.max_block, *p._prior)
+    p.arms["fast"] = type(p.arm)(*d.use_variant("fast"), p.max_block, *p._prior)
+    p.arms["fast"].tokens, p.arms["fast"].seconds = 2.0, 1.0
+    _arm.tokens, _arm.seconds = 1.0, 1.0
+    p.arm = p.arms["fast"]
+    for a in p.arms.values():
+        a.over.extend([0.0] * p.min_samples)  # measured: no exploring looks
+    p._looks = p.explore_every // 2 - 1  # the next look is the trial of "slow"
+    assert p.plan(d, view, [100, 100]) == -1 and d.variant == "slow"
+    assert p._wait == 0  # the best set looks again at the next pass
+    p.observe_pass(2, 1.0)
+    assert p.plan(d, view, [100, 100]) == -1 and d.variant == "fast"
+    assert p._wait >= 1  # the best set's own plain choice backs off
+
+
+def test_proposer_sets_compare_speed_relative_to_plain_not_raw_tokens_per_second():
+    """The same per-row speed (1.5x plain) at batch 8 and at batch 2 (a job's tail) rates the same."""
+    p = policy(FLAT)
+    d = _TwoSets(torch.full((8, 29), 0.5))
+    p._pick_arm(d)
+    rates = []
+    for batch in (8, 2):
+        plain_s = FLAT.time(batch, 1, 96)  # the curve's plain pass at this batch (cache bucket of 100 tokens)
+        arm = p.arm
+        arm.tokens = arm.seconds = 0.0
+        p._planned(-1, batch, 100)
+        p.observe_pass(int(1.5 * batch), plain_s)  # 1.5 tokens per row in one plain pass's time
+        rates.append(arm.rate)
+    assert rates[0] == pytest.approx(rates[1]) == pytest.approx(1.5)
