@@ -74,7 +74,8 @@ class BlockPolicy:
     Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set with the most tokens
     committed per row per curve-predicted plain pass time over the passes it planned (decayed; a speed
     relative to plain decoding, not biased by batch occupancy or context length), after `arm_min_passes`
-    passes each (a speed decayed over a few noisy passes picked the wrong set for hundreds of passes); every `explore_every // 2` looks the other set gets one.
+    passes each (a speed decayed over a few noisy passes picked the wrong set for hundreds of passes);
+    every `explore_every // 2` looks the other set gets one.
 
     Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
     chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
@@ -116,7 +117,6 @@ class BlockPolicy:
         self._last: Optional[tuple[str, float, float, int]] = None
         self._mass: Optional[list[float]] = None  # [max_nodes + 1] cumulative mass of the last plan (host)
         self._n = -1
-        self._batch = 0  # rows of the last plan
 
     @property
     def sizes(self) -> list[int]:
@@ -193,19 +193,21 @@ class BlockPolicy:
     def observe_pass(self, num_committed: "torch.Tensor | int", seconds: Optional[float] = None) -> None:
         """Calibrate with the pass just verified (tokens committed: [B] per row, or their sum as a host int,
         which costs no device read) and its wall time."""
+        if self._last is None:
+            return
         arm = self.arm
+        mode, model_s, plain_s, batch = self._last
+        self._last = None
         committed = num_committed if isinstance(num_committed, int) else int(num_committed.sum())
         if self._mass is not None and self._n > 0:
-            self.observe(self._mass[min(self._n, len(self._mass) - 1)], float(committed - self._batch))
-        if seconds is not None and self._last is not None:
-            mode, model_s, plain_s, batch = self._last
+            self.observe(self._mass[min(self._n, len(self._mass) - 1)], float(committed - batch))
+        if seconds is not None:
             (self._plain if mode == "plain" else arm.over).append(max(seconds - model_s, 0.0))
             if len(self.arms) > 1:  # speed of the proposer set in charge (its plain passes included)
                 d = self.rate_decay
                 arm.tokens = d * arm.tokens + committed / max(batch, 1)
                 arm.seconds = d * arm.seconds + seconds / plain_s
                 arm.passes += 1
-        self._last = None
 
     def overhead(self, mode: str) -> float:
         """Measured seconds per pass beyond the cost curve in `mode` (plain | draft, the current proposer
@@ -229,7 +231,6 @@ class BlockPolicy:
         again even while plain decoding wins (an estimate that only learns from the passes it chooses would
         never recover from a low alpha). One device read (the batch's cumulative mass); the rest is host
         arithmetic over the few sizes."""
-        self._batch = batch
         if mass is None:
             self._mass = None
             return -1
