@@ -273,11 +273,11 @@ class Engine:
         rows.count(n_fin, res.num_committed, block.tree.valid[:, 1:].sum(-1), block.max_depth + 1, block.source, res.path_slots)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
         rows.read_back()  # the one host read of the pass: lengths and finish reasons
-        seconds = time.perf_counter() - t_start
+        seconds, model_s = time.perf_counter() - t_start, self.runner.model_s - model_s0
         if self.policy is not None:
-            self.policy.observe_pass(sum(rows.lens) - len0, seconds)  # tokens committed (host, no read)
+            self.policy.observe_pass(sum(rows.lens) - len0, seconds, model_s)  # tokens committed (host, no read)
         self.timing["decode_s"] += seconds
-        self.timing["model_s"] += self.runner.model_s - model_s0  # includes the drafter's LM-head calls
+        self.timing["model_s"] += model_s  # includes the drafter's LM-head calls
         self.timing["decode_passes"] += 1
 
     def _propose(self, rows: Rows) -> Block:

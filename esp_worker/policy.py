@@ -39,7 +39,10 @@ class _Arm:
         self.cost: dict[tuple[int, int], torch.Tensor] = {}  # (batch, cache bucket) -> [C] curve seconds
         self.pred = prior_weight  # running predicted accepted drafts (decayed)
         self.acc = prior_alpha * prior_weight  # running accepted drafts (decayed)
-        self.over: collections.deque = collections.deque(maxlen=15)  # drafting seconds beyond the curve
+        # host seconds per pass (curve units) of this set's drafting and plain passes: a set's plain pass
+        # can cost more than another's (the hybrid's merged set keeps its logit store and probe up to date)
+        self.over: collections.deque = collections.deque(maxlen=15)
+        self.plain_over: collections.deque = collections.deque(maxlen=15)
         # decayed tokens committed per row / seconds in units of the curve's plain pass at that batch and
         # cache length, over the passes this arm planned: a speed relative to plain decoding, so that batch
         # occupancy (the tail of a job) and context length, which change throughput whatever the arm, do not
@@ -64,18 +67,28 @@ class BlockPolicy:
     back-off of looks (and probes) while plain decoding wins live here.
 
     Measured overheads: the cost curve times the model alone; a real pass also runs the drafter (tree
-    building, lookups, verification) and the engine's bookkeeping. Each pass's wall time minus the curve's
-    prediction is kept per mode (plain, drafting with each proposer set); the median of the last few is
-    added to the curve when choosing, so a drafter whose own work eats its gain loses to plain decoding on
-    measured time. Both modes stay measured: the first `min_samples` looks draft whatever the estimate says,
+    building, lookups, verification) and the engine's bookkeeping. Each pass's host time (its wall time
+    minus the time the model itself took, which the engine measures) is kept per proposer set and mode (plain,
+    drafting), in units of the curve's machine speed; the median of the last few is added to the
+    curve when choosing, so a drafter whose own work eats its gain loses to plain decoding on measured time.
+    Machine speed drifts (a shared VM: +-20% within minutes; clocks, other tenants): the ratio of measured to
+    predicted model time is tracked as one drift factor for every mode, and host times are divided by it.
+    Measuring wall time minus the curve instead (without the model's own time) turned each drift into a
+    per-mode overhead: whichever mode ran while the machine slowed down looked expensive, and the policy
+    then avoided it for hundreds of passes, with nothing to correct the estimate. Both modes stay measured: the first `min_samples` looks draft whatever the estimate says,
     and while one mode wins, the other gets one pass in `explore_every` (plain; or a tree, when a look finds
     something to draft).
 
     Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set with the most tokens
     committed per row per curve-predicted plain pass time over the passes it planned (decayed; a speed
-    relative to plain decoding, not biased by batch occupancy or context length), after `arm_min_passes`
-    passes each (a speed decayed over a few noisy passes picked the wrong set for hundreds of passes);
-    every `explore_every // 2` looks the other set gets one.
+    relative to plain decoding, not biased by batch occupancy or context length; a pass's time is the curve's
+    model time plus its drift-corrected host time, so drift does not favour the set that ran while the
+    machine was fast), after `arm_min_passes` passes each (a speed decayed over a few noisy passes picked the
+    wrong set for hundreds of passes); every `explore_every // 2` looks the other set gets one. The speed's
+    memory (`rate_decay` 0.99 per pass of the set, ~100 passes) spans several requests: the set in charge is
+    measured on the text at hand while the other's few trial passes spread over the whole job, so a shorter
+    memory (0.95) swapped sets whenever the text at hand got harder (code to verse), not when the other set
+    was faster (the merged tree ran 15-30% of passes at batch 1 on this CPU, where it is half as fast).
 
     Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
     chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
@@ -96,7 +109,7 @@ class BlockPolicy:
         explore_every: int = 64,
         min_samples: int = 3,
         arm_min_passes: int = 16,
-        rate_decay: float = 0.95,
+        rate_decay: float = 0.99,
     ):
         self.curve = curve
         self.max_block = min(max_block, max(curve.block_sizes))  # never extrapolate the curve beyond what was measured
@@ -104,7 +117,8 @@ class BlockPolicy:
         self.arms: dict[str, _Arm] = {"": _Arm(block_tokens, max_nodes, self.max_block, *self._prior)}
         self.arm = self.arms[""]
         self.decay, self.rate_decay = decay, rate_decay
-        self._plain: collections.deque = collections.deque(maxlen=15)  # plain seconds beyond the curve
+        self.drift = 1.0  # measured / predicted model seconds (decayed): the machine's speed against the curve's
+        self._drift_w = 0.0
         self.explore_every = explore_every
         self.min_samples = min_samples
         self.arm_min_passes = arm_min_passes  # passes each proposer set runs before their speeds are compared
@@ -190,9 +204,11 @@ class BlockPolicy:
             self._since[m] = 0 if m == mode else self._since[m] + 1
         return n
 
-    def observe_pass(self, num_committed: "torch.Tensor | int", seconds: Optional[float] = None) -> None:
+    def observe_pass(self, num_committed: "torch.Tensor | int", seconds: Optional[float] = None,
+                     model_seconds: Optional[float] = None) -> None:
         """Calibrate with the pass just verified (tokens committed: [B] per row, or their sum as a host int,
-        which costs no device read) and its wall time."""
+        which costs no device read), its wall time and the part of it the model took (without it, the wall
+        time beyond the curve's prediction counts as host time and no drift is tracked)."""
         if self._last is None:
             return
         arm = self.arm
@@ -201,18 +217,32 @@ class BlockPolicy:
         committed = num_committed if isinstance(num_committed, int) else int(num_committed.sum())
         if self._mass is not None and self._n > 0:
             self.observe(self._mass[min(self._n, len(self._mass) - 1)], float(committed - batch))
-        if seconds is not None:
-            (self._plain if mode == "plain" else arm.over).append(max(seconds - model_s, 0.0))
-            if len(self.arms) > 1:  # speed of the proposer set in charge (its plain passes included)
-                d = self.rate_decay
-                arm.tokens = d * arm.tokens + committed / max(batch, 1)
-                arm.seconds = d * arm.seconds + seconds / plain_s
-                arm.passes += 1
+        if seconds is None:
+            return
+        if model_seconds is None:
+            host = max(seconds - model_s, 0.0)
+        else:
+            self._track_drift(model_seconds, model_s)
+            host = max(seconds - model_seconds, 0.0) / self.drift
+        (arm.plain_over if mode == "plain" else arm.over).append(host)
+        if len(self.arms) > 1:  # speed of the proposer set in charge (its plain passes included)
+            d = self.rate_decay
+            arm.tokens = d * arm.tokens + committed / max(batch, 1)
+            arm.seconds = d * arm.seconds + (model_s + host) / plain_s
+            arm.passes += 1
+
+    def _track_drift(self, measured: float, predicted: float, decay: float = 0.9) -> None:
+        """Decayed ratio of measured to predicted model seconds (a weighted mean: the first pass sets it)."""
+        if predicted <= 0 or measured <= 0:
+            return
+        self._drift_w = decay * self._drift_w + 1.0
+        self.drift += (measured / predicted - self.drift) / self._drift_w
 
     def overhead(self, mode: str) -> float:
-        """Measured seconds per pass beyond the cost curve in `mode` (plain | draft, the current proposer
-        set's): the median of the last few passes (robust to a first pass's one-off costs); 0 until measured."""
-        obs = self._plain if mode == "plain" else self.arm.over
+        """Measured host seconds per pass (in units of the curve's machine speed) in `mode` (plain | draft, the
+        current proposer set's): the median of the last few passes (robust to a first pass's one-off costs);
+        0 until measured."""
+        obs = self.arm.plain_over if mode == "plain" else self.arm.over
         return statistics.median(obs) if obs else 0.0
 
     def costs(self, batch: int, cache_len: int) -> list[float]:

@@ -222,3 +222,36 @@ def test_proposer_sets_compare_speed_relative_to_plain_not_raw_tokens_per_second
         p.observe_pass(int(1.5 * batch), plain_s)  # 1.5 tokens per row in one plain pass's time
         rates.append(arm.rate)
     assert rates[0] == pytest.approx(rates[1]) == pytest.approx(1.5)
+
+
+def _run_timed(p: BlockPolicy, drafter, passes: int, speed) -> list[int]:
+    """Like _run, with the model's own time reported: pass i's model takes the curve's time x speed(i) (the
+    machine drifting) and its host work 0.3 s x speed(i) when drafting, 0.1 s x speed(i) when plain."""
+    from types import SimpleNamespace
+
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    plans = []
+    for i in range(passes):
+        n = p.plan(drafter, view)
+        plans.append(n)
+        model_s = p._last[1] * speed(i)
+        host = (0.3 if n > 0 else 0.1) * speed(i)
+        p.observe_pass(torch.full((2,), 1 + int(n > 0)), model_s + host, model_s)
+    return plans
+
+
+def test_machine_drift_is_not_taken_for_a_mode_overhead():
+    """The machine slows down by half while the policy drafts: the drafting overhead stays the host time it
+    was (in the curve's units), the drift factor takes the slowdown, and drafting goes on. Charging the whole
+    wall time beyond the curve to the mode that ran (without the model's own time) made drafting look 1.5 s
+    dearer per pass and switched it off."""
+    mass = torch.full((2, 29), 0.5)
+    p = policy(FLAT)
+    plans = _run_timed(p, _Drafter(mass), 200, lambda i: 1.0 if i < 100 else 2.5)
+    assert p.drift == pytest.approx(2.5, rel=1e-3)
+    assert p.overhead("draft") == pytest.approx(0.3, rel=1e-3) and p.overhead("plain") == pytest.approx(0.1, rel=1e-3)
+    assert sum(n > 0 for n in plans[100:]) > 0.95 * 100  # drafting pays on this curve, drift or not
+    # without the model's time the slowdown lands on drafting's overhead
+    q = policy(FLAT)
+    _run(q, _Drafter(mass), 100, lambda n: 2.5 * (FLAT.time(2, 60, 100) + 0.3))
+    assert q.overhead("draft") > 1.5
