@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
+from .bench_config import AUTO_METHODS
 from .bench_results import summarise, write_table
 from .report import ALL, bench_plots, fmt, write_bench_report
 
@@ -82,13 +83,25 @@ def grid(bench: DictConfig) -> list[Setting]:
 
     Example: methods [ar, pld, esp], BCs [10, 30], num_masks [1], trees [static] ->
     ar, pld BC10, pld BC30, esp k1 static BC10, esp k1 static BC30.
+    With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto.
     """
     out = [Setting("ar", 1, 0, "")] + ([Setting("hf", 1, 0, "")] if bench.hf_baseline else [])
+    if bench.get("settings"):  # explicit "method:BC" list instead of the grid
+        for spec in bench.settings:
+            m, _, bc = str(spec).partition(":")
+            bc = bc if bc == "auto" else int(bc)
+            if m == "cp_heads":
+                out.extend(Setting(m, bc, 0, "", heads_path=h) for h in bench.heads_paths)
+            elif m == "esp":
+                out.append(Setting(m, bc, bench.num_masks[0], bench.trees[0], bench.expansions[0]))
+            else:
+                out.append(Setting(m, bc, 0, ""))
+        return out
     for m in bench.methods:
         if m == "ar":
             continue
         for bc in bench.block_complexities:
-            if bc == "auto" and m not in ("esp", "pld", "hybrid", "cp_heads"):
+            if bc == "auto" and m not in AUTO_METHODS:
                 continue  # auto sizing needs the drafter's own acceptance estimate
             if m == "cp_heads":
                 out.extend(Setting(m, bc, 0, "", heads_path=h) for h in bench.heads_paths)

@@ -15,6 +15,8 @@ from esp_worker.config import EXPANSIONS, METHODS, TREES
 
 from .config import ConfigError, JobConfig, load_config
 
+AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
+
 
 @dataclass
 class BenchSection:
@@ -38,6 +40,10 @@ class BenchSection:
     hf_baseline: bool = True  # also run Hugging Face model.generate on the same prompts (row "hf generate")
     # [lo, hi]: each prompt asks for its own max_new_tokens in [lo, hi] (deterministic per id); [] = generation.*
     mixed_max_new_tokens: list[int] = field(default_factory=list)
+    # explicit settings instead of the grid, "method:BC" (BC an integer >= 2 or auto; esp takes the first of
+    # num_masks, trees and expansions; cp_heads one per heads path), e.g. [pld:30,esp:auto,hybrid:auto]; ar
+    # (and hf) still run first. Fewer settings per round-robin round pair each with ar more closely in time.
+    settings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -78,5 +84,14 @@ def validate_bench(cfg: DictConfig) -> None:
     need(b.cost_max_block >= 1 and b.cost_repeats >= 1, "bench.cost_max_block and bench.cost_repeats must be >= 1")
     need(len(b.cost_cache_lens) > 0 and all(c >= 1 for c in b.cost_cache_lens), "bench.cost_cache_lens must be >= 1")
     need(b.tolerance > 0, "bench.tolerance must be > 0")
+    for spec in b.settings:
+        method, _, bc = str(spec).partition(":")
+        need(method in METHODS and method != "ar" and bc != "" and (bc == "auto" or (bc.isdigit() and int(bc) >= 2)),
+             f"bench.settings: {spec!r} must be METHOD:BC with METHOD one of {', '.join(m for m in METHODS if m != 'ar')} "
+             "and BC an integer >= 2 or auto (ar always runs)")
+        need(bc != "auto" or method in AUTO_METHODS, f"bench.settings: {spec!r}: auto works with {', '.join(AUTO_METHODS)} only")
+        need(method != "cp_heads" or len(b.heads_paths) > 0, f"bench.settings has {spec!r}: give bench.heads_paths=[DIR,...]")
+        need(method != "esp" or not bc.isdigit() or int(bc) >= 2 * (b.num_masks[0] + 1),
+             f"bench.settings: {spec!r} leaves no draft node with num_masks={b.num_masks[0]}; use BC >= {2 * (b.num_masks[0] + 1)}")
     m = list(b.mixed_max_new_tokens)
     need(not m or (len(m) == 2 and 1 <= m[0] <= m[1]), "bench.mixed_max_new_tokens must be [] or [lo, hi] with 1 <= lo <= hi")

@@ -75,6 +75,26 @@ def test_bench_rejects_unknown_method(capsys):
     assert "bench.methods" in capsys.readouterr().err
 
 
+def test_explicit_settings_replace_the_grid():
+    from jobs.bench import grid
+    from jobs.bench_config import load_bench_config
+
+    cfg = load_bench_config(None, ["bench.settings=[pld:30,esp:auto,hybrid:auto]", "bench.num_masks=[2,1]",
+                                   "bench.trees=[dynamic]", "bench.expansions=[frontier]"])
+    assert [s.label for s in grid(cfg.bench)] == ["ar", "hf generate", "pld BC30", "esp k2 dynamic-frontier BCauto",
+                                                  "hybrid BCauto"]
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("pld", "METHOD:BC"), ("ar:10", "METHOD:BC"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
+    ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"),
+])
+def test_bench_rejects_bad_settings(capsys, spec, words):
+    assert main([f"bench.settings=[{spec}]", "bench.num_masks=[1]"]) == 2
+    err = capsys.readouterr().err
+    assert "bench.settings" in err and words in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     "batch,block,cache,expected",
     [
