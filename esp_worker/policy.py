@@ -50,6 +50,7 @@ class _Arm:
         self.tokens = 0.0
         self.seconds = 0.0
         self.passes = 0
+        self.last_trial = 0  # the policy's look count at this set's last trial
 
     @property
     def alpha(self) -> float:
@@ -84,7 +85,8 @@ class BlockPolicy:
     relative to plain decoding, not biased by batch occupancy or context length; a pass's time is the curve's
     model time plus its drift-corrected host time, so drift does not favour the set that ran while the
     machine was fast), after `arm_min_passes` passes each (a speed decayed over a few noisy passes picked the
-    wrong set for hundreds of passes); every `explore_every // 2` looks the other set gets one. The speed's
+    wrong set for hundreds of passes); every `explore_every // 2` looks the other set gets one (less often the
+    slower it measured: see `_trial_interval`). The speed's
     memory (`rate_decay` 0.99 per pass of the set, ~100 passes) spans several requests: the set in charge is
     measured on the text at hand while the other's few trial passes spread over the whole job, so a shorter
     memory (0.95) swapped sets whenever the text at hand got harder (code to verse), not when the other set
@@ -185,12 +187,20 @@ class BlockPolicy:
             pick, best = new[0], None
         else:
             best = max(tried, key=lambda v: tried[v].rate)
-            explore = self._looks % max(self.explore_every // 2, 1) == 0
-            others = [v for v in names if v != best]
-            pick = others[(self._looks // max(self.explore_every // 2, 1)) % len(others)] if explore else best
+            due = [v for v in names if v != best and self._looks - tried[v].last_trial >= self._trial_interval(tried, best, v)]
+            pick = min(due, key=lambda v: tried[v].last_trial) if due else best
+            tried[pick].last_trial = self._looks
         drafter.use_variant(pick)
         self.arm = self.arms[pick]
         return pick != best
+
+    def _trial_interval(self, arms: dict[str, "_Arm"], best: str, other: str) -> float:
+        """Looks between trials of a set that is not the best: `explore_every // 2`, times the square of how much
+        slower it measured (at most 8x): a set half as fast is tried a quarter as often (each trial costs
+        what it loses), one nearly as fast about as often as before."""
+        base = max(self.explore_every // 2, 1)
+        slower = arms[best].rate / max(arms[other].rate, 1e-9)
+        return base * min(8.0, max(1.0, slower * slower))
 
     def _planned(self, n: int, batch: int, cache_len: int) -> int:
         arm = self.arm

@@ -200,7 +200,7 @@ def test_a_trial_of_the_other_proposer_set_starts_no_back_off():
     p.arm = p.arms["fast"]
     for a in p.arms.values():
         a.over.extend([0.0] * p.min_samples)  # measured: no exploring looks
-    p._looks = p.explore_every // 2 - 1  # the next look is the trial of "slow"
+    p._looks = int(p._trial_interval(p.arms, "fast", "slow")) - 1  # the next look is the trial of "slow"
     assert p.plan(d, view, [100, 100]) == -1 and d.variant == "slow"
     assert p._wait == 0  # the best set looks again at the next pass
     p.observe_pass(2, 1.0)
@@ -255,3 +255,21 @@ def test_machine_drift_is_not_taken_for_a_mode_overhead():
     q = policy(FLAT)
     _run(q, _Drafter(mass), 100, lambda n: 2.5 * (FLAT.time(2, 60, 100) + 0.3))
     assert q.overhead("draft") > 1.5
+
+
+def test_a_slower_proposer_set_is_tried_less_often():
+    """Trials of the set that is not the best: every explore_every // 2 looks when it measured as fast,
+    a quarter as often when half as fast."""
+    def trials(slow_rate: float) -> int:
+        p = policy(STEEP)
+        d = _TwoSets(torch.full((2, 29), 0.5))
+        p._pick_arm(d)  # creates both sets
+        for name, rate in (("fast", 2.0), ("slow", slow_rate)):
+            a = p.arms[name]
+            a.passes, a.tokens, a.seconds = p.arm_min_passes, rate, 1.0
+        picks = [p._pick_arm(d) for _ in range(1024)]
+        return sum(picks)
+
+    base = 1024 // (policy(STEEP).explore_every // 2)
+    assert trials(2.0) == pytest.approx(base, abs=2)
+    assert trials(1.0) == pytest.approx(base / 4, abs=2)
