@@ -19,7 +19,9 @@ Exit codes: 0 done, 2 bad command line, config or input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import platform
@@ -29,7 +31,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -198,6 +200,20 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
     return {"outputs": outputs, "seconds": seconds, "timing": {**engine.timing, "compile_s": engine.compile_s}}
 
 
+@contextlib.contextmanager
+def quiet_heap() -> Iterator[None]:
+    """Collect the garbage of the previous setting (its engine, cache and outputs) before a run, and freeze
+    what is alive (the model, the bench's records) out of the collector's traversals during it: otherwise
+    a setting pays, in its timed run, for freeing its predecessor and for walking every object the bench
+    holds, and the settings late in a round-robin round run slower than the same code early in it."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One run from repeats: the first repeat's outputs and timing shares, the median seconds per category."""
     first = runs[0]
@@ -252,7 +268,10 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         for r in range(b.repeats):
             for s in settings:
                 t0 = time.perf_counter()
-                runs[s].append(run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve))
+                with quiet_heap():
+                    run = run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve)
+                # only the first repeat's outputs are read (median_run): later ones would only grow the heap
+                runs[s].append(run if r == 0 else {**run, "outputs": {}})
                 log.info("%-24s batch %d repeat %d/%d (%.1fs)", s.label, batch, r + 1, b.repeats, time.perf_counter() - t0)
         ar_run = median_run(runs[settings[0]])
         hf = [s for s in settings if s.method == "hf"]
