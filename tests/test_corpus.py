@@ -76,3 +76,26 @@ def test_engine_drafts_from_finished_requests_and_forgets_them_between_calls():
     assert again.token_ids == first.token_ids and again.stats.accepted_by_proposer == first.stats.accepted_by_proposer
     off = _engine(hybrid_corpus_tokens=0).generate(reqs)
     assert [o.token_ids for o in off] == [first.token_ids] * 2 and "corpus" not in off[1].stats.accepted_by_proposer
+
+
+def test_chains_from_the_corpus_keep_their_own_acceptance_rate():
+    """Row 0 matches its own history, row 1 only the corpus; every pass accepts row 0's whole chain and
+    nothing of row 1's: the draft mass follows each source's record (one shared rate would give both the
+    average)."""
+    from esp_worker.drafters.base import PassResult, RowsView
+    from esp_worker.drafters.pld import PromptLookupDrafter
+
+    corpus = CorpusNgrams(capacity=64, max_ngram=2, min_ngram=1)
+    corpus.add([7, 8, 1, 2, 3])
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, depth=3, corpus=corpus)
+    hist = torch.tensor([[4, 5, 6, 4, 5, 6, 4, 5], [9, 7, 8, 0, 0, 0, 0, 0]])
+    length = torch.tensor([8, 3])
+    for _ in range(30):
+        view = RowsView(hist, length.clone(), torch.tensor([2, 2]), [0, 0])
+        block = d.propose(view, 3)
+        assert d._used.tolist() == [False, True]
+        n = torch.tensor([4, 1])  # row 0: 3 drafts + bonus; row 1: the bonus only
+        d.observe(view, PassResult(torch.zeros((2, 4), dtype=torch.long), n, None, None, block=block))
+    view = RowsView(hist, length.clone(), torch.tensor([2, 2]), [0, 0])
+    mass = d.draft_mass(view)
+    assert mass[0].min() > 0.9 and mass[1].max() < 0.1

@@ -30,19 +30,22 @@ class PromptLookupDrafter(Drafter):
         # (hist_len tensor, (chain [B, depth], valid [B, depth], from_corpus [B])) of the last lookup, reused
         # within a pass (draft_mass then propose)
         self._match = None
-        # per depth d (decayed counts): passes that offered node d with node d-1 accepted, and those accepting
-        # node d. The rate adds an optimistic prior (0.8 with the weight of one pass) so that depths the
-        # auto policy has not tried yet still look worth trying: an estimate that only learns from the
-        # sizes it picks would otherwise never grow.
-        self.reached = torch.zeros(depth)
-        self.accepted = torch.zeros(depth)
+        # per source (0: the row's own history, 1: the corpus) and depth d (decayed counts): rows that were
+        # offered node d with node d-1 accepted, and those accepting node d. The rate adds an optimistic prior
+        # (0.8 with the weight of one pass) so that depths the auto policy has not tried yet still look worth
+        # trying: an estimate that only learns from the sizes it picks would otherwise never grow. The
+        # corpus's continuations are accepted less often than a row's own: one shared rate overrated them and
+        # underrated the row's own chains.
+        self.reached = torch.zeros(2, depth)
+        self.accepted = torch.zeros(2, depth)
+        self._used: Optional[torch.Tensor] = None  # [B] the last proposed chains' rows that came from the corpus
 
     def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
         depth = self.depth if num_nodes is None else max(0, min(num_nodes, self.depth))
         hist, length = view.hist, view.hist_len  # [B, C], [B]
         b, c = hist.shape
         dev = hist.device
-        chain, valid, _ = self._chain(hist, length, depth)
+        chain, valid, self._used = self._chain(hist, length, depth)
         tokens = torch.cat([view.root[:, None], chain], 1)
         valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), valid], 1)
         key = (b, depth, dev)
@@ -73,10 +76,11 @@ class PromptLookupDrafter(Drafter):
         return self._chain(view.hist, view.hist_len, self.depth)[2]
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:
-        """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i)."""
-        _, valid, _ = self._chain(view.hist, view.hist_len, self.depth)
-        rate = ((self.accepted + 0.8) / (self.reached + 1.0)).to(valid.device)  # [depth]
-        return valid.float() * rate.cumprod(0)[None]
+        """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i) of the chain's
+        source (the row's own history or the corpus)."""
+        _, valid, used = self._chain(view.hist, view.hist_len, self.depth)
+        rate = ((self.accepted + 0.8) / (self.reached + 1.0)).to(valid.device)  # [2, depth]
+        return valid.float() * rate.cumprod(1)[used.long()]  # [B, depth]
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         if result.block is None:
@@ -89,9 +93,14 @@ class PromptLookupDrafter(Drafter):
         if self.reached.device != valid.device:  # the counters live where the rows do: no device read
             self.reached, self.accepted = self.reached.to(valid.device), self.accepted.to(valid.device)
         steps = torch.arange(d, device=valid.device)[None]
-        reached = valid * (steps <= accepted[:, None])  # node offered and its parent accepted
-        self.reached[:d] = 0.99 * self.reached[:d] + reached.sum(0)
-        self.accepted[:d] = 0.99 * self.accepted[:d] + (valid * (steps < accepted[:, None])).sum(0)
+        reached = valid * (steps <= accepted[:, None])  # [B, d] node offered and its parent accepted
+        took = valid * (steps < accepted[:, None])  # [B, d] node accepted
+        used = self._used if self._used is not None and len(self._used) == len(valid) else torch.zeros_like(accepted)
+        src = used.long()  # [B] 0 own history, 1 corpus
+        self.reached[:, :d] *= 0.99
+        self.accepted[:, :d] *= 0.99
+        self.reached[:, :d].index_add_(0, src, reached)
+        self.accepted[:, :d].index_add_(0, src, took)
 
     def find_continuation(self, hist: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """[B] index of the first token after the best match, or -1 (see common.find_continuation)."""
