@@ -151,13 +151,20 @@ class BlockPolicy:
         if self._wait > 0 or self._since["plain"] >= self.explore_every:
             self._wait = max(self._wait - 1, 0)
             return self._planned(-1, batch, cache_len)
+        base = self.probe_interval if drafter.needs_probe_to_draft else 1
+        if self._next_wait < 64 * base and not self._may_pay(drafter, batch, cache_len):
+            # no size could beat plain decoding even with every depth's mass at its bound: skip the look (for a
+            # mask drafter, its probe pass) and back off as a look that chose plain would; at the longest
+            # back-off a real look still runs, so alpha and the overheads are measured again
+            self._wait = self._next_wait or base
+            self._next_wait = min(2 * self._wait, 64 * base)
+            return self._planned(-1, batch, cache_len)
         if drafter.needs_probe(view):  # a mask drafter after plain passes: look with a probe pass
             return self._planned(0, batch, cache_len)
         trial = self._pick_arm(drafter)
         mass = drafter.draft_mass(view)
         explore = len(self.arm.over) < self.min_samples or self._since["draft"] >= self.explore_every
         n = self.choose(mass, batch, cache_len, measured=not explore)
-        base = self.probe_interval if drafter.needs_probe_to_draft else 1
         if n > 0:
             self._next_wait = base
         elif trial:  # a trial of another proposer set that would not draft: the best set looks next pass
@@ -169,6 +176,20 @@ class BlockPolicy:
             self._wait = base
         self._n = n
         return self._planned(n, batch, cache_len)
+
+    def _may_pay(self, drafter, batch: int, cache_len: int) -> bool:
+        """Whether some drafting size could beat plain decoding at the calibrated alpha. Nodes at one depth are
+        alternatives, so a tree's draft mass is at most one per depth: a row commits at most 1 + alpha *
+        min(n, depth_limit) tokens a pass. Only drafters with a depth limit (ESP: k) are bounded; for the others
+        the bound is the node count and always true. Host arithmetic over the few sizes, no device read."""
+        limit = drafter.depth_limit
+        if limit is None or len(drafter.variants) > 1:
+            return True
+        costs = self.costs(batch, cache_len)
+        plain = batch / (costs[0] + self.overhead("plain"))
+        over, alpha = self.overhead("draft"), self.alpha
+        return any(batch * (1 + alpha * min(s, limit)) / (c + over) > plain
+                   for s, c in zip(self.arm.sizes[1:], costs[1:]))
 
     def _pick_arm(self, drafter) -> bool:
         """Select the proposer set for this look (the drafter's own when it has one). True when the look is a

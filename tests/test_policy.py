@@ -96,6 +96,7 @@ class _Drafter:
     drafts_without_probe = False
     needs_probe_to_draft = False
     variants = ("",)
+    depth_limit = None
 
     def __init__(self, mass: torch.Tensor):
         self.mass = mass
@@ -273,3 +274,42 @@ def test_a_slower_proposer_set_is_tried_less_often():
     base = 1024 // (policy(STEEP).explore_every // 2)
     assert trials(2.0) == pytest.approx(base, abs=2)
     assert trials(1.0) == pytest.approx(base / 4, abs=2)
+
+
+class _Probing(_Drafter):
+    """An ESP-like drafter: k = 1 (trees one level deep), a probe pass before every look."""
+
+    needs_probe_to_draft = True
+    depth_limit = 1
+
+    def __init__(self, mass: torch.Tensor):
+        super().__init__(mass)
+        self.fresh = False
+
+    def needs_probe(self, view) -> bool:
+        return not self.fresh
+
+
+def _probes(c: CostCurve, passes: int = 2000) -> int:
+    p = policy(c)
+    d = _Probing(torch.full((2, 29), 0.03))
+    from types import SimpleNamespace
+
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    probes = 0
+    for _ in range(passes):
+        n = p.plan(d, view, [100, 100])
+        probes += n == 0
+        d.fresh = n >= 0  # a probe or a tree feeds masks; a plain pass leaves the probe stale
+        model_s = p._last[1]
+        p.observe_pass(torch.full((2,), 1), model_s, model_s)
+    return probes
+
+
+def test_a_look_that_cannot_pay_costs_no_probe_pass():
+    """Under a compute-bound curve (a block of Q costs Q passes) a one-level tree commits at most
+    1 + alpha tokens per row for at least twice a plain pass's time: looks are skipped without their probe
+    pass, except one real look at the longest back-off. Where blocks are free the probes go on."""
+    steep = _probes(STEEP)
+    assert steep <= 2000 // (64 * 8) + 1
+    assert _probes(FLAT) > 3 * steep

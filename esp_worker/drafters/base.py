@@ -95,6 +95,9 @@ class Drafter(ABC):
     # host flag: some row may hold a fresh probe (False after a plain pass fed no masks); lets the policy
     # skip a device read on the plain path
     probe_maybe: bool = True
+    # a bound on the depth of every tree the drafter proposes (None = the node count): nodes at one depth are
+    # alternatives, so a pass accepts at most this many drafts per row whatever the tree's size
+    depth_limit: Optional[int] = None
 
     def __init__(self) -> None:
         self._layouts: dict[tuple, BlockLayout] = {}

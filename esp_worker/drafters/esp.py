@@ -154,6 +154,11 @@ class ESPDrafter(Drafter):
             st.m = (1 - lam) ** gap[:, None].float() * st.m + (w[..., None] * emb).sum(1)
         st.m_len = view.hist_len.clone()
 
+    @property
+    def depth_limit(self) -> Optional[int]:
+        # a mask predicts one position further, so an ESP tree is at most k deep (static trees: one level per mask)
+        return self.num_masks
+
     def needs_probe(self, view: RowsView) -> bool:
         if not self.needs_probe_to_draft:
             return False

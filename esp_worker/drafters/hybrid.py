@@ -118,6 +118,10 @@ class HybridDrafter(ESPDrafter):
     def max_nodes(self) -> int:
         return self.num_nodes
 
+    @property
+    def depth_limit(self) -> Optional[int]:
+        return None  # n-gram chains go as deep as their nodes
+
     def block_tokens(self, num_nodes: int) -> int:
         return hybrid_tokens(num_nodes, self.num_masks, self.mask_every, self.mask_min_nodes)
 
