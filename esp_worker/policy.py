@@ -76,7 +76,8 @@ class BlockPolicy:
     predicted model time is tracked as one drift factor for every mode, and host times are divided by it.
     Measuring wall time minus the curve instead (without the model's own time) turned each drift into a
     per-mode overhead: whichever mode ran while the machine slowed down looked expensive, and the policy
-    then avoided it for hundreds of passes, with nothing to correct the estimate. Both modes stay measured: the first `min_samples` looks draft whatever the estimate says,
+    then avoided it for hundreds of passes, with nothing to correct the estimate. Both modes stay measured:
+    the first `min_samples` looks draft whatever the estimate says,
     and while one mode wins, the other gets one pass in `explore_every` (plain; or a tree, when a look finds
     something to draft).
 
