@@ -208,6 +208,31 @@ def load_heads(path: str | Path, model: Any, device: Optional[torch.device] = No
     return heads.to(device=device or emb.device, dtype=dtype).eval().requires_grad_(False)
 
 
+@torch.no_grad()
+def seed_experts(heads: CPHeads, source: CPHeads, noise: float, seed: int = 0) -> None:
+    """Start `heads` from trained `source` heads (same n and bottleneck width; any rank): expert a copies source
+    expert a mod r', and every copy after the first is perturbed by `noise` x the source weights' standard
+    deviation (identical experts get identical gradients and would never specialise). The gate keeps its own
+    initialisation (near-uniform w), so at noise 0 a rank-1 source gives the same joint distribution as itself.
+    This is the "rank-1 warm start": the per-position marginals first (3-4x cheaper per step at rank 1), then
+    the mixture learns what they cannot (the correlations between positions)."""
+    a, b = heads.cfg, source.cfg
+    if (a.num_positions, a.head_hidden, a.hidden_size, a.vocab_size) != (b.num_positions, b.head_hidden, b.hidden_size, b.vocab_size):
+        raise HeadsLoadError(
+            f"heads.init_from has n={b.num_positions}, head_hidden={b.head_hidden} (hidden {b.hidden_size}, vocab "
+            f"{b.vocab_size}); this run needs n={a.num_positions}, head_hidden={a.head_hidden} (hidden {a.hidden_size}, "
+            f"vocab {a.vocab_size}): set heads.num_positions / heads.head_hidden to match or drop heads.init_from")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name in ("down", "up"):
+        src, dst = getattr(source, name).detach().float().cpu(), getattr(heads, name)
+        std = float(src.std()) if src.numel() > 1 else 0.0
+        for e in range(a.rank):
+            w = src[e % b.rank].clone()
+            if e >= b.rank and noise > 0:
+                w += noise * std * torch.randn(w.shape, generator=g)
+            dst[e].copy_(w.to(dst.dtype))
+
+
 def new_heads(model: Any, base_model: str, num_positions: int, rank: int, head_hidden: int, seed: int = 0) -> CPHeads:
     emb = model.get_output_embeddings().weight
     cfg = CPHeadsConfig(

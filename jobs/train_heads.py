@@ -67,6 +67,11 @@ class HeadsSection:
     num_positions: int = 3  # n: tokens predicted per position (drafts are n - 1 deep)
     rank: int = 4  # r: experts of the CP decomposition
     head_hidden: int = 128  # bottleneck width of each expert/position MLP
+    # trained heads of the same base model, n and head_hidden (e.g. rank 1) to start from ("" = a fresh start):
+    # expert a copies their expert a mod r, the copies perturbed by init_noise (cp_heads.seed_experts). Their
+    # training time is the run's too: heads.json records it under training.init_train_minutes
+    init_from: str = ""
+    init_noise: float = 0.1
 
 
 @dataclass
@@ -149,6 +154,9 @@ def load_train_config(path: Optional[str] = None, overrides: Sequence[str] = ())
         (t.checkpoint_every >= 1 and t.log_every >= 1, "train.checkpoint_every and train.log_every must be >= 1"),
         (cfg.ray.num_workers >= 1, "ray.num_workers must be >= 1"),
         (bool(cfg.output.dir), "output.dir must be set"),
+        (h.init_noise >= 0, "heads.init_noise must be >= 0"),
+        (not h.init_from or (Path(h.init_from) / "heads.json").is_file(),
+         f"heads.init_from={h.init_from!r} holds no heads.json: give a directory written by jobs.train_heads"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -301,6 +309,10 @@ def train_loop(config: dict) -> None:
 
     h, t = config["heads"], config["train"]
     heads = new_heads(model, config["base_model"], h["num_positions"], h["rank"], h["head_hidden"], seed=t["seed"])
+    if h["init_from"] and not config.get("resume_from") and ray.train.get_checkpoint() is None:
+        from esp_worker.cp_heads import load_heads, seed_experts
+
+        seed_experts(heads, load_heads(h["init_from"], model), h["init_noise"], seed=t["seed"])
     heads.to(lm.device)
     opt = torch.optim.AdamW(heads.parameters(), lr=t["lr"], weight_decay=t["weight_decay"], betas=(0.9, 0.95))
     step, elapsed, history = 0, 0.0, []
@@ -428,6 +440,15 @@ def run_training(cfg: DictConfig, command: str = "python -m jobs.train_heads") -
     (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg))
     mc = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     lm = load_model(dataclasses_replace(mc, device="cpu"))
+    init_minutes = None
+    if cfg.heads.init_from:  # checked here, before the corpus and Ray start: another model's heads are one line
+        from esp_worker.cp_heads import load_heads, read_heads_config, seed_experts
+
+        # HeadsLoadError (a ValueError, exit 2) for another base model or shape
+        seed_experts(new_heads_for(cfg, lm.model), load_heads(cfg.heads.init_from, lm.model), 0.0)
+        init_minutes = read_heads_config(cfg.heads.init_from).training.get("train_minutes")
+        model_path = Path(cfg.heads.init_from).resolve()
+        cfg.heads.init_from = str(model_path)  # workers run in their own directory
     tokens = tokenize_corpus(cfg, lm.tokenizer, out)
     bos = lm.tokenizer.bos_token_id
     run_dir = out / "ray"
@@ -490,10 +511,20 @@ def run_training(cfg: DictConfig, command: str = "python -m jobs.train_heads") -
         "balance_coef": cfg.train.balance_coef, "final": history[-1] if history else {},
         "tokens_in_corpus": int(len(tokens)), "num_workers": cfg.ray.num_workers,
     }
+    if cfg.heads.init_from:
+        heads.cfg.training.update(init_from=cfg.heads.init_from, init_train_minutes=init_minutes)
     save_heads(heads, out)
     write_loss_curve(out, history, f"rank {cfg.heads.rank}, n = {cfg.heads.num_positions}")
     log.info("heads written to %s (step %d, %.1f min of training)", out, state["step"], state["elapsed_s"] / 60)
     return out
+
+
+def new_heads_for(cfg: DictConfig, model: Any) -> Any:
+    """Fresh heads of this config's shape for `model` (used to check heads.init_from before training starts)."""
+    from esp_worker.cp_heads import new_heads
+
+    h = cfg.heads
+    return new_heads(model, cfg.model.name_or_path, h.num_positions, h.rank, h.head_hidden)
 
 
 def dataclasses_replace(obj: Any, **kw: Any) -> Any:

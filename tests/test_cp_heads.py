@@ -13,7 +13,7 @@ from engine_helpers import ARCHS, PROMPTS, reference, run, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
 from esp_worker.cp_heads import (
     CPHeads, CPHeadsConfig, HeadsLoadError, balance_loss, cp_log_likelihood, first_position_log_likelihood,
-    heads_loss, load_heads, new_heads, save_heads,
+    heads_loss, load_heads, new_heads, save_heads, seed_experts,
 )
 from esp_worker.drafters.cp_heads import CPHeadsDrafter
 from esp_worker.tree import best_nodes
@@ -90,6 +90,30 @@ def test_fresh_heads_start_as_the_model():
         want = torch.log_softmax(lm.model.get_output_embeddings()(h), -1)
     assert torch.allclose(log_w.exp(), torch.full_like(log_w, 0.25), atol=0.05)
     assert torch.allclose(log_p, want[:, None, None, :].expand_as(log_p), atol=1e-5)
+
+
+def test_seeded_experts_start_as_the_source_heads():
+    """A rank-4 run started from rank-1 heads: at noise 0 its joint likelihood is the source's (any gate, since
+    every expert is the same); with noise the first copy is exact and the others differ from it."""
+    src, unembed = _small_heads(1, 3, seed=1)
+    cfg = CPHeadsConfig(**{**src.cfg.__dict__, "rank": 4})
+    e, x = torch.randn(7, 6), torch.randint(0, 5, (7, 3))
+    with torch.no_grad():
+        want = cp_log_likelihood(*src(e, unembed, x))
+        exact = CPHeads(cfg)
+        torch.nn.init.normal_(exact.gate.weight, std=1.0)  # a non-uniform w changes nothing when experts agree
+        seed_experts(exact, src, noise=0.0)
+        assert torch.allclose(cp_log_likelihood(*exact(e, unembed, x)), want, atol=1e-5)
+        noisy = CPHeads(cfg)
+        seed_experts(noisy, src, noise=0.1, seed=3)
+    assert torch.equal(noisy.down[0], src.down[0]) and torch.equal(noisy.up[0], src.up[0])
+    for a in range(1, 4):
+        assert not torch.equal(noisy.down[a], noisy.down[0]) and not torch.equal(noisy.up[a], noisy.up[0])
+        rel = (noisy.down[a] - src.down[0]).detach().std() / src.down[0].std()
+        assert 0.05 < float(rel) < 0.2
+    other = CPHeads(CPHeadsConfig(**{**src.cfg.__dict__, "rank": 4, "num_positions": 2}))
+    with pytest.raises(HeadsLoadError, match="num_positions"):
+        seed_experts(other, src, noise=0.1)
 
 
 # ---- files ------------------------------------------------------------------------------------------

@@ -54,6 +54,14 @@ def test_few_steps_write_heads_that_load_and_draft(corpus, tmp_path):
     assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
     with pytest.raises(ValueError, match="base model"):
         load_heads(out, tiny("qwen2").model)
+    # a rank-3 run started from these rank-2 heads (heads.init_from): expert 0 and 1 begin as theirs
+    warm = tmp_path / "warm"
+    assert main(_args(corpus, warm, 1, "heads.rank=3", f"heads.init_from={out}")) == 0
+    info = json.loads((warm / "heads.json").read_text())
+    assert info["rank"] == 3 and info["training"]["init_from"] == str(out.resolve())
+    assert info["training"]["init_train_minutes"] == json.loads((out / "heads.json").read_text())["training"]["train_minutes"]
+    # heads of another n are refused in one line, before training starts
+    assert main(_args(corpus, tmp_path / "bad", 1, "heads.num_positions=2", f"heads.init_from={out}")) == 2
 
 
 def test_killed_run_resumes_from_its_checkpoint(corpus, tmp_path, caplog):
@@ -95,3 +103,5 @@ def test_stdlib_root_and_config_errors():
         load_train_config(None, [])
     with pytest.raises(ConfigError, match="num_positions"):
         load_train_config(None, ["data.text_dir=x", "heads.num_positions=1"])
+    with pytest.raises(ConfigError, match="heads.init_from='nowhere' holds no heads.json"):
+        load_train_config(None, ["data.text_dir=x", "heads.init_from=nowhere"])

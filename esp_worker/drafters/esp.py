@@ -127,9 +127,11 @@ class ESPDrafter(Drafter):
                 self._lag = 0
         elif not result.prefill:
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
-            # until masks are fed again (_catch_up replays the committed tokens from the history)
-            st.has_probe = torch.zeros_like(st.has_probe)
-            self.probe_maybe = False
+            # until masks are fed again (_catch_up replays the committed tokens from the history). After a plain
+            # pass has_probe is already all False (rows that joined since came with a probe: probe_maybe True)
+            if self.probe_maybe:
+                st.has_probe = torch.zeros_like(st.has_probe)
+                self.probe_maybe = False
             self._lag += committed
         else:
             self._catch_up(view, committed)
