@@ -55,12 +55,14 @@ class RayHead:
 
 
 def start_head() -> tuple[subprocess.Popen, RayHead]:
-    """`ray start --head --block` as our own child: stopping it stops the cluster it started."""
+    """`ray start --head --block` as our own child: stopping it stops the cluster it started. Its ports are free
+    ones, the job agent's too (Ray's default 52365 is taken when another Ray instance runs on the machine, and
+    then `ray job submit` finds no agent)."""
     port, dash = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
          "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", "--disable-usage-stats"],
+         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     head = RayHead(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
