@@ -447,8 +447,8 @@ def run_training(cfg: DictConfig, command: str = "python -m jobs.train_heads") -
         # HeadsLoadError (a ValueError, exit 2) for another base model or shape
         seed_experts(new_heads_for(cfg, lm.model), load_heads(cfg.heads.init_from, lm.model), 0.0)
         init_minutes = read_heads_config(cfg.heads.init_from).training.get("train_minutes")
-        model_path = Path(cfg.heads.init_from).resolve()
-        cfg.heads.init_from = str(model_path)  # workers run in their own directory
+        init_given = cfg.heads.init_from  # recorded as given (no machine path in heads.json)
+        cfg.heads.init_from = str(Path(init_given).resolve())  # workers run in their own directory
     tokens = tokenize_corpus(cfg, lm.tokenizer, out)
     bos = lm.tokenizer.bos_token_id
     run_dir = out / "ray"
@@ -512,7 +512,7 @@ def run_training(cfg: DictConfig, command: str = "python -m jobs.train_heads") -
         "tokens_in_corpus": int(len(tokens)), "num_workers": cfg.ray.num_workers,
     }
     if cfg.heads.init_from:
-        heads.cfg.training.update(init_from=cfg.heads.init_from, init_train_minutes=init_minutes)
+        heads.cfg.training.update(init_from=init_given, init_train_minutes=init_minutes)
     save_heads(heads, out)
     write_loss_curve(out, history, f"rank {cfg.heads.rank}, n = {cfg.heads.num_positions}")
     log.info("heads written to %s (step %d, %.1f min of training)", out, state["step"], state["elapsed_s"] / 60)

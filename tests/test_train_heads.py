@@ -58,7 +58,7 @@ def test_few_steps_write_heads_that_load_and_draft(corpus, tmp_path):
     warm = tmp_path / "warm"
     assert main(_args(corpus, warm, 1, "heads.rank=3", f"heads.init_from={out}")) == 0
     info = json.loads((warm / "heads.json").read_text())
-    assert info["rank"] == 3 and info["training"]["init_from"] == str(out.resolve())
+    assert info["rank"] == 3 and info["training"]["init_from"] == str(out)
     assert info["training"]["init_train_minutes"] == json.loads((out / "heads.json").read_text())["training"]["train_minutes"]
     # heads of another n are refused in one line, before training starts
     assert main(_args(corpus, tmp_path / "bad", 1, "heads.num_positions=2", f"heads.init_from={out}")) == 2
