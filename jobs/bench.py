@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
-from .bench_config import AUTO_METHODS
+from .bench_config import AUTO_METHODS, HYBRID_HEADS
 from .bench_results import summarise, write_table
 from .report import ALL, bench_plots, fmt, write_bench_report
 
@@ -49,7 +49,7 @@ class Setting:
     num_masks: int  # 0 unless esp
     tree: str  # "" unless esp
     expansion: str = "top1"  # esp dynamic trees
-    heads_path: str = ""  # cp_heads: directory of the trained heads
+    heads_path: str = ""  # cp_heads and hybrid+heads: directory of the trained heads
 
     @property
     def label(self) -> str:
@@ -58,15 +58,15 @@ class Setting:
         if self.method == "esp":
             tree = self.tree if self.expansion == "top1" else f"{self.tree}-{self.expansion}"
             return f"esp k{self.num_masks} {tree} BC{self.block_complexity}"
-        if self.method == "cp_heads":
-            return f"cp_heads {Path(self.heads_path).name} BC{self.block_complexity}"
+        if self.heads_path:  # cp_heads, or hybrid with the heads as a proposer
+            return f"{self.family} BC{self.block_complexity}"
         return f"{self.method} BC{self.block_complexity}"
 
     @property
     def family(self) -> str:
         """The label without the block complexity (one line in the speedup-vs-BC plot)."""
-        if self.method == "cp_heads":
-            return f"cp_heads {Path(self.heads_path).name}"
+        if self.heads_path:
+            return f"{'cp_heads' if self.method == 'cp_heads' else 'hybrid+heads'} {Path(self.heads_path).name}"
         if self.method != "esp":
             return self.method
         return f"esp k{self.num_masks} {self.tree if self.expansion == 'top1' else self.tree + '-' + self.expansion}"
@@ -92,8 +92,8 @@ def grid(bench: DictConfig) -> list[Setting]:
         for spec in bench.settings:
             m, _, bc = str(spec).partition(":")
             bc = bc if bc == "auto" else int(bc)
-            if m == "cp_heads":
-                out.extend(Setting(m, bc, 0, "", heads_path=h) for h in bench.heads_paths)
+            if m in ("cp_heads", HYBRID_HEADS):
+                out.extend(Setting(m.partition("+")[0], bc, 0, "", heads_path=h) for h in bench.heads_paths)
             elif m == "esp":
                 out.append(Setting(m, bc, bench.num_masks[0], bench.trees[0], bench.expansions[0]))
             else:

@@ -15,6 +15,7 @@ from esp_worker.config import EXPANSIONS, METHODS, TREES
 
 from .config import ConfigError, JobConfig, load_config
 
+HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
 
 
@@ -86,11 +87,15 @@ def validate_bench(cfg: DictConfig) -> None:
     need(b.tolerance > 0, "bench.tolerance must be > 0")
     for spec in b.settings:
         method, _, bc = str(spec).partition(":")
+        heads = method == HYBRID_HEADS
+        method = "hybrid" if heads else method
         need(method in METHODS and method != "ar" and bc != "" and (bc == "auto" or (bc.isdigit() and int(bc) >= 2)),
-             f"bench.settings: {spec!r} must be METHOD:BC with METHOD one of {', '.join(m for m in METHODS if m != 'ar')} "
+             f"bench.settings: {spec!r} must be METHOD:BC with METHOD one of {', '.join(m for m in METHODS if m != 'ar')}, "
+             f"{HYBRID_HEADS} "
              "and BC an integer >= 2 or auto (ar always runs)")
         need(bc != "auto" or method in AUTO_METHODS, f"bench.settings: {spec!r}: auto works with {', '.join(AUTO_METHODS)} only")
-        need(method != "cp_heads" or len(b.heads_paths) > 0, f"bench.settings has {spec!r}: give bench.heads_paths=[DIR,...]")
+        need((method != "cp_heads" and not heads) or len(b.heads_paths) > 0,
+             f"bench.settings has {spec!r}: give bench.heads_paths=[DIR,...]")
         need(method != "esp" or not bc.isdigit() or int(bc) >= 2 * (b.num_masks[0] + 1),
              f"bench.settings: {spec!r} leaves no draft node with num_masks={b.num_masks[0]}; use BC >= {2 * (b.num_masks[0] + 1)}")
     m = list(b.mixed_max_new_tokens)

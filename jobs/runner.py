@@ -85,13 +85,17 @@ def _plan_schema(cfg: DictConfig, source: Source) -> Any:
 
 
 def _preflight(cfg: DictConfig) -> None:
-    """Checks that need no Ray and no model load: a local model path must exist."""
+    """Checks that need no Ray and no model load: a local model path and the heads must exist."""
     name = cfg.model.name_or_path
     if looks_local(name) and not Path(name).expanduser().exists():
         raise ConfigError(
             f"model.name_or_path={name!r} does not exist (a local path); give an existing model directory "
             "or a hub id such as org/name"
         )
+    heads = cfg.engine.heads_path
+    if heads and cfg.engine.method in ("cp_heads", "hybrid") and not (Path(heads).expanduser() / "heads.json").is_file():
+        raise ConfigError(f"engine.heads_path={heads!r} holds no heads.json; give the output.dir of a jobs.train_heads "
+                          "run (or a directory under heads/)")
 
 
 def _check_partitioning(cfg: DictConfig, schema: Any) -> None:

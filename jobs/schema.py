@@ -45,7 +45,7 @@ DESCRIPTIONS = {
     "num_accepted_drafts": "draft tokens accepted by verification",
     "accepted_per_depth": "[d] = decode passes whose accepted draft path reached depth d+1",
     "committed_histogram": "[n] = decode passes that committed n tokens",
-    "accepted_by_proposer": "hybrid: accepted draft tokens per proposer (ngram, store, esp, corpus); empty for other methods",
+    "accepted_by_proposer": "hybrid: accepted draft tokens per proposer (ngram, store, esp, corpus, and heads with engine.heads_path); empty for other methods",
     "tau": "mean acceptance length: num_decode_tokens / num_decode_passes; null without decode passes",
     "time_s": "seconds from the request's admission to its finish (rows share the engine's batches)",
     "error": "one-line error message; null when the row was generated",

@@ -459,7 +459,9 @@ def run_training(cfg: DictConfig, command: str = "python -m jobs.train_heads") -
     if not ray.is_initialized():
         address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or "local"
         kw = {"num_cpus": cfg.ray.num_cpus} if address == "local" else {}
-        ray.init(address=address, include_dashboard=False, log_to_driver=True, **kw)
+        # Ray Train's placement-group cleaner asks the state API (served by the dashboard) whether the
+        # controller lives: without one it logs a warning every second and cannot clean up after a kill
+        ray.init(address=address, include_dashboard=True, log_to_driver=True, **kw)
         started_ray = True
     try:
         model_section = OmegaConf.to_container(cfg.model, resolve=True)

@@ -255,3 +255,54 @@ def test_bench_grid_has_one_cp_heads_setting_per_heads_dir():
     assert [s.label for s in grid(b)] == [
         "ar", "cp_heads a-rank1 BC10", "cp_heads a-rank4 BC10", "cp_heads a-rank1 BC30", "cp_heads a-rank4 BC30",
     ]
+
+
+# ---- the heads as a proposer inside hybrid ----------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_hybrid_with_heads_matches_generate(arch, batch, heads_dir):
+    lm = tiny(arch)
+    ref = reference(arch, "sdpa")
+    for rank, bc, k in [(1, 10, 1), (4, 30, 2)]:
+        cfg = EngineConfig(method="hybrid", heads_path=random_heads(arch, rank, heads_dir), block_complexity=bc,
+                           num_masks=k, max_batch_size=batch)
+        outs = run(lm, cfg, GenerationParams(max_new_tokens=64))
+        for o, r in zip(outs, ref):
+            assert o.error is None, o.error
+            assert tuple(o.token_ids) == r, f"hybrid+heads r{rank} BC{bc} k{k} {arch} batch {batch}: diverged"
+        assert sum(o.stats.accepted_by_proposer.get("heads", 0) for o in outs) > 0  # the heads' nodes were kept
+
+
+def test_hybrid_with_heads_auto_and_sampling(heads_dir):
+    from esp_worker.cost_model import CostCurve
+
+    lm = tiny("llama")
+    blocks = [1, 2, 4, 8, 16, 32]
+    secs = [[[1.0 + 0.01 * q for q in blocks] for _ in (64, 512)] for _ in (1, 8)]
+    cfg = EngineConfig(method="hybrid", heads_path=random_heads("llama", 4, heads_dir), block_complexity="auto",
+                       auto_max_block=32, max_batch_size=4, auto_probe_interval=2)
+    eng = Engine(lm, cfg, cost_curve=CostCurve([1, 8], [64, 512], blocks, secs))
+    outs = eng.generate([Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=64)) for i, p in enumerate(PROMPTS)])
+    assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
+    params = [GenerationParams(max_new_tokens=48, temperature=t, top_p=tp, seed=s)
+              for s, (t, tp) in enumerate([(1.0, 1.0), (0.7, 0.9), (1.3, 1.0), (1.0, 0.8)])]
+    reqs = [Request(id=str(i), prompt=PROMPTS[i % 4], params=p) for i, p in enumerate(params)]
+    plain = [o.token_ids for o in Engine(lm, EngineConfig(method="ar", max_batch_size=3)).generate(reqs)]
+    cfg = EngineConfig(method="hybrid", heads_path=random_heads("llama", 4, heads_dir), block_complexity=30,
+                       max_batch_size=3)
+    assert [o.token_ids for o in Engine(lm, cfg).generate(reqs)] == plain
+
+
+def test_bench_settings_hybrid_with_each_heads_dir():
+    from omegaconf import OmegaConf
+
+    from jobs.bench import grid
+    from jobs.bench_config import BenchSection, load_bench_config
+    from jobs.config import ConfigError
+
+    b = OmegaConf.structured(BenchSection(settings=["hybrid:auto", "hybrid+heads:auto"], hf_baseline=False,
+                                          heads_paths=["heads/a-rank1", "heads/a-rank4"]))
+    assert [s.label for s in grid(b)] == ["ar", "hybrid BCauto", "hybrid+heads a-rank1 BCauto", "hybrid+heads a-rank4 BCauto"]
+    assert [s.heads_path for s in grid(b)] == ["", "", "heads/a-rank1", "heads/a-rank4"]
+    with pytest.raises(ConfigError, match="give bench.heads_paths"):
+        load_bench_config(overrides=["bench.settings=[hybrid+heads:30]"])

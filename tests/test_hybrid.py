@@ -107,3 +107,43 @@ def test_best_nodes_orphans_are_invalid():
     tree, keep = best_nodes(torch.tensor([0]), rank, torch.tensor([[True, False, False]]), torch.tensor([[4, 5, 6]]),
                             torch.tensor([[-1, -1, 1]]), 2)
     assert keep.tolist() == [[0, 1]] and tree.valid.tolist() == [[True, True, False]]
+
+
+class FakeHeads:
+    """A heads proposer with a known pool: depth 1 tokens 7 (0.6) and 9 (0.2); depth 2: 5 under 7 (0.5)."""
+
+    depth = 2
+
+    def start_rows(self, view):
+        view.state.cp_h = torch.zeros((1, D))
+        view.state.cp_ok = torch.ones(1, dtype=torch.bool)
+
+    def observe(self, view, result):
+        pass
+
+    def _pool(self, view):
+        score = torch.tensor([[math.log(0.6), math.log(0.2), math.log(0.6 * 0.5)]])
+        return score, torch.tensor([[7, 9, 5]]), torch.tensor([[-1, -1, 0]]), torch.tensor([[1, 1, 2]])
+
+
+def test_heads_merge_into_the_probe_and_bring_their_children():
+    table = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
+    store = StandDrafter(num_nodes=9, depth=4, topk=2, max_ngram=3, min_ngram=1)
+    chain = PromptLookupDrafter(max_ngram=3, min_ngram=1, depth=4)
+    d = HybridDrafter(store, chain, block_complexity=10, num_masks=1, embed=lambda ids: table[ids],
+                      logits=lambda h: h @ table.T, embedding_table=table, heads=FakeHeads())
+    assert d.proposers == ("ngram", "store", "esp", "heads") and d.heads_source == 3
+    # no repeated suffix (no chain); the probe says 7 (0.5). The heads' 7 (0.6) is the probe's 7 under the root:
+    # one node, estimate max(0.5, 0.6); the heads' 5 moves under it (0.6 * 0.5); the heads' 9 (0.2) stays.
+    view = view_with_probe(d, [1, 2, 3, 4], {7: 0.5})
+    b = d.propose(view, 3)
+    t = b.tree
+    nodes = {(t.tokens[0, i].item(), t.tokens[0, t.parents[0, i]].item(), b.source[0, i].item())
+             for i in range(1, 4) if t.valid[0, i]}
+    assert nodes == {(7, 4, 2), (5, 7, 3), (9, 4, 3)}  # (token, parent's token, proposer): 7 stays esp's node
+    assert [round(x, 3) for x in d.draft_mass(view)[0, :3].tolist()] == [0.6, 0.3, 0.2]
+    # without a hidden state yet (cp_ok False) the heads offer nothing
+    view = view_with_probe(d, [1, 2, 3, 4], {7: 0.5})
+    view.state.cp_ok = torch.zeros(1, dtype=torch.bool)
+    b = d.propose(view, 3)
+    assert b.tree.tokens[0][b.tree.valid[0]].tolist() == [4, 7] and b.source[0][b.tree.valid[0]].tolist() == [-1, 2]

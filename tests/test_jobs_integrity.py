@@ -164,6 +164,7 @@ def test_errors_before_ray_starts(tmp_path):
         ([f"model.name_or_path={tmp_path}/no-such-model", f"output.dir={tmp_path}/o1"], 2, "does not exist"),
         (["model.name_or_path=./no-such-model", f"output.dir={tmp_path}/o2"], 2, "does not exist"),
         (["data.path=data/my_prompts.jsonl", f"output.dir={tmp_path}/o3"], 2, "does not exist"),
+        (["engine.method=hybrid", f"engine.heads_path={tmp_path}", f"output.dir={tmp_path}/o4"], 2, "holds no heads.json"),
     ]
     for args, code, needle in cases:
         t0 = time.monotonic()

@@ -33,9 +33,10 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
             if cfg.hybrid_corpus_tokens > 0 else None
         chain = PromptLookupDrafter(cfg.stand_max_ngram, cfg.stand_min_ngram, min(cfg.stand_depth, cfg.block_complexity - 1),
                                     corpus=corpus)
+        heads = _cp_heads(cfg, runner, min(HYBRID_HEADS_NODES, cfg.block_complexity - 1)) if cfg.heads_path else None
         d = HybridDrafter(store, chain, **_esp_kwargs(cfg, runner), block_complexity=cfg.block_complexity,
                           mask_every=cfg.hybrid_mask_every,
-                          mask_min_nodes=cfg.hybrid_mask_min_nodes, corpus=corpus)
+                          mask_min_nodes=cfg.hybrid_mask_min_nodes, corpus=corpus, heads=heads)
         d.set_model_dtype(runner.dtype)
         return d
     if cfg.method == "stand":
@@ -47,12 +48,22 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
 
         return LookaheadDrafter.from_config(cfg, runner)
     if cfg.method == "cp_heads":
-        from ..cp_heads import load_heads
-        from .cp_heads import CPHeadsDrafter
-
-        heads = load_heads(cfg.heads_path, runner.model, runner.device)
-        return CPHeadsDrafter(heads, lambda z: runner.logits(z.to(runner.dtype)), cfg.block_complexity - 1)
+        return _cp_heads(cfg, runner, cfg.block_complexity - 1)
     raise ValueError(f"engine.method={cfg.method!r} is unknown")
+
+
+# hybrid with heads: the heads' pool is this many nodes wide (N best depth-1 tokens, N - 1 children of the
+# N - 1 best); wider pools cost [B, P2, P] merge work for nodes a shared tree rarely keeps
+HYBRID_HEADS_NODES = 8
+
+
+def _cp_heads(cfg: EngineConfig, runner: ModelRunner, num_nodes: int):
+    """The trained heads at `engine.heads_path` as a drafter of `num_nodes` nodes (cp_heads, and inside hybrid)."""
+    from ..cp_heads import load_heads
+    from .cp_heads import CPHeadsDrafter
+
+    heads = load_heads(cfg.heads_path, runner.model, runner.device)
+    return CPHeadsDrafter(heads, lambda z: runner.logits(z.to(runner.dtype)), num_nodes)
 
 
 def _esp_kwargs(cfg: EngineConfig, runner: ModelRunner) -> dict:

@@ -77,7 +77,8 @@ class CPHeadsDrafter(Drafter):
     # ---- the mixture and its candidate pool ---------------------------------------------------------
     @torch.inference_mode()
     def _pool(self, view: RowsView):
-        """(score [B, P] joint log-prob, token [B, P], parent pool index [B, P] (-1 = root)), depth by depth.
+        """(score [B, P] joint log-prob, token [B, P], parent pool index [B, P] (-1 = root), depth [B, P]),
+        depth by depth.
 
         Example (N = 3, depth 2): depth 1 keeps the best 3 tokens; each of the best 2 depth-1 nodes gets its
         best 2 children (a tree of 3 nodes holds at most 2 nodes below depth 1); P = 3 + 2 * 2.
@@ -96,7 +97,7 @@ class CPHeadsDrafter(Drafter):
         node_lw = lw[:, None, :]
         node_score = torch.zeros((b, 1), device=dev)
         node_idx = torch.full((b, 1), -1, dtype=torch.long, device=dev)  # pool index of each frontier node
-        scores, toks, pars, offset = [], [], [], 0
+        scores, toks, pars, deps, offset = [], [], [], [], 0
         for d in range(1, self.depth + 1):
             width = min(n - d + 1, v)  # children per frontier node that a tree of n nodes can use
             if width < 1:
@@ -108,6 +109,7 @@ class CPHeadsDrafter(Drafter):
             scores.append(top.values.reshape(b, -1))
             toks.append(top.indices.reshape(b, -1))
             pars.append(node_idx[..., None].expand(-1, -1, width).reshape(b, -1))
+            deps.append(torch.full_like(toks[-1], d))
             child_lw = node_lw[:, :, None, :] + lp[:, None].expand(-1, f, -1, -1).gather(
                 3, top.indices[:, :, None, :].expand(-1, -1, r, -1)
             ).transpose(2, 3)  # [B, F, W, r]
@@ -121,7 +123,7 @@ class CPHeadsDrafter(Drafter):
             best = level.topk(nf, dim=-1).indices.sort(-1).values  # [B, nf] in pool order
             node_lw = child_lw.reshape(b, -1, r).gather(1, best[..., None].expand(-1, -1, r))
             node_idx = level_idx.gather(1, best)
-        out = (torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(pars, 1))
+        out = (torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(deps, 1))
         self._pool_cache = (key, out)
         return out
 
@@ -137,7 +139,7 @@ class CPHeadsDrafter(Drafter):
         n = self.num_nodes if num_nodes is None else min(num_nodes, self.num_nodes)
         if n <= 0:
             return self.block(DraftTree.root_only(view.root), max_depth=0)
-        score, tok, par = self._pool(view)
+        score, tok, par, _ = self._pool(view)
         tree, _ = best_nodes(view.root, score, score > NEG, tok, par, n)  # the shared tree selection
         tree.valid[:, 1:] &= view.state.cp_ok[:, None]
         return self.block(tree, max_depth=self.depth)

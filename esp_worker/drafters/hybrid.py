@@ -6,6 +6,9 @@ Proposers (`proposers`, the index is Block.source):
     2 "esp":   the candidates of the mask probe (ESP's Algorithm 1 pool, top-1 expansion);
     3 "corpus": where a row's own history has no match, the continuation of the latest, longest match in the
                requests the job has already finished (`corpus.CorpusNgrams`; engine.hybrid_corpus_tokens).
+    next "heads": with engine.heads_path, the best joint continuations of trained CP multi-token heads
+               (`cp_heads.CPHeadsDrafter`'s candidate pool, its `num_nodes` wide) from the last accepted
+               slot's hidden state; index 4 with the corpus, 3 without.
 
 Merge (per row, tensor ops only):
 1. Every candidate gets a *conditional* acceptance estimate c = P(accepted | parent accepted): ngram and
@@ -13,8 +16,8 @@ Merge (per row, tensor ops only):
    c = min(1, a[p, d] * q) where q is the proposer's own probability (stored log-prob / probe probability)
    and a[p, d] a running ratio of accepted to predicted, per proposer and depth (decayed counts with a
    prior). These are the calibration.
-2. An esp candidate equal to an n-gram candidate under the same parent is merged into it (one node, its
-   estimate the larger of the two; its esp children move under it).
+2. An esp or heads candidate equal to an earlier candidate (n-gram, then esp) under the same parent is
+   merged into it (one node, its estimate the larger of the two; its children move under it).
 3. A node's score is the product of c along its path (never above its parent's), and the best `n` nodes
    by score form the tree (`tree.best_nodes`, shared with ESP and STAND). A proposer with nothing to offer
    (no match, no probe) has only invalid entries and the others get the whole budget.
@@ -46,6 +49,7 @@ from .base import Block, PassResult, RowsView
 from .calibration import AcceptanceCalibration
 from .common import NEG, pool_depth
 from .corpus import CorpusNgrams
+from .cp_heads import CPHeadsDrafter, CPHeadsState
 from .esp import ESPDrafter, ESPState
 from .pld import PromptLookupDrafter
 from .stand import StandDrafter, StandState
@@ -76,8 +80,8 @@ def hybrid_nodes(block_complexity: int, num_masks: int, mask_every: int, mask_mi
 
 
 @dataclass
-class HybridState(ESPState, StandState):
-    """ESP's probe and mask vector plus STAND's logit store."""
+class HybridState(ESPState, StandState, CPHeadsState):
+    """ESP's probe and mask vector, STAND's logit store and (with heads) the heads' hidden state."""
 
 
 class HybridDrafter(ESPDrafter):
@@ -90,7 +94,8 @@ class HybridDrafter(ESPDrafter):
     def __init__(self, store: StandDrafter, chain: PromptLookupDrafter, block_complexity: int, num_masks: int,
                  mask_every: int = 4, mask_min_nodes: int = 0,
                  prior: tuple[float, ...] = (0.8, 0.5, 1.0, 0.6), decay: float = 0.99,
-                 corpus: Optional[CorpusNgrams] = None, **esp_kwargs):
+                 corpus: Optional[CorpusNgrams] = None, heads: Optional[CPHeadsDrafter] = None,
+                 heads_prior: float = 1.0, **esp_kwargs):
         n = hybrid_nodes(block_complexity, num_masks, mask_every, mask_min_nodes)
         if n < 1:
             raise ValueError(f"block_complexity={block_complexity} leaves no draft node for hybrid with num_masks={num_masks}")
@@ -100,16 +105,20 @@ class HybridDrafter(ESPDrafter):
         self.store = store
         self.chain = chain  # the "ngram" variant
         self.corpus = corpus  # the job's n-grams (shared with `chain`), or None
-        if corpus is not None:
-            self.proposers = HybridDrafter.proposers + ("corpus",)
+        self.heads = heads  # trained multi-token heads, or None
+        self.proposers = HybridDrafter.proposers + (("corpus",) if corpus is not None else ()) + \
+            (("heads",) if heads is not None else ())
+        self.heads_source = self.proposers.index("heads") if heads is not None else -1
         self.variant = "merged"
         self._chain_pass = False  # the last propose was an ngram-variant pass
         self.mask_every = mask_every
         self.mask_min_nodes = mask_min_nodes
-        self.depth_bound = max(store.depth, num_masks)
+        self.depth_bound = max(store.depth, num_masks, heads.depth if heads is not None else 0)
         d = self.depth_bound
-        # calibration per (proposer, depth), flattened [4 * D] (cell = proposer * D + depth - 1)
-        self.calibration = AcceptanceCalibration(torch.tensor(prior).repeat_interleave(d), decay)
+        # calibration per (proposer, depth), flattened [proposers * D] (cell = proposer * D + depth - 1)
+        priors = dict(zip(("ngram", "store", "esp", "corpus"), prior), heads=heads_prior)
+        self.calibration = AcceptanceCalibration(torch.tensor([priors[p] for p in self.proposers]).repeat_interleave(d),
+                                                 decay)
         self._pool_key = None
         self._last = None
 
@@ -132,7 +141,7 @@ class HybridDrafter(ESPDrafter):
         return self.block_tokens, self.num_nodes
 
     def alpha(self, dev: Optional[torch.device] = None) -> torch.Tensor:
-        """[4 * D] calibration factors (ngram and corpus: the acceptance rate per depth)."""
+        """[proposers * D] calibration factors (ngram and corpus: the acceptance rate per depth)."""
         return self.calibration.factors(dev or self.calibration.pred.device)
 
     # ---- state -------------------------------------------------------------------------------------
@@ -146,9 +155,13 @@ class HybridDrafter(ESPDrafter):
 
     def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
         self.store.start_rows(view)
+        if self.heads is not None:
+            self.heads.start_rows(view)
         return super().start_rows(view)
 
     def observe(self, view: RowsView, result: PassResult) -> None:
+        if self.heads is not None:  # every pass: the last accepted slot's hidden state (a gather)
+            self.heads.observe(view, result)
         if self.variant == "ngram" and not result.prefill:  # no masks fed, store not consulted
             super().observe(view, result)  # the probe goes stale; the EMA waits for the next masks
             if self._chain_pass:
@@ -200,26 +213,42 @@ class HybridDrafter(ESPDrafter):
         e_q = torch.where(e_valid, (score - parent_score).exp(), 0.0)
         e_cell = ESP * dmax + e_depth - 1
         e_par = torch.where(e_par < 0, -1, e_par + p1)
-        # an esp candidate equal to an n-gram candidate under the same parent merges into it
-        alias = torch.arange(p1 + p2, device=dev).expand(b, -1).clone()
-        dup = torch.zeros((b, p2), dtype=torch.bool, device=dev)
-        for _ in range(k):
-            eff = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))
-            same = (eff[:, :, None] == ng_par[:, None, :]) & (e_tok[:, :, None] == ng_tok[:, None, :])
-            same &= ng_valid[:, None, :] & e_valid[:, :, None]
-            dup = same.any(-1)
-            alias[:, p1:] = torch.where(dup, same.long().argmax(-1), torch.arange(p1, p1 + p2, device=dev))
-        e_par = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))
+        e_src = torch.full((b, p2), ESP, device=dev)
+        if self.heads is not None:  # the heads' pool behind esp's: joint log-probs -> conditional q
+            h_score, h_tok, h_par, h_depth = self.heads._pool(view)
+            h_valid = (h_score > NEG) & st.cp_ok[:, None]
+            h_parent = torch.where(h_par < 0, 0.0, h_score.gather(1, h_par.clamp(min=0)))
+            h_q = torch.where(h_valid, (h_score - h_parent).exp(), 0.0)
+            h_par = torch.where(h_par < 0, -1, h_par + p1 + p2)
+            e_tok, e_par, e_valid, e_q = (torch.cat(x, 1) for x in ((e_tok, h_tok), (e_par, h_par), (e_valid, h_valid),
+                                                                     (e_q, h_q)))
+            e_cell = torch.cat([e_cell, self.heads_source * dmax + h_depth - 1], 1)
+            e_src = torch.cat([e_src, torch.full_like(h_tok, self.heads_source)], 1)
+            p2 = e_tok.shape[1]
         tok = torch.cat([ng_tok, e_tok], 1)
+        valid = torch.cat([ng_valid, e_valid], 1)
+        # a later candidate equal to an earlier live one (n-gram, then esp) under the same parent merges into it
+        pos = torch.arange(p1 + p2, device=dev)
+        earlier = pos[None, :] < pos[p1:, None]  # [P2, P] target index below the candidate's
+        alias = pos.expand(b, -1).clone()
+        dup = torch.zeros((b, p2), dtype=torch.bool, device=dev)
+        for _ in range(max(k, self.heads.depth if self.heads is not None else 0)):  # the deepest merging pool
+            eff = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))  # [B, P2] effective parents
+            live = valid & (alias == pos)  # targets not merged away themselves
+            same = (eff[:, :, None] == torch.cat([ng_par, eff], 1)[:, None, :]) & (e_tok[:, :, None] == tok[:, None, :])
+            same &= live[:, None, :] & e_valid[:, :, None] & earlier
+            dup = same.any(-1)
+            alias[:, p1:] = torch.where(dup, same.long().argmax(-1), pos[p1:])
+        e_par = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))
         par = torch.cat([ng_par, e_par], 1)
         q = torch.cat([ng_q, e_q], 1)
         cell = torch.cat([ng_cell, e_cell], 1)
         valid = torch.cat([ng_valid, e_valid & ~dup], 1)
-        src = torch.cat([kind, torch.full((b, p2), ESP, device=dev)], 1)
+        src = torch.cat([kind, e_src], 1)
         cond = (alpha[cell] * q).clamp(max=1.0)  # calibrated P(accepted | parent accepted)
         merged = torch.where(dup, cond[:, p1:], 0.0)  # a merged node keeps the larger estimate
         into = torch.zeros_like(cond).scatter_reduce(1, alias[:, p1:], merged, reduce="amax", include_self=False)
-        cond[:, :p1] = torch.maximum(cond[:, :p1], into[:, :p1])
+        cond = torch.maximum(cond, into)
         cum = cond
         for _ in range(dmax - 1):  # pool order is topological: a parent's score is final before its child's
             up = par.clamp(min=0)
