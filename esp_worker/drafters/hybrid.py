@@ -228,15 +228,20 @@ class HybridDrafter(ESPDrafter):
         tok = torch.cat([ng_tok, e_tok], 1)
         valid = torch.cat([ng_valid, e_valid], 1)
         # a later candidate equal to an earlier live one (n-gram, then esp) under the same parent merges into it
+        # (esp's own candidates never repeat one another: without heads the n-gram pool is the only target)
+        tgt = p1 + p2 if self.heads is not None else p1
         pos = torch.arange(p1 + p2, device=dev)
-        earlier = pos[None, :] < pos[p1:, None]  # [P2, P] target index below the candidate's
+        earlier = pos[None, :] < pos[p1:, None] if self.heads is not None else None  # [P2, P] target below candidate
         alias = pos.expand(b, -1).clone()
         dup = torch.zeros((b, p2), dtype=torch.bool, device=dev)
         for _ in range(max(k, self.heads.depth if self.heads is not None else 0)):  # the deepest merging pool
             eff = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))  # [B, P2] effective parents
-            live = valid & (alias == pos)  # targets not merged away themselves
-            same = (eff[:, :, None] == torch.cat([ng_par, eff], 1)[:, None, :]) & (e_tok[:, :, None] == tok[:, None, :])
-            same &= live[:, None, :] & e_valid[:, :, None] & earlier
+            if self.heads is not None:  # live targets (not merged away themselves) below the candidate
+                t_par, live = torch.cat([ng_par, eff], 1), (valid & (alias == pos))[:, None, :] & earlier
+            else:
+                t_par, live = ng_par, ng_valid[:, None, :]
+            same = (eff[:, :, None] == t_par[:, None, :]) & (e_tok[:, :, None] == tok[:, None, :tgt])
+            same &= live & e_valid[:, :, None]
             dup = same.any(-1)
             alias[:, p1:] = torch.where(dup, same.long().argmax(-1), pos[p1:])
         e_par = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))
