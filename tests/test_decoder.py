@@ -119,8 +119,9 @@ def test_packed_gqa_attention_is_bitwise_transformers_sdpa(b, q, s, g):
     """Grouped-query heads packed into the query dimension (no copy of the cache per query head) give
     transformers' sdpa attention with repeated keys and values to within 2 float32 ulps; the last case
     (g * Q > 2 * H * hd) takes transformers' own path. Each query row sees the same keys in the same order, and
-    on the CPUs of earlier sessions the results were bitwise equal at all four shapes; on an AVX512 CPU the kernel accumulates a
-    block of g * Q query rows in another order than a block of Q at two of them (up to 2.1e-7 here)."""
+    on the CPUs of earlier sessions the results were bitwise equal at all four shapes; on an AVX512 CPU the
+    kernel accumulates a block of g * Q query rows in another order than a block of Q at two of them (up to
+    2.1e-7 here)."""
     from types import SimpleNamespace
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
