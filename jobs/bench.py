@@ -183,7 +183,8 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         base, method=s.method, num_masks=max(s.num_masks, 1), tree=s.tree or base.tree, max_batch_size=batch,
         expansion=s.expansion,
         block_complexity=s.block_complexity if s.block_complexity == "auto" else max(s.block_complexity, 2),
-        heads_path=s.heads_path or base.heads_path,
+        # hybrid takes heads only from its own setting (hybrid+heads), so that its label tells
+        heads_path=s.heads_path or (base.heads_path if s.method == "cp_heads" else ""),
     )
     engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
     if warmup:
