@@ -88,7 +88,12 @@ class Rows:
         both = torch.stack([self.t["hist_len"], self.reason]).tolist()
         self.lens, self.done = both[0], both[1]
 
+    def drop(self, gone: list[int]) -> None:
+        """Rows `gone` leave the batch; the last rows that stay take their places (`drop_order`)."""
+        self.select(drop_order(len(self), gone))
+
     def select(self, keep: list[int]) -> None:
+        """Keep rows `keep`, in that order (row keep[i] becomes row i)."""
         rows = torch.tensor(keep, dtype=torch.long, device=self.reason.device)
         self.seqs = [self.seqs[i] for i in keep]
         self.lens = [self.lens[i] for i in keep]
@@ -96,7 +101,7 @@ class Rows:
         self.t = {k: v.index_select(0, rows) for k, v in self.t.items()}
         self.state.select(rows)
         self.uniforms.select(rows, keep)
-        self.cache.select_rows(rows)
+        self.cache.select_rows(keep)
         self.reason = self.reason.index_select(0, rows)
 
     def extend(self, other: "Rows") -> None:
@@ -144,6 +149,16 @@ class Rows:
             kept = ((steps >= 1) & (steps <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
             src = source.expand(len(acc), -1).gather(1, path_slots).clamp(min=0)  # [B, S]
             t["accepted_by"].scatter_add_(1, src, kept)
+
+
+def drop_order(n: int, gone: list[int]) -> list[int]:
+    """The rows that stay when rows `gone` of 0 .. n-1 leave, ordered so that as few as possible change place:
+    each hole below the new size takes one of the last staying rows. Example: n 6, gone [1, 4] -> [0, 5, 2, 3]."""
+    out = set(gone)
+    stay = [r for r in range(n) if r not in out]
+    size = len(stay)
+    movers = iter(r for r in stay if r >= size)
+    return [r if r not in out else next(movers) for r in range(size)]
 
 
 def new_counters(b: int, device: torch.device, num_proposers: int = 0) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+MIN_ROWS = 4  # products with fewer rows may take another kernel (e.g. a matrix-vector one) and round differently
 
 
 def direct_decoder(base: Any) -> Optional["DirectDecoder"]:
@@ -81,6 +82,7 @@ class DirectDecoder:
         self.fast_rope = self._fast_rope_matches()
         self._cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # [P, hd] each
         self.compiled: Optional[Any] = None  # compiled.CompiledLayers under engine.compile
+        self.rows_invariant = self._rows_invariant()  # `keep` may skip rows of the last layer's products
 
     def compile(self, mode: Optional[str] = None) -> None:
         """Run the layers' projections, norms, rotary and MLP as compiled graphs (engine.compile)."""
@@ -121,22 +123,52 @@ class DirectDecoder:
         position_ids: torch.Tensor,  # [B, Q]
         cache: Any,  # a transformers Cache planned for this forward (kv_cache.KVCache)
         max_position: Optional[int] = None,  # an upper bound of position_ids, known on the host (None = unknown)
+        keep: Optional[torch.Tensor] = None,  # [B, K] block positions whose hidden states are wanted (None = all)
     ) -> torch.Tensor:
+        """hidden [B, Q, D], or [B, K, D] at the `keep` positions. With `keep` the last layer still attends at
+        every position (its keys and values go to the cache) but projects the attention output and runs its MLP
+        only at the kept positions: a prefill that needs the prompt's last token (and the masks after it) skips
+        most of one layer's work per prompt token. Bitwise the full computation's rows (products of >= 4 rows
+        are checked at start-up to give each row what a larger product gives it; else `keep` only selects)."""
         b, q, _ = inputs_embeds.shape
         cos, sin = self._rotary(inputs_embeds, position_ids, max_position)  # [B, Q, hd]
         if self.fast_rope:  # broadcast over heads in the [B, Q, H, hd] layout; sin with rotate_half's sign
             rope = (cos[:, :, None], _signed_sin(sin)[:, :, None])
         else:
             rope = (cos, sin)
-        if self.compiled is not None:
-            return self.norm(self.compiled.run(inputs_embeds, rope, bias, cache))
+        if self.compiled is not None or (keep is not None and not self.rows_invariant):
+            h = self.norm(self.compiled.run(inputs_embeds, rope, bias, cache)) if self.compiled is not None \
+                else self(inputs_embeds, bias, position_ids, cache, max_position)
+            return h if keep is None else _rows_at(h, keep)
+        k = 0 if keep is None else keep.shape[1]
+        if keep is not None and b * k < MIN_ROWS:  # pad to a product of >= MIN_ROWS rows (extra rows: position 0)
+            keep = torch.cat([keep, keep.new_zeros(b, -(-MIN_ROWS // b) - k)], 1)
         h = inputs_embeds
+        last = len(self.base.layers) - 1
         for i, layer in enumerate(self.base.layers):
-            h = h + self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q)
+            sel = keep if i == last else None
+            a = self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q, sel)
+            h = (h if sel is None else _rows_at(h, sel)) + a
             h = h + self._mlp(layer.mlp, self.norms[i][1](h), self.gate_up[i])
-        return self.norm(h)
+        h = self.norm(h)
+        return h if keep is None else h[:, :k]
 
-    def _attention(self, attn: Any, x: torch.Tensor, rope, bias, cache: Any, i: int, b: int, q: int) -> torch.Tensor:
+    def _rows_invariant(self) -> bool:
+        """Each row of a product of the last layer's weights with >= MIN_ROWS rows is bitwise that row of a larger
+        product (probes on the real weights): then computing only the kept rows changes no number."""
+        layer = self.base.layers[-1]
+        weights = [layer.self_attn.o_proj.weight, self.gate_up[-1].weight, layer.mlp.down_proj.weight]
+        g = torch.Generator().manual_seed(0)
+        for w in weights:
+            x = (torch.randn((67, w.shape[1]), generator=g) * 2).to(w)
+            full = F.linear(x, w)
+            for m in (MIN_ROWS, 5, 7, 16, 33):
+                if not torch.equal(F.linear(x[-m:].contiguous(), w), full[-m:]):
+                    return False
+        return True
+
+    def _attention(self, attn: Any, x: torch.Tensor, rope, bias, cache: Any, i: int, b: int, q: int,
+                   keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         nq, nk = self.heads
         qkv = self.qkv[i](x).view(b, q, -1, attn.head_dim)  # [B, Q, H + 2 Hkv, hd]
         qs, ks, vs = qkv[:, :, :nq], qkv[:, :, nq: nq + nk], qkv[:, :, nq + nk:]
@@ -152,8 +184,11 @@ class DirectDecoder:
         if self.fast_rope:
             qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [B, H(kv), Q, hd]
         ks, vs = cache.update(ks, vs.transpose(1, 2), i)  # [B, Hkv, S, hd]
-        out, _ = self.attend(attn, qs, ks, vs, bias, dropout=0.0, scaling=attn.scaling)
-        return _linear(attn.o_proj, out.reshape(b, q, -1).contiguous())
+        out, _ = self.attend(attn, qs, ks, vs, bias, dropout=0.0, scaling=attn.scaling)  # [B, Q, H, hd]
+        out = out.reshape(b, q, -1)
+        if keep is not None:
+            out = _rows_at(out, keep)  # [B, K, H * hd]
+        return _linear(attn.o_proj, out.contiguous())
 
     @staticmethod
     def _mlp(mlp: Any, x: torch.Tensor, gate_up: Callable) -> torch.Tensor:
@@ -183,6 +218,11 @@ def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     packed_bias = bias[:, :, None].expand(bias.shape[0], 1, g, q, s).reshape(bias.shape[0], 1, g * q, s)
     out = F.scaled_dot_product_attention(packed_q, key, value, attn_mask=packed_bias, dropout_p=dropout, scale=scaling)
     return out.view(b, h, q, hd).transpose(1, 2), None
+
+
+def _rows_at(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x [B, Q, D] at positions keep [B, K] -> [B, K, D]."""
+    return x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))
 
 
 def _linear(layer: Any, x: torch.Tensor) -> torch.Tensor:

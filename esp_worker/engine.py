@@ -243,8 +243,9 @@ class Engine:
             bias = None  # prompts of one length, then masks: plain causal attention, no mask tensor
         else:
             bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
-        hidden = self.runner.forward(embeds, bias, pos, cache, q - 1)  # [R, Q, D]
-        last = hidden[torch.arange(r, device=dev), lens - 1]  # [R, D]
+        wanted = torch.cat([lens[:, None] - 1, i[lmax:].expand(r, a)], 1)  # [R, 1 + A] last prompt token, masks
+        hidden = self.runner.forward(embeds, bias, pos, cache, q - 1, keep=wanted)  # [R, 1 + A, D]
+        last = hidden[:, 0]  # [R, D]
         logits = self.runner.logits(last)  # [R, V]
         rows.uniforms.ensure(1, rows.consumed())
         tok = self._chooser(rows)(logits, torch.ones(r, dtype=torch.bool, device=dev))
@@ -252,7 +253,7 @@ class Engine:
         n = torch.ones(r, dtype=torch.long, device=dev)
         n_fin, reason = self._stops(rows, committed, n)
         self._commit(rows, committed, n_fin, reason)
-        aux_hidden = hidden[:, lmax:] if a else None
+        aux_hidden = hidden[:, 1:] if a else None
         mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
         self.drafter.observe(rows.view(), PassResult(committed, n_fin, aux_hidden, mask_hidden, prefill=True))
         rows.read_back()
@@ -391,4 +392,4 @@ class Engine:
             s.stats.time_s = now - s.t0
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             yield RequestOutput(id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[rows.done[r]], stats=s.stats)
-        rows.select([r for r, code in enumerate(rows.done) if not code])
+        rows.drop(done)

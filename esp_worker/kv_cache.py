@@ -19,7 +19,7 @@ when the live rows need much less; rows that leave are compacted in place (`sele
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -149,8 +149,11 @@ class KVCache(Cache):
         for old, rd, layer, name in self._tensors():  # rows at dim rd, slots at rd + 2
             size = list(old.shape)
             size[rd], size[rd + 2] = new_r, new_c
-            new = old.new_zeros(size)
+            new = old.new_empty(size)
             new.narrow(rd, 0, keep_r).narrow(rd + 2, 0, keep_c).copy_(old.narrow(rd, 0, keep_r).narrow(rd + 2, 0, keep_c))
+            # stale slots are masked, not skipped (0 * NaN is NaN): zero what was not copied, once
+            new.narrow(rd, 0, keep_r).narrow(rd + 2, keep_c, new_c - keep_c).zero_()
+            new.narrow(rd, keep_r, new_r - keep_r).zero_()
             self._set(layer, name, new)
 
     def nbytes(self) -> int:
@@ -186,12 +189,20 @@ class KVCache(Cache):
             t.scatter_(rd + 2, dst[lead + (slice(None), None, slice(None), None)].expand(size), moved)
 
     @torch.inference_mode()
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows` ([R] long, increasing or not), compacted to the front in that order."""
-        n = rows.shape[0]
-        for t, rd, _, _ in self._tensors():
-            t.narrow(rd, 0, n).copy_(t.index_select(rd, rows))
-        self.num_rows = n
+    def select_rows(self, keep: Sequence[int]) -> None:
+        """Keep only batch rows `keep` (host list), in that order: row keep[i] becomes row i.
+
+        Only rows whose index changes are copied, so a batch that fills the holes of leaving rows with its last
+        rows (`batch.drop_order`) moves one row per leaving row, not the whole cache. Example: keep [0, 3, 2]
+        copies row 3 to row 1; rows 0 and 2 stay where they are."""
+        moved = [(i, r) for i, r in enumerate(keep) if i != r]
+        if moved:
+            dev = self.slab.device if self.slab is not None else None
+            dst = torch.tensor([i for i, _ in moved], dtype=torch.long, device=dev)
+            src = torch.tensor([r for _, r in moved], dtype=torch.long, device=dev)
+            for t, rd, _, _ in self._tensors():
+                t.index_copy_(rd, dst.to(t.device), t.index_select(rd, src.to(t.device)))  # sources read first
+        self.num_rows = len(keep)
 
     def add_rows(self, n: int) -> None:
         """Rows num_rows .. num_rows+n-1 (already written by a prefill plan) join the batch."""

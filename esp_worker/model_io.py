@@ -313,12 +313,14 @@ class ModelRunner:
         position_ids: torch.Tensor,  # [B, Q]
         cache: Any,  # kv_cache.KVCache, planned for this forward (rows, write slots, S)
         max_position: Optional[int] = None,  # a bound on position_ids known on the host (lets RoPE use a table)
+        keep: Optional[torch.Tensor] = None,  # [B, K] positions whose hidden states are wanted (None = all)
     ) -> torch.Tensor:
-        """Returns hidden states [B, Q, D]; the cache holds the block's keys and values where it was planned."""
+        """Hidden states [B, Q, D] (or [B, K, D] at `keep`); the cache holds the block's keys and values where it
+        was planned."""
         assert inputs_embeds.ndim == 3 and (bias is None or bias.ndim == 4) and position_ids.ndim == 2
         t0 = time.perf_counter()
         if self.direct is not None:
-            hidden = self.direct(inputs_embeds, bias, position_ids, cache, max_position)
+            hidden = self.direct(inputs_embeds, bias, position_ids, cache, max_position, keep)
         else:
             hidden = self.base(
                 inputs_embeds=inputs_embeds,
@@ -327,6 +329,8 @@ class ModelRunner:
                 past_key_values=cache,
                 use_cache=True,
             ).last_hidden_state
+            if keep is not None:
+                hidden = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))
         self._sync()
         self.model_s += time.perf_counter() - t0
         return hidden

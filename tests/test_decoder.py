@@ -60,6 +60,39 @@ def test_direct_forward_is_bitwise_the_model_forward(arch, attn):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_keep_rows_is_bitwise_the_full_forward(arch):
+    """`keep` (the prefill's last prompt token and the masks after it) skips the last layer's work at the other
+    positions: the kept hidden states and every layer's cached keys and values are bitwise the full forward's."""
+    direct, hf = _runners(arch, "sdpa")
+    assert direct.direct.rows_invariant  # products of >= 4 rows round each row alike on this machine
+    g = torch.Generator().manual_seed(1)
+    layers = direct.model.config.num_hidden_layers
+    for b, s, lens, keep in [
+        (3, 9, [7, 5, 3], [[6, 7, 8], [4, 7, 8], [2, 7, 8]]),  # padded prompts, then two masks (bias)
+        (1, 12, [12], [[11]]),  # one prompt, no bias: padded to a product of 4 rows inside
+        (2, 6, [6, 6], [[5], [5]]),
+    ]:
+        ids = torch.randint(3, 200, (b, s), generator=g)
+        pos = torch.arange(s)[None].expand(b, -1)
+        lens_t = torch.tensor(lens)
+        i = torch.arange(s)
+        key_ok = (i[None] < lens_t[:, None]) | (i[None] >= max(lens) if len(keep[0]) > 1 else i[None] < 0)
+        visible = torch.ones((s, s), dtype=torch.bool).tril()[None] & key_ok[:, None, :] | torch.eye(s, dtype=torch.bool)[None]
+        bias = None if min(lens) == s else attention_bias(visible, None, pos, s, direct.dtype)
+        outs = []
+        for runner, k in [(direct, None), (direct, torch.tensor(keep)), (hf, torch.tensor(keep))]:
+            cache = kv_cache.new_cache(layers)
+            cache.reserve(b, s)
+            cache.plan(0, b, s, 0)
+            h = runner.forward(runner.embed_ids(ids), bias, pos, cache, s - 1, keep=k)
+            outs.append((h, cache.slab.clone()))
+        (full, slab), (kept, slab_kept), (hf_kept, _) = outs
+        expect = full.gather(1, torch.tensor(keep)[..., None].expand(-1, -1, full.shape[-1]))
+        assert kept.shape == expect.shape and torch.equal(kept, expect) and torch.equal(hf_kept, expect)
+        assert torch.equal(slab_kept, slab)
+
+
 def test_unsupported_architecture_falls_back():
     lm = tiny("llama")
     base = ModelRunner(lm).base

@@ -11,6 +11,7 @@ import torch
 from engine_helpers import PROMPTS, reference, run, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request, RequestStats
 from esp_worker import kv_cache
+from esp_worker.batch import drop_order
 from esp_worker.drafters.pld import PromptLookupDrafter
 
 
@@ -46,7 +47,7 @@ def test_kv_block_written_in_place_per_row():
 
 def test_kv_select_rows_compacts_and_capacity_stays_bounded():
     cache = _slab(3, 40, lambda r, s: r)
-    cache.select_rows(torch.tensor([2, 0]))
+    cache.select_rows([2, 0])
     assert cache.num_rows == 2 and cache.layers[0].keys[:2, 0, 0, 0].tolist() == [2, 0]
     cache.reserve(4, 40)  # two more rows join: rows 0..1 and their slots survive the growth
     assert cache.layers[0].keys.shape[0] == 4 and cache.layers[0].keys[:2, 0, 39, 0].tolist() == [2, 0]
@@ -54,6 +55,30 @@ def test_kv_select_rows_compacts_and_capacity_stays_bounded():
         assert n <= kv_cache.bucket(n) <= 1.125 * n + 16
     cache.reserve(1, 40)  # one live row: the buffers shrink to it
     assert cache.nbytes() == 2 * 1 * kv_cache.bucket(40) * 4
+
+
+def test_kv_growth_zeroes_what_it_did_not_copy():
+    """Grown buffers are allocated uninitialised: the kept part is copied, every other slot and row must be zero
+    (stale slots are masked by an additive bias, and 0 * NaN would be NaN)."""
+    cache = _slab(2, 20, lambda r, s: 1 + r * 100 + s)
+    torch.full((4, 1, 2048, 1), float("nan"))  # leave garbage in the allocator's free memory
+    cache.reserve(3, 100)
+    keys = cache.layers[0].keys  # [R, H, C, D]
+    c20 = kv_cache.bucket(20)
+    assert keys.shape[0] == 3 and keys.shape[2] == kv_cache.bucket(100)
+    assert keys[:2, 0, :20, 0].tolist() == [[1 + r * 100 + s for s in range(20)] for r in range(2)]
+    assert torch.count_nonzero(keys[:2, :, c20:]) == 0 and torch.count_nonzero(keys[2]) == 0
+
+
+def test_drop_order_moves_only_rows_that_must_move():
+    assert drop_order(6, [1, 4]) == [0, 5, 2, 3]  # hole 1 takes row 5; hole 4 is past the new size
+    assert drop_order(5, [0]) == [4, 1, 2, 3]
+    assert drop_order(4, [2, 3]) == [0, 1] and drop_order(3, [0, 1, 2]) == [] and drop_order(3, []) == [0, 1, 2]
+    cache = _slab(4, 8, lambda r, s: r)
+    before = cache.slab.clone()
+    cache.select_rows(drop_order(4, [1]))  # row 3 moves to row 1; rows 0 and 2 are not copied
+    assert cache.num_rows == 3 and cache.layers[0].keys[:3, 0, 0, 0].tolist() == [0, 3, 2]
+    assert torch.equal(cache.slab[:, :, 3], before[:, :, 3])  # row 3's old place is left as it was
 
 
 def test_kv_slab_shared_by_layers_of_one_shape_and_own_buffers_for_another():
@@ -81,7 +106,7 @@ def test_kv_slab_shared_by_layers_of_one_shape_and_own_buffers_for_another():
         for t in layer:
             t[0, 5], t[2, 8] = t[0, 9].clone(), t[2, 10].clone()
     assert all(torch.equal(a, b) for la, lb in zip(snapshot(), expect) for a, b in zip(la, lb))
-    cache.select_rows(torch.tensor([2, 0]))
+    cache.select_rows([2, 0])
     expect = [[t[[2, 0]] for t in layer] for layer in expect]
     assert all(torch.equal(a, b) for la, lb in zip(snapshot(), expect) for a, b in zip(la, lb))
     cache.reserve(5, 40)  # growth keeps the live rows and slots of every layer, the slab views follow
