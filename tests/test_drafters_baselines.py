@@ -214,3 +214,49 @@ def test_find_continuation_equals_brute_force():
         lengths = [rng.randint(1, c) for _ in range(b)]
         got = find_continuation(torch.tensor(rows), torch.tensor(lengths), max_n, min_n).tolist()
         assert got == [brute(r, n, max_n, min_n) for r, n in zip(rows, lengths)]
+
+
+def test_pld_rates_forget_misses_at_depths_no_longer_offered():
+    """The auto policy's lock-in: two early misses at depth 2 made every deeper chain look worthless, the
+    policy kept to 2-node chains and never saw depth 2 again. The counts of depths not offered decay, and a
+    depth's prior is the depth before it, so the chain's mass at depth 3 recovers while depth 1 keeps
+    accepting (a fixed prior with per-offered-depth decay left it at 0.27 for good)."""
+    from esp_worker.drafters.pld import PromptLookupDrafter
+
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, depth=4)
+    hist = torch.tensor([[4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4, 5]])
+    length = torch.tensor([12])
+
+    def pass_(nodes: int, n_committed: int) -> None:
+        view = RowsView(hist, length.clone(), torch.tensor([5]), [0])
+        block = d.propose(view, nodes)
+        d.observe(view, PassResult(torch.zeros((1, nodes + 1), dtype=torch.long), torch.tensor([n_committed]), None,
+                                   None, block=block))
+
+    for _ in range(2):
+        pass_(4, 3)  # depths 1 and 2 accepted, depth 3 missed
+    view = RowsView(hist, length.clone(), torch.tensor([5]), [0])
+    assert d.rates()[0, 2] < 0.35  # two misses at depth 3
+    for _ in range(300):
+        pass_(2, 3)  # the policy offers 2-node chains only: both accepted every time
+    rates = d.rates()[0]
+    assert rates[0] > 0.95 and rates[1] > 0.95
+    assert rates[2] > 0.85 and rates[3] > 0.85  # the old misses faded; depths 3-4 follow depth 2's rate
+    mass = d.draft_mass(view)[0]
+    assert mass[2] > 0.8
+
+
+def test_pld_rates_equal_the_recurrence():
+    from esp_worker.drafters.pld import PromptLookupDrafter
+
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, depth=6)
+    g = torch.Generator().manual_seed(0)
+    d.reached = torch.rand((2, 6), generator=g) * 100
+    d.accepted = d.reached * torch.rand((2, 6), generator=g)
+    want = torch.zeros(2, 6)
+    for s in range(2):
+        prev = 0.8
+        for i in range(6):
+            prev = (float(d.accepted[s, i]) + prev) / (float(d.reached[s, i]) + 1.0)
+            want[s, i] = prev
+    assert torch.allclose(d.rates(), want, rtol=1e-5)

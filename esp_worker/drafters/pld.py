@@ -31,10 +31,8 @@ class PromptLookupDrafter(Drafter):
         # within a pass (draft_mass then propose)
         self._match = None
         # per source (0: the row's own history, 1: the corpus) and depth d (decayed counts): rows that were
-        # offered node d with node d-1 accepted, and those accepting node d. The rate adds an optimistic prior
-        # (0.8 with the weight of one pass) so that depths the auto policy has not tried yet still look worth
-        # trying: an estimate that only learns from the sizes it picks would otherwise never grow. The
-        # corpus's continuations are accepted less often than a row's own: one shared rate overrated them and
+        # offered node d with node d-1 accepted, and those accepting node d (`rates`). The corpus's
+        # continuations are accepted less often than a row's own: one shared rate overrated them and
         # underrated the row's own chains.
         self.reached = torch.zeros(2, depth)
         self.accepted = torch.zeros(2, depth)
@@ -79,8 +77,24 @@ class PromptLookupDrafter(Drafter):
         """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i) of the chain's
         source (the row's own history or the corpus)."""
         _, valid, used = self._chain(view.hist, view.hist_len, self.depth)
-        rate = ((self.accepted + 0.8) / (self.reached + 1.0)).to(valid.device)  # [2, depth]
-        return valid.float() * rate.cumprod(1)[used.long()]  # [B, depth]
+        return valid.float() * self.rates().to(valid.device).cumprod(1)[used.long()]  # [B, depth]
+
+    def rates(self) -> torch.Tensor:
+        """[2, depth] P(node d accepted | node d-1 accepted) per source: decayed counts with a prior of one
+        pass whose mean is depth d-1's rate (depth 0: an optimistic 0.8), i.e.
+        r[d] = (accepted[d] + r[d-1]) / (reached[d] + 1).
+
+        Why the previous depth: the auto policy only learns about the depths it offers. With a fixed prior,
+        two early misses at depth 2 (rate 0.8 / 3 = 0.27) made deeper chains look worthless, the policy kept
+        to 2-node chains for the rest of the job and never saw depth 2 again (`pld auto` ran at 0.8x pld BC 10
+        in one run, level with it in another). A chain that got to depth d - 1 is about as likely to go on
+        as it was to get there, and the counts of depths not offered decay (`observe`), so stale misses fade
+        and a depth is tried again. Closed form of the recurrence r[d] = a[d] + b[d] r[d-1]
+        (a = accepted / (reached + 1), b = 1 / (reached + 1)): r[d] = B[d] (0.8 + sum_{j<=d} a[j] / B[j]),
+        B = cumprod(b), in float64 (B >= 101^-depth)."""
+        b = 1.0 / (self.reached.double() + 1.0)  # [2, depth]
+        big_b = b.cumprod(1)
+        return (big_b * (0.8 + (self.accepted.double() * b / big_b).cumsum(1))).float()
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         if result.block is None:
@@ -97,8 +111,8 @@ class PromptLookupDrafter(Drafter):
         took = valid * (steps < accepted[:, None])  # [B, d] node accepted
         used = self._used if self._used is not None and len(self._used) == len(valid) else torch.zeros_like(accepted)
         src = used.long()  # [B] 0 own history, 1 corpus
-        self.reached[:, :d] *= 0.99
-        self.accepted[:, :d] *= 0.99
+        self.reached *= 0.99  # every depth, offered or not: misses at a depth not offered since fade (`rates`)
+        self.accepted *= 0.99
         self.reached[:, :d].index_add_(0, src, reached)
         self.accepted[:, :d].index_add_(0, src, took)
 
