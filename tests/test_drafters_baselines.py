@@ -217,8 +217,8 @@ def test_find_continuation_equals_brute_force():
 
 
 def test_pld_rates_forget_misses_at_depths_no_longer_offered():
-    """The auto policy's lock-in: two early misses at depth 2 made every deeper chain look worthless, the
-    policy kept to 2-node chains and never saw depth 2 again. The counts of depths not offered decay, and a
+    """The auto policy's lock-in: two early misses at depth 3 made every deeper chain look worthless, the
+    policy kept to 2-node chains and never saw depth 3 again. The counts of depths not offered decay, and a
     depth's prior is the depth before it, so the chain's mass at depth 3 recovers while depth 1 keeps
     accepting (a fixed prior with per-offered-depth decay left it at 0.27 for good)."""
     from esp_worker.drafters.pld import PromptLookupDrafter

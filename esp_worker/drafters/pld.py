@@ -84,10 +84,10 @@ class PromptLookupDrafter(Drafter):
         pass whose mean is depth d-1's rate (depth 0: an optimistic 0.8), i.e.
         r[d] = (accepted[d] + r[d-1]) / (reached[d] + 1).
 
-        Why the previous depth: the auto policy only learns about the depths it offers. With a fixed prior,
-        two early misses at depth 2 (rate 0.8 / 3 = 0.27) made deeper chains look worthless, the policy kept
-        to 2-node chains for the rest of the job and never saw depth 2 again (`pld auto` ran at 0.8x pld BC 10
-        in one run, level with it in another). A chain that got to depth d - 1 is about as likely to go on
+        Why the previous depth: the auto policy only learns about the depths it offers. With a fixed prior
+        and only offered depths decaying, two early misses at node 3 (rate 0.8 / 3 = 0.27) made deeper chains
+        look worthless, the policy kept to 2-node chains for the rest of the job and never saw node 3 again
+        (`pld auto` at 0.88x pld BC 10 in two benchmark runs; 1.04x after this change). A chain that got to depth d - 1 is about as likely to go on
         as it was to get there, and the counts of depths not offered decay (`observe`), so stale misses fade
         and a depth is tried again. Closed form of the recurrence r[d] = a[d] + b[d] r[d-1]
         (a = accepted / (reached + 1), b = 1 / (reached + 1)): r[d] = B[d] (0.8 + sum_{j<=d} a[j] / B[j]),
