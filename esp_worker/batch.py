@@ -8,6 +8,7 @@ pass, so they are counted once per pass on the host and each row keeps the count
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,8 +55,8 @@ class Rows:
     """Row-indexed batch state. `lens` mirrors t["hist_len"] on the host (read once per pass)."""
 
     seqs: list[Seq]
-    # hist, hist_len, prompt_len, max_total, temperature, top_p, top_k, stop_ids, and statistics counters:
-    # drafted [B], accepted [B], acc_depth [B, W] (passes whose path reached depth d+1), committed_hist [B, W+1]
+    # hist, hist_len, prompt_len, limit, limit_code, temperature, top_p, top_k, stop_ids, and statistics counters:
+    # drafted [B], hists [B, 2, W] (passes that kept d accepted drafts / committed d tokens), accepted_by [B, P]
     t: dict[str, torch.Tensor]
     state: RowState  # the drafter's per-row state (its own dataclass; the engine only moves rows of it)
     uniforms: UniformStreams
@@ -63,6 +64,7 @@ class Rows:
     reason: Optional[torch.Tensor] = None  # [B] finish reason code (0 = running)
     lens: list[int] = field(default_factory=list)  # host copy of hist_len
     done: list[int] = field(default_factory=list)  # host copy of reason
+    hints: Optional[list[int]] = None  # host copy of the drafter's row_hints (None: it gives none)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -77,16 +79,19 @@ class Rows:
 
     def view(self) -> RowsView:
         t = self.t
-        return RowsView(t["hist"], t["hist_len"], t["prompt_len"], [s.seed for s in self.seqs], self.state)
+        return RowsView(t["hist"], t["hist_len"], t["prompt_len"], [s.seed for s in self.seqs], self.state, self.hints)
 
     def consumed(self) -> list[int]:
         """Uniforms each row has consumed: one per generated token (host mirror, no read)."""
         return [n - len(s.prompt_ids) for n, s in zip(self.lens, self.seqs)]
 
-    def read_back(self) -> None:
-        """The one host read of a pass: lengths and finish reasons, as one small tensor."""
-        both = torch.stack([self.t["hist_len"], self.reason]).tolist()
-        self.lens, self.done = both[0], both[1]
+    def read_back(self, hints: Optional[torch.Tensor] = None) -> None:
+        """The one host read of a pass: lengths, finish reasons and the drafter's row hints [B] (or None), as
+        one small tensor."""
+        parts = [self.t["hist_len"], self.reason] + ([] if hints is None else [hints])
+        got = torch.stack(parts).tolist()
+        self.lens, self.done = got[0], got[1]
+        self.hints = None if hints is None else got[2]
 
     def drop(self, gone: list[int]) -> None:
         """Rows `gone` leave the batch; the last rows that stay take their places (`drop_order`)."""
@@ -98,6 +103,7 @@ class Rows:
         self.seqs = [self.seqs[i] for i in keep]
         self.lens = [self.lens[i] for i in keep]
         self.done = [self.done[i] for i in keep]
+        self.hints = None if self.hints is None else [self.hints[i] for i in keep]
         self.t = {k: v.index_select(0, rows) for k, v in self.t.items()}
         self.state.select(rows)
         self.uniforms.select(rows, keep)
@@ -109,10 +115,11 @@ class Rows:
         self.cache.add_rows(len(other))
         if not self.seqs:
             self.seqs, self.t, self.state, self.reason = other.seqs, other.t, other.state, other.reason
-            self.uniforms, self.lens, self.done = other.uniforms, other.lens, other.done
+            self.uniforms, self.lens, self.done, self.hints = other.uniforms, other.lens, other.done, other.hints
             return
         self.seqs = self.seqs + other.seqs
         self.lens, self.done = self.lens + other.lens, self.done + other.done
+        self.hints = None if self.hints is None or other.hints is None else self.hints + other.hints
         self.t = {k: cat_rows(v, other.t[k], -1 if k == "stop_ids" else 0) for k, v in self.t.items()}
         self.state.extend(other.state)
         self.uniforms.append_from(other.uniforms)
@@ -129,26 +136,29 @@ class Rows:
     # ---- statistics --------------------------------------------------------------------------------
     def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: torch.Tensor, max_committed: int,
               source: Optional[torch.Tensor] = None, path_slots: Optional[torch.Tensor] = None) -> None:
-        """Add one pass to the per-row counters (tensor ops only). n_fin, n_raw, drafted: [B].
-        source [B, T] (proposer of each tree slot, -1 = root) and path_slots [B, S]: split the kept accepted
-        drafts by proposer into accepted_by [B, P]."""
+        """Add one pass to the per-row counters (tensor ops only, ~7 of them). n_fin, n_raw, drafted: [B].
+        source [B, T] (proposer of each tree slot, -1 = root; [B, 1]: of every draft of the row) and
+        path_slots [B, S]: split the kept accepted drafts by proposer into accepted_by [B, P]."""
         t = self.t
-        width = t["acc_depth"].shape[1]
+        hists = t["hists"]  # [B, 2, W]
+        width = hists.shape[2]
         if max_committed + 1 > width:  # a deeper block than any before: widen (host-known size, no read)
-            grow = max(max_committed + 1, 2 * width) - width
-            t["acc_depth"] = torch.nn.functional.pad(t["acc_depth"], (0, grow))
-            t["committed_hist"] = torch.nn.functional.pad(t["committed_hist"], (0, grow))
-            width += grow
+            hists = t["hists"] = torch.nn.functional.pad(hists, (0, max(max_committed + 1, 2 * width) - width))
+            width = hists.shape[2]
         acc = torch.minimum(n_raw - 1, n_fin)  # [B] accepted drafts that were kept
         t["drafted"] += drafted
-        t["accepted"] += acc
-        t["acc_depth"] += (torch.arange(width, device=acc.device)[None] < acc[:, None]).long()
-        t["committed_hist"].scatter_add_(1, n_fin[:, None], torch.ones_like(n_fin)[:, None])
-        if source is not None and "accepted_by" in t:
-            steps = torch.arange(path_slots.shape[1], device=acc.device)[None]
-            kept = ((steps >= 1) & (steps <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
-            src = source.expand(len(acc), -1).gather(1, path_slots).clamp(min=0)  # [B, S]
-            t["accepted_by"].scatter_add_(1, src, kept)
+        # one scatter for both histograms: accepted drafts (row 0) and committed tokens (row 1) of this pass
+        idx = torch.stack([acc, n_fin + width], 1)  # [B, 2] into hists viewed as [B, 2W]
+        hists.view(len(acc), -1).scatter_add_(1, idx, torch.ones_like(idx))
+        if source is None or "accepted_by" not in t:
+            return
+        if source.shape[1] == 1:  # one proposer per row: all of its kept drafts
+            t["accepted_by"].scatter_add_(1, source.expand(len(acc), -1), acc[:, None])
+            return
+        steps = torch.arange(path_slots.shape[1], device=acc.device)[None]
+        kept = ((steps >= 1) & (steps <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
+        src = source.expand(len(acc), -1).gather(1, path_slots).clamp(min=0)  # [B, S]
+        t["accepted_by"].scatter_add_(1, src, kept)
 
 
 def drop_order(n: int, gone: list[int]) -> list[int]:
@@ -162,23 +172,26 @@ def drop_order(n: int, gone: list[int]) -> list[int]:
 
 
 def new_counters(b: int, device: torch.device, num_proposers: int = 0) -> dict[str, torch.Tensor]:
-    """Statistics counters of b new rows; accepted_by [B, P] (accepted drafts per proposer) when P > 0."""
+    """Statistics counters of b new rows: drafted [B], hists [B, 2, W] (per pass: row 0 counts the accepted
+    drafts kept, row 1 the tokens committed), accepted_by [B, P] (accepted drafts per proposer) when P > 0."""
     z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
-    out = {"drafted": z(b), "accepted": z(b), "acc_depth": z(b, STAT_WIDTH), "committed_hist": z(b, STAT_WIDTH + 1)}
+    out = {"drafted": z(b), "hists": z(b, 2, STAT_WIDTH)}
     if num_proposers:
         out["accepted_by"] = z(b, num_proposers)
     return out
 
 
-def finish_stats(st: RequestStats, counters: list, num_generated: int, passes: int, sizes: dict[int, int]) -> None:
-    """Fill `st` from one row's counters ([drafted, accepted, acc_depth list, committed_hist list], host)."""
-    drafted, accepted, acc_depth, committed = counters
+def finish_stats(st: RequestStats, drafted: int, hists: list[list[int]], num_generated: int, passes: int,
+                 sizes: dict[int, int]) -> None:
+    """Fill `st` from one row's counters (host): drafted, and hists [2][W] (passes that kept j accepted drafts,
+    passes that committed j tokens). accepted_per_depth[d] = passes that kept more than d drafts."""
+    acc_hist, committed = hists
     st.num_generated_tokens = num_generated
     st.num_decode_passes = passes
     st.num_decode_tokens = max(num_generated - 1, 0)  # the prefill commits the first token
     st.num_drafted_tokens = drafted
-    st.num_accepted_drafts = accepted
-    st.accepted_per_depth = _trim(acc_depth)
+    st.num_accepted_drafts = sum(j * c for j, c in enumerate(acc_hist))
+    st.accepted_per_depth = _trim(list(itertools.accumulate(reversed(acc_hist[1:])))[::-1])
     st.committed_histogram = _trim(committed)
     st.block_size_histogram = sizes
 

@@ -27,7 +27,7 @@ from .inputs import attention_bias
 from .model_io import LoadedModel, ModelRunner, load_model
 from .policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
-from .stops import REASONS, apply_stop_strings, apply_stops
+from .stops import REASONS, apply_stop_strings, apply_stops, row_limits
 from .tree import mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
 from .verify import VerifyResult, verify, verify_greedy
@@ -195,11 +195,13 @@ class Engine:
         for i, e in enumerate(extra):
             stop_ids[i, : len(e)] = torch.tensor(e, dtype=torch.long)
         plen = torch.tensor(lens)
+        limit, limit_code = row_limits(plen + torch.tensor([x.max_new_tokens for x in p]), self.loaded.max_context)
         t = {
             "hist": hist.to(dev),
             "hist_len": plen.to(dev),
             "prompt_len": plen.to(dev),
-            "max_total": (plen + torch.tensor([x.max_new_tokens for x in p])).to(dev),
+            "limit": limit.to(dev),  # [B] most tokens the row may hold, and the reason when it gets there
+            "limit_code": limit_code.to(dev),
             "temperature": torch.tensor([float(x.temperature) for x in p], device=dev),
             "top_p": torch.tensor([float(x.top_p) for x in p], device=dev),
             "top_k": torch.tensor([int(x.top_k) for x in p], device=dev),
@@ -256,7 +258,7 @@ class Engine:
         aux_hidden = hidden[:, 1:] if a else None
         mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
         self.drafter.observe(rows.view(), PassResult(committed, n_fin, aux_hidden, mask_hidden, prefill=True))
-        rows.read_back()
+        rows.read_back(self.drafter.row_hints(rows.view()))
         return rows
 
     # ---- one decode pass ---------------------------------------------------------------------------
@@ -273,7 +275,7 @@ class Engine:
         self._observe(rows, block, res, hidden, slot_logits, n_fin)
         rows.count(n_fin, res.num_committed, block.tree.valid[:, 1:].sum(-1), block.max_depth + 1, block.source, res.path_slots)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
-        rows.read_back()  # the one host read of the pass: lengths and finish reasons
+        rows.read_back(self.drafter.row_hints(rows.view()))  # the one host read of the pass: lengths, finish reasons
         seconds, model_s = time.perf_counter() - t_start, self.runner.model_s - model_s0
         if self.policy is not None:
             self.policy.observe_pass(sum(rows.lens) - len0, seconds, model_s)  # tokens committed (host, no read)
@@ -355,7 +357,7 @@ class Engine:
     def _stops(self, rows: Rows, committed: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(n_final [B], reason [B]) after stop ids, lengths, the context limit and stop strings."""
         t = rows.t
-        n_fin, reason = apply_stops(committed, n, t["stop_ids"], t["hist_len"], t["max_total"], self.loaded.max_context)
+        n_fin, reason = apply_stops(committed, n, t["stop_ids"], t["hist_len"], t["limit"], t["limit_code"])
         if rows.has_stop_strings:
             stops = [s.req.params.stop_strings for s in rows.seqs]
             gen = [t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist() if stops[r] else [] for r, s in enumerate(rows.seqs)]
@@ -385,8 +387,7 @@ class Engine:
             s = rows.seqs[r]
             ids = t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist()
             self.drafter.finish_request(s.prompt_ids + ids)
-            counters = [int(t["drafted"][r]), int(t["accepted"][r]), t["acc_depth"][r].tolist(), t["committed_hist"][r].tolist()]
-            finish_stats(s.stats, counters, len(ids), *self.passes.since(s))
+            finish_stats(s.stats, int(t["drafted"][r]), t["hists"][r].tolist(), len(ids), *self.passes.since(s))
             if self.drafter.proposers:
                 s.stats.accepted_by_proposer = dict(zip(self.drafter.proposers, t["accepted_by"][r].tolist()))
             s.stats.time_s = now - s.t0

@@ -16,28 +16,42 @@ def apply_stops(
     n: torch.Tensor,  # [B]
     stop_ids: torch.Tensor,  # [B, E] per-row stop ids, -1 padded
     hist_len: torch.Tensor,  # [B] tokens so far (prompt + generated)
-    max_total: torch.Tensor,  # [B] prompt + max_new_tokens
-    max_context: int,
+    limit: torch.Tensor,  # [B] most tokens the row may hold: min(prompt + max_new_tokens, context), `row_limits`
+    limit_code: torch.Tensor,  # [B] the reason when the limit cuts: 2 length, 3 context
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n_final [B], reason [B]): each row's committed tokens cut at the first stop id, the length or the context
-    limit. Tensor ops only; no host read.
+    """(n_final [B], reason [B]): each row's committed tokens cut at the first stop id or at its limit. Tensor
+    ops only (a dozen, the same every pass); no host read.
+
+    A stop id at slot >= n (a rejected draft's leftover) needs no mask: it cuts after n, and n is the smaller.
+    When a stop id and the limit cut at the same token, the reason is the stop.
 
     Example: committed [[5, 9, 7]], n [3], stop_ids [[9]] -> n_final [2], reason [1].
     """
-    dev = committed.device
     p = committed.shape[1]
-    # [B, P] the committed slots that hold a stop id; the first one ends the row (n_stop = its slot + 1)
-    is_stop = (committed[..., None] == stop_ids[:, None, :]).any(-1) & (torch.arange(p, device=dev) < n[:, None])
-    n_stop = torch.where(is_stop, torch.arange(1, p + 1, device=dev), 1 << 30).amin(-1)
-    # candidates in priority order (a stop before the length before the context, when they cut at the same
-    # token): the smallest wins, and its code is the reason (n itself: still running)
-    cands = torch.stack([n_stop, max_total - hist_len, max_context - hist_len, n], -1)  # [B, 4]
-    n_fin = cands.amin(-1)
-    reason = _CODES.to(dev)[(cands == n_fin[:, None]).long().argmax(-1)]
+    is_stop = (committed[..., None] == stop_ids[:, None, :]).any(-1)  # [B, P]
+    n_stop = torch.where(is_stop, _slot_counts(p, committed.device), 1 << 30).amin(-1)  # first stop slot + 1
+    room = limit - hist_len  # [B]
+    n_fin = torch.minimum(torch.minimum(n_stop, room), n)
+    reason = torch.where(n_stop == n_fin, 1, torch.where(room == n_fin, limit_code, 0))
     return n_fin, reason
 
 
-_CODES = torch.tensor([1, 2, 3, 0])  # reason of each candidate of apply_stops
+def row_limits(max_total: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(limit [B], limit_code [B]) of rows whose prompt + max_new_tokens is max_total: the length limit (code 2)
+    unless the context ends first (code 3; at a tie, the length)."""
+    ctx = max_total > max_context
+    return torch.where(ctx, max_context, max_total), torch.where(ctx, 3, 2)
+
+
+_SLOT_COUNTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _slot_counts(p: int, dev: torch.device) -> torch.Tensor:
+    """[P] 1 .. P (cached per width and device: one fewer op per pass)."""
+    key = (p, dev)
+    if key not in _SLOT_COUNTS:
+        _SLOT_COUNTS[key] = torch.arange(1, p + 1, device=dev)
+    return _SLOT_COUNTS[key]
 
 
 def apply_stop_strings(

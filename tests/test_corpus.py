@@ -99,3 +99,48 @@ def test_chains_from_the_corpus_keep_their_own_acceptance_rate():
     view = RowsView(hist, length.clone(), torch.tensor([2, 2]), [0, 0])
     mass = d.draft_mass(view)
     assert mass[0].min() > 0.9 and mass[1].max() < 0.1
+
+
+def test_row_hints_skip_the_corpus_only_when_every_row_has_its_own_match(monkeypatch):
+    """The hint (each row's own match, read back after the commit) lets the next lookup skip the corpus when no
+    row could take its continuation; a row without a match of its own still gets it."""
+    from esp_worker.drafters.base import RowsView
+    from esp_worker.drafters.pld import PromptLookupDrafter
+
+    corpus = CorpusNgrams(capacity=64, max_ngram=2, min_ngram=1)
+    corpus.add([7, 8, 1, 2, 3])
+    calls = []
+    cont = CorpusNgrams.continuation
+    monkeypatch.setattr(CorpusNgrams, "continuation", lambda self, *a: calls.append(1) or cont(self, *a))
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, depth=3, corpus=corpus)
+    hist = torch.tensor([[4, 5, 6, 4, 5, 6, 4, 5], [9, 7, 8, 0, 0, 0, 0, 0]])
+    for rows, skipped in (([0], True), ([0, 1], False), ([1], False)):
+        view = RowsView(hist[rows], torch.tensor([8, 3])[rows], torch.tensor([2] * len(rows)), [0] * len(rows))
+        hints = d.row_hints(view).tolist()  # what the engine reads back after a commit
+        assert [h >= 0 for h in hints] == [r == 0 for r in rows]
+        unhinted = d.propose(view, 3).tree.tokens
+        calls.clear()
+        d._match = None
+        hinted = d.propose(RowsView(view.hist, view.hist_len, view.prompt_len, view.seeds, hints=hints), 3)
+        assert torch.equal(hinted.tree.tokens, unhinted) and (not calls) == skipped
+
+
+def test_engine_hints_change_the_work_not_the_drafts(monkeypatch):
+    """A job run with and without row hints: the same tokens, passes and accepted drafts per proposer, and
+    fewer corpus lookups with them (most passes have a match of their own)."""
+    from esp_worker.drafters.hybrid import HybridDrafter
+
+    prompt = list(range(40, 60)) + list(range(45, 52))  # a repeat: own matches from the start
+    reqs = [Request(id=str(i), prompt_ids=prompt, params=GenerationParams(max_new_tokens=40)) for i in range(3)]
+    calls = []
+    cont = CorpusNgrams.continuation
+    monkeypatch.setattr(CorpusNgrams, "continuation", lambda self, *a: calls.append(1) or cont(self, *a))
+    hinted = _engine().generate(reqs)
+    with_hints = len(calls)
+    calls.clear()
+    monkeypatch.setattr(HybridDrafter, "row_hints", lambda self, view: None)
+    plain = _engine().generate(reqs)
+    assert [o.token_ids for o in hinted] == [o.token_ids for o in plain]
+    assert [o.stats.num_decode_passes for o in hinted] == [o.stats.num_decode_passes for o in plain]
+    assert [o.stats.accepted_by_proposer for o in hinted] == [o.stats.accepted_by_proposer for o in plain]
+    assert 0 < with_hints < len(calls)

@@ -29,8 +29,9 @@ class Block:
     # [B, T] for each tree slot, the index of its masks among the mask owners (its masks are aux inputs
     # owner*k .. owner*k + k-1), -1 = no masks; None = every slot owns k masks in slot order (ESP)
     mask_owner: Optional[torch.Tensor] = None
-    # [B, T] index into the drafter's `proposers` of the proposer that supplied each slot (-1 = root); None =
-    # one proposer (accepted drafts are not split by proposer)
+    # [B, T] index into the drafter's `proposers` of the proposer that supplied each slot (-1 = root), or
+    # [B, 1]: one proposer per row supplied every draft (a chain); None = one proposer (accepted drafts are
+    # not split by proposer)
     source: Optional[torch.Tensor] = None
 
 
@@ -74,6 +75,8 @@ class RowsView:
     seeds: list[int]
     # drafter-owned per-row tensors, [B, ...] each (the drafter's state_type)
     state: RowState = field(default_factory=RowState)
+    # host copy of the drafter's `row_hints` as of the last host read (after the last commit), or None
+    hints: Optional[list[int]] = None
 
     @functools.cached_property
     def root(self) -> torch.Tensor:
@@ -153,6 +156,12 @@ class Drafter(ABC):
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         """Learn from a pass (or the prefill); view.hist already holds the committed tokens. Default: nothing."""
+
+    def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
+        """[B] long: what the drafter wants to know on the host at the next propose (view.hints), computed
+        after the commit and read with the pass's one host read (no read of its own). Lets a drafter skip
+        work the host would otherwise have to launch for every row. Default: None (nothing)."""
+        return None
 
     def layout_for(self, tree: DraftTree, num_masks: int) -> BlockLayout:
         """Block layout; computed once per static shape and reused (the paper's "efficient" path)."""

@@ -97,6 +97,8 @@ class HybridDrafter(ESPDrafter):
                  corpus: Optional[CorpusNgrams] = None, heads: Optional[CPHeadsDrafter] = None,
                  heads_prior: float = 1.0, **esp_kwargs):
         n = hybrid_nodes(block_complexity, num_masks, mask_every, mask_min_nodes)
+        if (store.max_ngram, store.min_ngram) != (chain.max_ngram, chain.min_ngram):
+            raise ValueError("hybrid's store and chain must match n-grams of the same lengths (they share one lookup)")
         if n < 1:
             raise ValueError(f"block_complexity={block_complexity} leaves no draft node for hybrid with num_masks={num_masks}")
         # the ESP part: a dynamic pool sized for the whole node budget (its masks are this drafter's masks)
@@ -153,6 +155,9 @@ class HybridDrafter(ESPDrafter):
         if self.corpus is not None:
             self.corpus.add(token_ids)
 
+    def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
+        return self.chain.row_hints(view)  # with a corpus: whether any row needs it next pass
+
     def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
         self.store.start_rows(view)
         if self.heads is not None:
@@ -189,9 +194,10 @@ class HybridDrafter(ESPDrafter):
         dmax, k = self.depth_bound, self.num_masks
         alpha = self.alpha(dev)
         # n-gram pool, depth-major [chain_1, alt_1.., chain_2, ...] (STAND's layout)
-        c = self.store.candidates(view)
+        c = self.store.candidates(view, self.chain.own_start(view))  # the chain's match (same n-gram lengths)
         chain, ok = c["chain"], c["ok"]
-        if self.corpus is not None:  # rows with no match of their own: the job's n-grams (no stored branches)
+        if self.corpus is not None and self.chain.corpus_needed(view):  # rows with no match of their own:
+            # the job's n-grams (no stored branches)
             chain, ok, from_corpus = self.corpus.fill(view.hist, view.hist_len, chain, ok)
         dep, kk = chain.shape[1], self.store.topk
         p1 = dep * kk
@@ -201,7 +207,7 @@ class HybridDrafter(ESPDrafter):
         ng_par = self.store.pool_parents(dev).expand(b, -1)
         d = torch.arange(dep, device=dev)[:, None].expand(dep, kk).reshape(-1)  # depth - 1
         kind = torch.where(torch.arange(kk, device=dev) == 0, NGRAM, STORE).repeat(dep).expand(b, -1)  # [B, P1]
-        if self.corpus is not None:
+        if self.corpus is not None and self.chain.corpus_needed(view):
             kind = torch.where(from_corpus[:, None] & (kind == NGRAM), CORPUS, kind)
         ng_cell = kind * dmax + d
         # esp pool (Algorithm 1, top-1 expansion), parents offset behind the n-gram pool
@@ -282,9 +288,7 @@ class HybridDrafter(ESPDrafter):
             return self.block(DraftTree.root_only(view.root), None, max_depth=0)
         if self.variant == "ngram" and n > 0:
             block = self.chain.propose(view, n)
-            dev = view.root.device
-            kind = torch.where(self.chain.from_corpus(view), CORPUS, NGRAM)[:, None]  # [B, 1]
-            block.source = torch.where(torch.arange(block.tree.num_slots, device=dev)[None] == 0, -1, kind)
+            block.source = torch.where(self.chain.from_corpus(view), CORPUS, NGRAM)[:, None]  # [B, 1]: the whole chain
             self._chain_pass = True
             return block
         if self._lag:

@@ -30,6 +30,9 @@ class PromptLookupDrafter(Drafter):
         # (hist_len tensor, (chain [B, depth], valid [B, depth], from_corpus [B])) of the last lookup, reused
         # within a pass (draft_mass then propose)
         self._match = None
+        # (hist_len tensor, start [B]) of the last match in the rows' own histories: with a corpus, found
+        # after the commit (`row_hints`) and reused by the next pass's lookup
+        self._own = None
         # per source (0: the row's own history, 1: the corpus) and depth d (decayed counts): rows that were
         # offered node d with node d-1 accepted, and those accepting node d (`rates`). The corpus's
         # continuations are accepted less often than a row's own: one shared rate overrated them and
@@ -40,10 +43,11 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
         depth = self.depth if num_nodes is None else max(0, min(num_nodes, self.depth))
-        hist, length = view.hist, view.hist_len  # [B, C], [B]
-        b, c = hist.shape
-        dev = hist.device
-        chain, valid, self._used = self._chain(hist, length, depth)
+        if depth == 0:  # a plain pass (block_complexity=auto): no lookup
+            return self.block(DraftTree.root_only(view.root), max_depth=0)
+        b = view.hist.shape[0]
+        dev = view.hist.device
+        chain, valid, self._used = self._chain(view, depth)
         tokens = torch.cat([view.root[:, None], chain], 1)
         valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), valid], 1)
         key = (b, depth, dev)
@@ -52,16 +56,17 @@ class PromptLookupDrafter(Drafter):
         tree = DraftTree(tokens=tokens, parents=self._parents[key], valid=valid, static_key=("chain", depth))
         return self.block(tree, max_depth=depth)
 
-    def _chain(self, hist: torch.Tensor, length: torch.Tensor, depth: int):
+    def _chain(self, view: RowsView, depth: int):
         """([B, depth] tokens, [B, depth] valid, [B] from the corpus) following the best match (computed once
         per pass at the full depth)."""
+        hist, length = view.hist, view.hist_len  # [B, C], [B]
         if self._match is None or self._match[0] is not length:
             c = hist.shape[1]
-            start = self.find_continuation(hist, length)  # [B], -1 = no match
+            start = self.own_start(view)  # [B], -1 = no match
             idx = start[:, None] + torch.arange(self.depth, device=hist.device)  # [B, depth]
             valid = (start[:, None] >= 0) & (idx < length[:, None])
             chain = hist.gather(1, idx.clamp(0, c - 1))
-            if self.corpus is not None:
+            if self.corpus is not None and self.corpus_needed(view):
                 chain, valid, used = self.corpus.fill(hist, length, chain, valid)
             else:
                 used = torch.zeros_like(start, dtype=torch.bool)
@@ -69,14 +74,32 @@ class PromptLookupDrafter(Drafter):
         chain, valid, used = self._match[1]
         return chain[:, :depth], valid[:, :depth], used
 
+    def own_start(self, view: RowsView) -> torch.Tensor:
+        """[B] index of the first token after the best match in each row's own history, -1 = none (once per
+        history: `row_hints` finds it after a commit, the next pass's lookup reuses it)."""
+        if self._own is None or self._own[0] is not view.hist_len:
+            self._own = (view.hist_len, self.find_continuation(view.hist, view.hist_len))
+        return self._own[1]
+
+    def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
+        """With a corpus: each row's own match (`own_start`), so that the next pass knows on the host whether
+        any row needs the corpus (a row with a match of its own never takes the corpus's continuation)."""
+        return self.own_start(view) if self.corpus is not None else None
+
+    @staticmethod
+    def corpus_needed(view: RowsView) -> bool:
+        """Whether some row may take the corpus's continuation: it has no match of its own (as of the last
+        host read; unknown = yes)."""
+        return view.hints is None or min(view.hints, default=0) < 0
+
     def from_corpus(self, view: RowsView) -> torch.Tensor:
         """[B] rows whose chain this pass comes from the job's n-grams (the corpus), not their own history."""
-        return self._chain(view.hist, view.hist_len, self.depth)[2]
+        return self._chain(view, self.depth)[2]
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:
         """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i) of the chain's
         source (the row's own history or the corpus)."""
-        _, valid, used = self._chain(view.hist, view.hist_len, self.depth)
+        _, valid, used = self._chain(view, self.depth)
         return valid.float() * self.rates().to(valid.device).cumprod(1)[used.long()]  # [B, depth]
 
     def rates(self) -> torch.Tensor:

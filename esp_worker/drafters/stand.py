@@ -124,13 +124,14 @@ class StandDrafter(Drafter):
             getattr(st, key).scatter_(1, idx, torch.where(keep[..., None], new, cur))
 
     # ---- draft tree --------------------------------------------------------------------------------
-    def candidates(self, view: RowsView) -> dict[str, torch.Tensor]:
+    def candidates(self, view: RowsView, start: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """The n-gram continuation and the stored alternatives at each of its depths (also used by hybrid).
 
         chain [B, D] tokens following the best suffix match; ok [B, D] (prefix-closed: False past the history
         or without a match); chain_lp [B, D] the chain token's stored log-prob (-1e4 when missing from the
         store, NEG where not ok); alt_ids / alt_lp [B, D, K-1] the other stored candidates at each depth
-        (they hang under chain node d - 1), best first, NEG where absent.
+        (they hang under chain node d - 1), best first, NEG where absent. start: [B] the match already found
+        with this drafter's n-gram lengths (hybrid's chain), or None to find it here.
         """
         self._fit_store(view)
         st = view.state
@@ -138,7 +139,8 @@ class StandDrafter(Drafter):
         b, c = hist.shape
         dev = hist.device
         dep, k = self.depth, self.topk
-        start = find_continuation(hist, length, self.max_ngram, self.min_ngram)  # [B], -1 = no match
+        if start is None:
+            start = find_continuation(hist, length, self.max_ngram, self.min_ngram)  # [B], -1 = no match
         q = start[:, None] + torch.arange(dep, device=dev)[None]  # [B, D] history positions of chain nodes
         ok = (start[:, None] >= 0) & (q < length[:, None])
         chain = hist.gather(1, q.clamp(0, c - 1))  # [B, D]

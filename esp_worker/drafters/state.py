@@ -17,11 +17,13 @@ import torch
 
 
 def cat_rows(a: torch.Tensor, b: torch.Tensor, fill: float = 0) -> torch.Tensor:
-    """Rows of `a` then rows of `b`, padding dim 1 (history capacity, list widths) to the larger size with `fill`."""
+    """Rows of `a` then rows of `b`, padding every dim after the first (history capacity, histogram and list
+    widths) to the larger size with `fill`."""
     if a.ndim >= 2 and a.shape[1:] != b.shape[1:]:
-        width = max(a.shape[1], b.shape[1])
-        a = torch.nn.functional.pad(a, (0, 0) * (a.ndim - 2) + (0, width - a.shape[1]), value=fill)
-        b = torch.nn.functional.pad(b, (0, 0) * (b.ndim - 2) + (0, width - b.shape[1]), value=fill)
+        shape = [max(x, y) for x, y in zip(a.shape[1:], b.shape[1:])]
+        grow = lambda t: torch.nn.functional.pad(  # noqa: E731  (pad takes the last dim first)
+            t, [p for w, have in zip(reversed(shape), reversed(t.shape[1:])) for p in (0, w - have)], value=fill)
+        a, b = grow(a), grow(b)
     return torch.cat([a, b])
 
 

@@ -1,0 +1,42 @@
+"""Per-row statistics counters (Rows.count on the device, finish_stats on the host at retire)."""
+import torch
+
+from esp_worker.batch import STAT_WIDTH, Rows, finish_stats, new_counters
+from esp_worker.types import RequestStats
+
+
+def rows_with(counters) -> Rows:
+    return Rows(seqs=[], t=counters, state=None, uniforms=None, cache=None)
+
+
+def test_counters_give_the_request_statistics():
+    rows = rows_with(new_counters(2, torch.device("cpu"), num_proposers=3))
+    passes = [  # (n_fin, n_raw, drafted, max_committed, source, path_slots)
+        ([3, 1], [3, 1], [4, 4], 5, torch.tensor([[-1, 0, 0, 2, 1]]), torch.tensor([[0, 1, 3, 0, 0], [0, 2, 1, 0, 0]])),
+        ([2, 4], [4, 4], [9, 9], 5, torch.tensor([[0], [2]]), torch.tensor([[0, 1, 2, 3, 0], [0, 1, 2, 3, 0]])),
+        ([1, 1], [1, 1], [0, 0], 1, None, None),
+    ]
+    for n_fin, n_raw, drafted, top, source, path in passes:
+        rows.count(torch.tensor(n_fin), torch.tensor(n_raw), torch.tensor(drafted), top, source, path)
+    t = rows.t
+    st = [RequestStats(), RequestStats()]
+    for r in range(2):
+        finish_stats(st[r], int(t["drafted"][r]), t["hists"][r].tolist(), 7, 3, {})
+    # row 0 kept 2, 2 (a stop cut its 3 accepted drafts at 2 tokens), 0 drafts; row 1 kept 0, 3, 0
+    assert [s.num_accepted_drafts for s in st] == [4, 3]
+    assert st[0].accepted_per_depth == [2, 2] and st[1].accepted_per_depth == [1, 1, 1]
+    assert st[0].committed_histogram == [0, 1, 1, 1] and st[1].committed_histogram == [0, 2, 0, 0, 1]
+    assert [s.num_drafted_tokens for s in st] == [13, 13]
+    # accepted drafts by proposer: row 0's path slots 1, 3 (proposers 0, 2) then a chain of proposer 0 (2 kept);
+    # row 1 nothing, then a chain of proposer 2 (3 kept)
+    assert t["accepted_by"].tolist() == [[3, 0, 1], [0, 0, 3]]
+
+
+def test_counters_widen_for_deeper_blocks():
+    rows = rows_with(new_counters(1, torch.device("cpu")))
+    deep = STAT_WIDTH + 5
+    rows.count(torch.tensor([deep]), torch.tensor([deep]), torch.tensor([deep]), deep)
+    st = RequestStats()
+    finish_stats(st, int(rows.t["drafted"][0]), rows.t["hists"][0].tolist(), deep + 1, 1, {})
+    assert st.num_accepted_drafts == deep - 1 and st.accepted_per_depth == [1] * (deep - 1)
+    assert st.committed_histogram == [0] * deep + [1]
