@@ -85,8 +85,10 @@ class BlockPolicy:
     committed per row per curve-predicted plain pass time over the passes it planned (decayed; a speed
     relative to plain decoding, not biased by batch occupancy or context length; a pass's time is the curve's
     model time plus its drift-corrected host time, so drift does not favour the set that ran while the
-    machine was fast), after `arm_min_passes` passes each (a speed decayed over a few noisy passes picked the
-    wrong set for hundreds of passes); every `explore_every // 2` looks the other set gets one (less often the
+    machine was fast), after `arm_min_passes` passes each, taken in turns (a speed decayed over a few noisy
+    passes picked the wrong set for hundreds of passes; one set's first passes all on the job's first prompt
+    and the other's on the next gave the first an estimate from other text, and it then ran as the best set
+    until its own passes corrected it); every `explore_every // 2` looks the other set gets one (less often the
     slower it measured: see `_trial_interval`). The speed's
     memory (`rate_decay` 0.99 per pass of the set, ~100 passes) spans several requests: the set in charge is
     measured on the text at hand while the other's few trial passes spread over the whole job, so a shorter
@@ -205,8 +207,8 @@ class BlockPolicy:
                 self.arms[v] = _Arm(*drafter.use_variant(v), self.max_block, *self._prior)
         tried = {v: self.arms[v] for v in names}
         new = [v for v, a in tried.items() if a.passes < self.arm_min_passes]
-        if new:
-            pick, best = new[0], None
+        if new:  # the sets take turns until each has its passes: both are measured on the same text
+            pick, best = min(new, key=lambda v: tried[v].passes), None
         else:
             best = max(tried, key=lambda v: tried[v].rate)
             due = [v for v in names if v != best and self._looks - tried[v].last_trial >= self._trial_interval(tried, best, v)]

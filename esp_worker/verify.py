@@ -79,6 +79,10 @@ def verify_greedy(
     if t == 1:  # plain decoding: the argmax at the root is the bonus
         zeros = torch.zeros((b, 1), dtype=torch.long, device=dev)
         return VerifyResult(committed=target, num_committed=zeros[:, 0] + 1, path_slots=zeros, last_slot=zeros[:, 0])
+    if tree.path_in_place:  # a chain: the accepted drafts are its longest correct prefix
+        return _verify_chain(tree, target, max_depth)
+    if max_depth == 1:  # every node hangs under the root (ESP with one mask): the first that is correct
+        return _verify_fan(tree, target)
     correct = (tree.tokens == target.gather(1, tree.parents.clamp(min=0))) & tree.valid
     correct[:, 0] = True
     accepted = ~(ancestors & ~correct[:, None, :]).any(-1)  # [B, T]: every node on the path is correct
@@ -94,3 +98,37 @@ def verify_greedy(
         path_slots=path,
         last_slot=last,
     )
+
+
+def _verify_chain(tree: DraftTree, target: torch.Tensor, max_depth: int) -> VerifyResult:
+    """verify_greedy for a chain (parents [-1, 0, 1, ..]): node i is accepted when nodes 1..i all carry the
+    argmax of the slot before them. Committed and path slots past num_committed are unspecified (as always).
+    Example: tokens [r, a, b, c], argmax [a, b, x, y] -> 2 accepted, committed [a, b, x, ..], path [0, 1, 2, ..]."""
+    b, t = tree.tokens.shape
+    correct = (tree.tokens[:, 1:] == target[:, :-1]) & tree.valid[:, 1:]  # [B, T-1]
+    accepted = correct.cumprod(1).sum(1)  # [B]
+    s = min(t, max_depth + 1)  # committed width, as verify_greedy's
+    return VerifyResult(committed=target[:, :s] if s < t else target, num_committed=accepted + 1,
+                        path_slots=_slots(b, s, target.device), last_slot=accepted)
+
+
+def _verify_fan(tree: DraftTree, target: torch.Tensor) -> VerifyResult:
+    """verify_greedy for a tree of depth 1: the first child carrying the root's argmax is accepted (lowest slot
+    first, as verify_greedy), and its own argmax is the bonus. Example: tokens [r, a, b], argmax [b, x, y] ->
+    committed [b, y], path [0, 2]."""
+    correct = (tree.tokens[:, 1:] == target[:, :1]) & tree.valid[:, 1:]  # [B, T-1]
+    found = correct.any(1)
+    last = torch.where(found, correct.long().argmax(1) + 1, 0)  # [B]
+    path = torch.stack([torch.zeros_like(last), last], 1)  # [B, 2]
+    return VerifyResult(committed=target.gather(1, path), num_committed=found.long() + 1, path_slots=path, last_slot=last)
+
+
+_SLOTS: dict[tuple, torch.Tensor] = {}
+
+
+def _slots(b: int, t: int, dev: torch.device) -> torch.Tensor:
+    """[B, T] 0 .. T-1 per row (a chain's path slots; cached per shape, never written)."""
+    key = (b, t, dev)
+    if key not in _SLOTS:
+        _SLOTS[key] = torch.arange(t, device=dev).expand(b, t)
+    return _SLOTS[key]

@@ -50,3 +50,37 @@ def test_greedy_vectorised_equals_walk_on_random_trees():
             k = int(walk.num_committed[r])
             assert walk.committed[r, :k].tolist() == vec.committed[r, :k].tolist()
             assert walk.path_slots[r, :k].tolist() == vec.path_slots[r, :k].tolist()
+
+
+def test_chain_and_depth_one_fast_paths_equal_the_walk():
+    """Chains (path in place) and trees of depth 1 take their own few-op paths in verify_greedy: same
+    acceptance, committed tokens and path as the step-by-step walk, invalid (padding) nodes never accepted."""
+    g = torch.Generator().manual_seed(1)
+    v = 4  # a small vocabulary: long accepted runs happen
+    for shape in ("chain", "fan"):
+        for _ in range(200):
+            b, n = 4, int(torch.randint(1, 10, (1,), generator=g))
+            if shape == "chain":
+                parents = torch.arange(-1, n).expand(b, -1)
+                key = ("chain", n)
+                valid = (torch.arange(n + 1) <= torch.randint(0, n + 1, (b, 1), generator=g))  # prefix-closed
+                tokens = torch.randint(0, v, (b, n + 1), generator=g)
+            else:
+                parents = torch.tensor([-1] + [0] * n).expand(b, -1)
+                key = ("esp-k1", n)
+                valid = torch.rand(b, n + 1, generator=g) > 0.2
+                valid[:, 0] = True
+                tokens = torch.cat([torch.randint(0, v, (b, 1), generator=g), torch.randperm(n, generator=g).expand(b, -1)], 1)
+            logits = torch.randn(b, n + 1, max(v, n), generator=g)
+            tree = DraftTree(tokens, parents, valid, static_key=key)
+            anc = ancestor_matrix(parents)
+            depth = anc.sum(-1) - 1
+            max_depth = int(depth.max())
+            fast = verify_greedy(tree, logits, anc, depth, max_depth)
+            walk = verify(DraftTree(tokens, parents, valid), logits, max_depth, lambda lg, active: lg.argmax(-1))
+            assert torch.equal(fast.num_committed, walk.num_committed), shape
+            assert torch.equal(fast.last_slot, walk.last_slot), shape
+            for r in range(b):
+                k = int(walk.num_committed[r])
+                assert fast.committed[r, :k].tolist() == walk.committed[r, :k].tolist()
+                assert fast.path_slots[r, :k].tolist() == walk.path_slots[r, :k].tolist()
