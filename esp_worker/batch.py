@@ -152,8 +152,8 @@ class Rows:
         hists.view(len(acc), -1).scatter_add_(1, idx, torch.ones_like(idx))
         if source is None or "accepted_by" not in t:
             return
-        if source.shape[1] == 1:  # one proposer per row: all of its kept drafts
-            t["accepted_by"].scatter_add_(1, source.expand(len(acc), -1), acc[:, None])
+        if source.shape[1] == 1:  # one proposer per row: all of its kept drafts (-1: a root-only tree, none kept)
+            t["accepted_by"].scatter_add_(1, source.expand(len(acc), -1).clamp(min=0), acc[:, None])
             return
         steps = torch.arange(path_slots.shape[1], device=acc.device)[None]
         kept = ((steps >= 1) & (steps <= acc[:, None])).long()  # path steps 1..acc are the kept drafts

@@ -40,3 +40,11 @@ def test_counters_widen_for_deeper_blocks():
     finish_stats(st, int(rows.t["drafted"][0]), rows.t["hists"][0].tolist(), deep + 1, 1, {})
     assert st.num_accepted_drafts == deep - 1 and st.accepted_per_depth == [1] * (deep - 1)
     assert st.committed_histogram == [0] * deep + [1]
+
+
+def test_root_only_tree_with_a_row_source_counts_nothing():
+    """A [B, 1] source of a root-only tree is the root's -1: no draft was kept, and the scatter must not index -1."""
+    rows = rows_with(new_counters(2, torch.device("cpu"), num_proposers=2))
+    rows.count(torch.tensor([1, 1]), torch.tensor([1, 1]), torch.tensor([0, 0]), 1,
+               torch.tensor([[-1], [-1]]), torch.tensor([[0], [0]]))
+    assert rows.t["accepted_by"].tolist() == [[0, 0], [0, 0]]
