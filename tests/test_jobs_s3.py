@@ -33,11 +33,14 @@ def _upload_prompts(s3, prefix: str, n_files: int, per_file: int) -> list[str]:
     return ids
 
 
+def _parts(s3, prefix: str) -> list[str]:
+    return [i.path for i in s3.fs.get_file_info(pafs.FileSelector(s3.path(prefix)))
+            if i.base_name.startswith("part-") and i.base_name.endswith(".parquet")]
+
+
 def _ids(s3, prefix: str) -> list[str]:
-    fs = s3.fs
-    files = [i.path for i in fs.get_file_info(pafs.FileSelector(s3.path(prefix)))
-             if i.base_name.startswith("part-") and i.base_name.endswith(".parquet")]
-    return ds.dataset(files, filesystem=fs, format="parquet").to_table(columns=["id"]).column("id").to_pylist()
+    files = _parts(s3, prefix)
+    return ds.dataset(files, filesystem=s3.fs, format="parquet").to_table(columns=["id"]).column("id").to_pylist()
 
 
 def _all_text(s3, prefix: str) -> str:
@@ -68,7 +71,8 @@ def test_job_reads_a_prefix_and_writes_parts_to_s3(ray_head, s3, tmp_path):
 
 
 def test_driver_killed_then_rerun_resumes_on_s3(ray_head, s3, tmp_path):
-    ids = _upload_prompts(s3, "in2", n_files=2, per_file=16)
+    # enough shards that the job cannot finish between its first part and the kill, even on a loaded machine
+    ids = _upload_prompts(s3, "in2", n_files=2, per_file=32)
     out_uri = s3.uri("out", "job2")
     args = [*FAST, f"data.path={s3.uri('in2')}", f"output.dir={out_uri}", "data.shard_size=4", "ray.num_actors=1",
             "generation.max_new_tokens=48", "generation.ignore_eos=true", "engine.max_batch_size=2",
@@ -78,12 +82,12 @@ def test_driver_killed_then_rerun_resumes_on_s3(ray_head, s3, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
-        try:
-            if _ids(s3, "out/job2"):
+        try:  # a listing only (reading the parts back would widen the window before the kill)
+            if _parts(s3, "out/job2"):
                 break
-        except (OSError, pa.ArrowException):
+        except OSError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = len(_ids(s3, "out/job2"))
