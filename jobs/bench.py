@@ -36,7 +36,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 
 from .bench_config import AUTO_METHODS, HYBRID_HEADS
-from .bench_results import summarise, write_table
+from .bench_results import against_fastest_fixed, summarise, write_table
 from .report import ALL, bench_plots, fmt, write_bench_report
 
 log = logging.getLogger("esp_batch.bench")
@@ -278,15 +278,18 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         hf = [s for s in settings if s.method == "hf"]
         hf_run = median_run(runs[hf[0]]) if hf else None
         secs = {s: [r["seconds"] for r in runs[s]] for s in settings}
+        batch_records = []
         for s in settings:
             rounds = {"self": secs[s], "ar": secs[settings[0]], "hf": secs[hf[0]] if hf else []}
             recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance, hf_run,
                              rounds)
-            records += recs
+            batch_records += recs
             top = recs[-1]
             log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s (vs hf %s), exact %s", s.label, batch,
                      fmt(top["tau"]), fmt(top["tokens_per_s"], 1), fmt(top["speedup_vs_ar"]),
                      fmt(top["speedup_vs_hf"]), fmt(top["exact_match_rate"]))
+        against_fastest_fixed(batch_records, {s.label: secs[s] for s in settings})
+        records += batch_records
         # written after every batch size, so a run cut short keeps the batch sizes it finished
         (out / "bench.json").write_text(json.dumps(records, indent=1))
         write_table(out / "bench.csv", records)

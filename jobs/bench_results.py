@@ -3,7 +3,10 @@
 - `summarise(...)`: one record per category (and one for ALL) from a setting's run against the `ar` run:
   tau, tokens/s, speedup vs ar/hf, exact-match and token-mismatch rates, predicted speedup, cache use.
   With repeats, `speedup_vs_ar_paired` / `speedup_vs_hf_paired` are the median over repeats of the ratio
-  within one round-robin round (both settings ran minutes apart), robust to a machine whose speed drifts.
+  within one round-robin round (both settings ran minutes apart), robust to a machine whose speed drifts;
+  `_q1` / `_q3` are the quartiles of those ratios (their spread is the machine's noise).
+- `against_fastest_fixed(records, rounds)`: each `auto` setting against the fastest fixed-size drafting
+  setting of the same run (ratio of medians, paired median and quartiles).
 - `token_mismatch_rate(outputs, references)`: divergences per compared token.
 - `write_table(path, records)`: records as CSV (bench.csv, cost_curve.csv).
 
@@ -87,7 +90,11 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
             if st.num_decode_passes else "",
         )
         for base, key in (("ar", "speedup_vs_ar_paired"), ("hf", "speedup_vs_hf_paired")):
-            rec[key] = _paired(rounds, base, {p.category for p in ps}) if rounds else None
+            q = paired_quartiles(rounds.get("self") or [], rounds.get(base) or [], {p.category for p in ps}) \
+                if rounds else None
+            rec[key] = q[1] if q else None
+            if base == "ar":
+                rec[key + "_q1"], rec[key + "_q3"] = (q[0], q[2]) if q else (None, None)
         rec["predicted_speedup"] = None
         rec["within_tolerance"] = None
         if curve is not None and tau and block and s.method != "hf":
@@ -107,17 +114,57 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
     return records
 
 
+def paired_ratios(mine: list[dict[str, float]], theirs: list[dict[str, float]], cats: set[str]) -> list[float]:
+    """Per round, the base's seconds over this setting's (over categories `cats`): the tokens are the same in
+    both (lossless), so each is the tokens/s ratio of that round-robin round."""
+    return [sum(b[c] for c in cats) / sum(a[c] for c in cats) for a, b in zip(mine, theirs) if sum(a[c] for c in cats)]
+
+
+def paired_quartiles(mine: list[dict[str, float]], theirs: list[dict[str, float]],
+                     cats: set[str]) -> Optional[tuple[float, float, float]]:
+    """(q1, median, q3) of the per-round ratios (one round: all three the same); None without rounds."""
+    ratios = paired_ratios(mine, theirs, cats)
+    if not ratios:
+        return None
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, statistics.median(ratios), q3
+
+
 def _paired(rounds: dict[str, list[dict[str, float]]], base: str, cats: set[str]) -> Optional[float]:
-    """Median over repeats of (base seconds / this setting's seconds) in the same round: the tokens are the
-    same in both (lossless), so it is the tokens/s ratio of that round."""
-    mine, theirs = rounds.get("self") or [], rounds.get(base) or []
-    ratios = [sum(b[c] for c in cats) / sum(a[c] for c in cats) for a, b in zip(mine, theirs) if sum(a[c] for c in cats)]
-    return statistics.median(ratios) if ratios else None
+    """Median over repeats of the per-round ratio of `base` to this setting ("self")."""
+    q = paired_quartiles(rounds.get("self") or [], rounds.get(base) or [], cats)
+    return q[1] if q else None
+
+
+def against_fastest_fixed(records: list[dict[str, Any]], rounds: dict[str, list[dict[str, float]]]) -> None:
+    """Adds to each whole-run record of an `auto` setting how it compares with the fastest fixed-size drafting
+    setting of the same run and batch size (the question `auto` answers: is choosing per pass better than
+    the best size a user could have picked after the fact?): `fastest_fixed` (its label), `vs_fastest_fixed`
+    (ratio of median tokens/s) and `vs_fastest_fixed_paired` with `_q1` / `_q3` (per-round ratios).
+    rounds: setting label -> seconds per category of every repeat. Records without a fixed rival are left."""
+    has_all = any(r["category"] == ALL for r in records)  # several categories; else the one category's records
+    whole = [r for r in records if r["category"] == ALL or not has_all]
+    for batch in {r["batch_size"] for r in whole}:
+        here = [r for r in whole if r["batch_size"] == batch and r["tokens_per_s"]]
+        fixed = [r for r in here if r["method"] not in ("ar", "hf") and r["block_complexity"] != "auto"]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda r: r["tokens_per_s"])
+        for r in here:
+            if r["block_complexity"] != "auto":
+                continue
+            mine = rounds.get(r["setting"], [])
+            q = paired_quartiles(mine, rounds.get(best["setting"], []), set(mine[0]) if mine else set())  # whole run
+            r.update(fastest_fixed=best["setting"], vs_fastest_fixed=r["tokens_per_s"] / best["tokens_per_s"],
+                     vs_fastest_fixed_paired=q[1] if q else None, vs_fastest_fixed_paired_q1=q[0] if q else None,
+                     vs_fastest_fixed_paired_q3=q[2] if q else None)
 
 
 def write_table(path: Path, records: list[dict[str, Any]]) -> None:
-    """`records` as a CSV file with a header row (the keys of the first record)."""
+    """`records` as a CSV file with a header row (every key of any record, in order of first appearance)."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(records[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in records for k in r)))
         w.writeheader()
         w.writerows(records)

@@ -458,6 +458,14 @@ def job_markdown(output_dir: str, stats: JobStats, num_parts: int, summary: dict
 ALL = "all"
 
 
+def _paired_cell(rec: dict, key: str) -> str:
+    """'median [q1-q3]' of a paired ratio (just the median when the quartiles are missing or equal)."""
+    mid, q1, q3 = rec.get(key), rec.get(key + "_q1"), rec.get(key + "_q3")
+    if mid is None or q1 is None or q3 is None or q1 == q3:
+        return fmt(mid)
+    return f"{fmt(mid)} [{fmt(q1)}-{fmt(q3)}]"
+
+
 def _bc_key(bc: Any) -> tuple:
     """Numbers first, ascending, then auto."""
     return (1, 0) if bc == "auto" else (0, bc)
@@ -563,7 +571,7 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
         f"{_length_note(cfg)}, temperature {cfg.generation.temperature}, "
         f"torch {env['torch']} with {env['torch_threads']} thread(s) on {env['machine']}; {b.warmup} warm-up prompt(s) per "
         f"setting, {b.repeats} timed repeat(s) per setting run round-robin (median time; 'paired': the median over "
-        f"repeats of the ratio within one round). tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
+        f"repeats of the ratio within one round, [its quartiles]). tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
         "exact match are against `ar` in the same run.", "",
         "## All prompts", "",
         "| setting | batch | tau | accepted/pass | 1-1/tau | tokens fed/pass | tokens/s | speedup | vs hf | paired vs ar / hf | "
@@ -576,15 +584,18 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
             f"| {r['setting']} | {r['batch_size']} | {fmt(r['tau'])} | {fmt(r['accepted_per_pass'])} | "
             f"{fmt(r['calls_saved'])} | {fmt(r['mean_block_size'], 1)} | {fmt(r['tokens_per_s'], 1)} | "
             f"{fmt(r['speedup_vs_ar'])} | {fmt(r.get('speedup_vs_hf'))} | "
-            f"{fmt(r.get('speedup_vs_ar_paired'))} / {fmt(r.get('speedup_vs_hf_paired'))} | {fmt(r['predicted_speedup'])} | "
+            f"{_paired_cell(r, 'speedup_vs_ar_paired')} / {fmt(r.get('speedup_vs_hf_paired'))} | {fmt(r['predicted_speedup'])} | "
             f"{fmt(r['host_overhead'])} | {mem} | {fmt(r['exact_match_rate'])} | {fmt(r.get('token_mismatch_rate'), 4)} |"
         )
     auto = [r for r in overall if r["block_complexity"] == "auto"]
     if auto:
-        lines += ["", "## Block sizes chosen by block_complexity=auto", "",
-                  "Tokens fed per sequence per pass : number of passes (1 = plain decoding).", "",
-                  "| setting | batch | block sizes |", "|---|---|---|"]
-        lines += [f"| {r['setting']} | {r['batch_size']} | {r['block_sizes']} |" for r in auto]
+        lines += ["", "## block_complexity=auto", "",
+                  "Tokens fed per sequence per pass : number of passes (1 = plain decoding); against the fastest "
+                  "fixed-size drafting setting of this run at the same batch size: the ratio of median tokens/s, "
+                  "and paired (per-round ratios: median [quartiles]).", "",
+                  "| setting | batch | block sizes | fastest fixed setting | vs it | paired |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['setting']} | {r['batch_size']} | {r['block_sizes']} | {r.get('fastest_fixed') or '-'} | "
+                  f"{fmt(r.get('vs_fastest_fixed'))} | {_paired_cell(r, 'vs_fastest_fixed_paired')} |" for r in auto]
     if cats:
         lines += ["", "## tau by category", "", "| setting | batch | " + " | ".join(cats) + " |",
                   "|---|---|" + "---|" * len(cats)]

@@ -130,3 +130,42 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
     # per round: 4/2 = 2.0, 8/8 = 1.0, 3/2 = 1.5 -> median 1.5; category a alone: 2.0, 1.0, 0.67 -> 1.0
     assert _paired(rounds, "ar", {"a", "b"}) == 1.5 and _paired(rounds, "ar", {"a"}) == 1.0
     assert _paired(rounds, "hf", {"a"}) is None
+
+
+def test_paired_quartiles():
+    from jobs.bench_results import paired_quartiles
+
+    mine = [{"a": 1.0}, {"a": 1.0}, {"a": 1.0}, {"a": 1.0}, {"a": 1.0}]
+    theirs = [{"a": 0.9}, {"a": 1.0}, {"a": 1.1}, {"a": 1.2}, {"a": 1.3}]
+    assert paired_quartiles(mine, theirs, {"a"}) == pytest.approx((1.0, 1.1, 1.2))
+    assert paired_quartiles(mine[:1], theirs[:1], {"a"}) == pytest.approx((0.9, 0.9, 0.9))
+    assert paired_quartiles([], theirs, {"a"}) is None
+
+
+def test_auto_settings_are_compared_with_the_fastest_fixed_setting_of_their_batch():
+    from jobs.bench_results import against_fastest_fixed
+    from jobs.report import _paired_cell
+
+    def rec(setting, method, bc, batch, tps, cat="all"):
+        return dict(setting=setting, method=method, block_complexity=bc, batch_size=batch, tokens_per_s=tps,
+                    category=cat)
+
+    records = [rec("ar", "ar", 1, 1, 100.0), rec("hf generate", "hf", 1, 1, 300.0),  # baselines are no rival
+               rec("pld BC10", "pld", 10, 1, 150.0), rec("pld BC30", "pld", 30, 1, 120.0),
+               rec("hybrid BCauto", "hybrid", "auto", 1, 165.0), rec("pld BC10", "pld", 10, 1, 999.0, cat="code"),
+               rec("pld BC10", "pld", 10, 16, 400.0), rec("hybrid BCauto", "hybrid", "auto", 16, 300.0),
+               rec("code", "code", "auto", 1, 1.0, cat="code")]
+    records[-1]["setting"] = "esp k1 static BCauto"  # a per-category record of an auto setting: left alone
+    rounds = {"pld BC10": [{"code": 1.0, "verse": 1.0}, {"code": 2.0, "verse": 2.0}, {"code": 1.0, "verse": 1.1}],
+              "hybrid BCauto": [{"code": 1.0, "verse": 0.8}, {"code": 1.0, "verse": 1.0}, {"code": 1.0, "verse": 1.0}]}
+    against_fastest_fixed(records, rounds)
+    b1, b16 = records[4], records[7]
+    assert b1["fastest_fixed"] == "pld BC10" and b1["vs_fastest_fixed"] == pytest.approx(1.1)
+    # per round: 2.0 / 1.8, 4.0 / 2.0, 2.1 / 2.0 -> median 1.111, quartiles 1.078 and 1.556
+    assert b1["vs_fastest_fixed_paired"] == pytest.approx(2.0 / 1.8)
+    assert b1["vs_fastest_fixed_paired_q1"] == pytest.approx((2.1 / 2.0 + 2.0 / 1.8) / 2)
+    assert b1["vs_fastest_fixed_paired_q3"] == pytest.approx((2.0 / 1.8 + 2.0) / 2)
+    assert b16["fastest_fixed"] == "pld BC10" and b16["vs_fastest_fixed"] == pytest.approx(0.75)
+    assert "fastest_fixed" not in records[-1] and "fastest_fixed" not in records[2]
+    assert _paired_cell(b1, "vs_fastest_fixed_paired") == "1.11 [1.08-1.56]"
+    assert _paired_cell({"x": 1.0}, "x") == "1.00"
