@@ -89,6 +89,8 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
             accepted_per_depth=" ".join(f"{n / st.num_decode_passes:.3f}" for n in st.accepted_per_depth)
             if st.num_decode_passes else "",
         )
+        cs = {p.category for p in ps}
+        rec["time_s_rounds"] = [sum(r[c] for c in cs) for r in rounds.get("self") or []] if rounds else None
         for base, key in (("ar", "speedup_vs_ar_paired"), ("hf", "speedup_vs_hf_paired")):
             q = paired_quartiles(rounds.get("self") or [], rounds.get(base) or [], {p.category for p in ps}) \
                 if rounds else None

@@ -42,6 +42,7 @@ def test_bench_end_to_end(tmp_path):
     assert all(r["speedup_vs_ar_paired"] == 1.0 for r in records if r["method"] == "ar")
     assert all(r["speedup_vs_ar_paired"] > 0 and r["speedup_vs_hf_paired"] > 0 for r in records)
     assert all(r["peak_cache_mb"] > 0 for r in records if r["method"] != "hf")
+    assert all(len(r["time_s_rounds"]) == 1 and r["time_s_rounds"][0] == pytest.approx(r["time_s"]) for r in records)
     assert next(r for r in records if r["setting"] == "ar" and r["category"] == "all")["num_prompts"] == 4
     with open(out / "bench.csv") as f:
         assert len(list(csv.DictReader(f))) == len(records)
