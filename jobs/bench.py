@@ -201,6 +201,12 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
     return {"outputs": outputs, "seconds": seconds, "timing": {**engine.timing, "compile_s": engine.compile_s}}
 
 
+def rotated(items: list, r: int) -> list:
+    """items rotated left by r (mod their count): [a, b, c], 1 -> [b, c, a]."""
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 @contextlib.contextmanager
 def quiet_heap() -> Iterator[None]:
     """Collect the garbage of the previous setting (its engine, cache and outputs) before a run, and freeze
@@ -264,10 +270,11 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     records = []
     for batch in b.batch_sizes:
         # repeats run round-robin over the settings (drift hits every setting alike); per category the
-        # median time is kept
+        # median time is kept. Round r starts r settings further on, so no setting always runs right after
+        # the same one or at the same place in a round (a position's bias spreads over every setting)
         runs: dict[Setting, list[dict[str, Any]]] = {s: [] for s in settings}
         for r in range(b.repeats):
-            for s in settings:
+            for s in rotated(settings, r):
                 t0 = time.perf_counter()
                 with quiet_heap():
                     run = run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve)

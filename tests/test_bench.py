@@ -170,3 +170,11 @@ def test_auto_settings_are_compared_with_the_fastest_fixed_setting_of_their_batc
     assert "fastest_fixed" not in records[-1] and "fastest_fixed" not in records[2]
     assert _paired_cell(b1, "vs_fastest_fixed_paired") == "1.11 [1.08-1.56]"
     assert _paired_cell({"x": 1.0}, "x") == "1.00"
+
+
+def test_rounds_start_one_setting_further_on():
+    from jobs.bench import rotated
+
+    assert [rotated(["ar", "hf", "pld"], r) for r in range(4)] == [
+        ["ar", "hf", "pld"], ["hf", "pld", "ar"], ["pld", "ar", "hf"], ["ar", "hf", "pld"]]
+    assert rotated([], 3) == []
