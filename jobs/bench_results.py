@@ -92,8 +92,7 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
         cs = {p.category for p in ps}
         rec["time_s_rounds"] = [sum(r[c] for c in cs) for r in rounds.get("self") or []] if rounds else None
         for base, key in (("ar", "speedup_vs_ar_paired"), ("hf", "speedup_vs_hf_paired")):
-            q = paired_quartiles(rounds.get("self") or [], rounds.get(base) or [], {p.category for p in ps}) \
-                if rounds else None
+            q = paired_quartiles(rounds.get("self") or [], rounds.get(base) or [], cs) if rounds else None
             rec[key] = q[1] if q else None
             if base == "ar":
                 rec[key + "_q1"], rec[key + "_q3"] = (q[0], q[2]) if q else (None, None)
@@ -132,12 +131,6 @@ def paired_quartiles(mine: list[dict[str, float]], theirs: list[dict[str, float]
         return ratios[0], ratios[0], ratios[0]
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
     return q1, statistics.median(ratios), q3
-
-
-def _paired(rounds: dict[str, list[dict[str, float]]], base: str, cats: set[str]) -> Optional[float]:
-    """Median over repeats of the per-round ratio of `base` to this setting ("self")."""
-    q = paired_quartiles(rounds.get("self") or [], rounds.get(base) or [], cats)
-    return q[1] if q else None
 
 
 def against_fastest_fixed(records: list[dict[str, Any]], rounds: dict[str, list[dict[str, float]]]) -> None:

@@ -570,8 +570,9 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
         f"({overall[0]['num_prompts']} prompts{f', {skipped} rows skipped for errors' if skipped else ''}), "
         f"{_length_note(cfg)}, temperature {cfg.generation.temperature}, "
         f"torch {env['torch']} with {env['torch_threads']} thread(s) on {env['machine']}; {b.warmup} warm-up prompt(s) per "
-        f"setting, {b.repeats} timed repeat(s) per setting run round-robin, each round starting one setting further on (median time; 'paired': the median over "
-        f"repeats of the ratio within one round, [its quartiles]). tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
+        f"setting, {b.repeats} timed repeat(s) per setting run round-robin, each round starting one setting "
+        f"further on (median time; 'paired': the median over repeats of the ratio within one round, [its "
+        f"quartiles]). tau = tokens committed per decode pass (bonus included, prefill not counted); speedup and "
         "exact match are against `ar` in the same run.", "",
         "## All prompts", "",
         "| setting | batch | tau | accepted/pass | 1-1/tau | tokens fed/pass | tokens/s | speedup | vs hf | paired vs ar / hf | "

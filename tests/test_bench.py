@@ -124,13 +124,13 @@ def test_token_mismatch_rate():
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios():
-    from jobs.bench_results import _paired
+    from jobs.bench_results import paired_quartiles
 
-    rounds = {"self": [{"a": 1.0, "b": 1.0}, {"a": 4.0, "b": 4.0}, {"a": 1.5, "b": 0.5}],
-              "ar": [{"a": 2.0, "b": 2.0}, {"a": 4.0, "b": 4.0}, {"a": 1.0, "b": 2.0}]}
+    mine = [{"a": 1.0, "b": 1.0}, {"a": 4.0, "b": 4.0}, {"a": 1.5, "b": 0.5}]
+    ar = [{"a": 2.0, "b": 2.0}, {"a": 4.0, "b": 4.0}, {"a": 1.0, "b": 2.0}]
     # per round: 4/2 = 2.0, 8/8 = 1.0, 3/2 = 1.5 -> median 1.5; category a alone: 2.0, 1.0, 0.67 -> 1.0
-    assert _paired(rounds, "ar", {"a", "b"}) == 1.5 and _paired(rounds, "ar", {"a"}) == 1.0
-    assert _paired(rounds, "hf", {"a"}) is None
+    assert paired_quartiles(mine, ar, {"a", "b"})[1] == 1.5 and paired_quartiles(mine, ar, {"a"})[1] == 1.0
+    assert paired_quartiles(mine, [], {"a"}) is None
 
 
 def test_paired_quartiles():
