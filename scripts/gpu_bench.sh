@@ -5,6 +5,7 @@
 # tiny   : the trained esp-tiny-llama (float32) at batch 1: hf generate, ar, pld, esp, hybrid
 # random1: random-weight Llama 1B shape in bf16, batch 1: hf generate, ar, esp, hybrid + cost curve Q = 1..128
 # randomN: the same at batch 16 and 64 (120 prompts) + cost curves at those batch sizes
+# compile1: random1's model at batch 1 and 16 with engine.compile=true (ar, esp auto, hybrid auto; hf eager)
 # MODEL_DIR (default gpu_data/esp-tiny-llama) and PROMPTS_DIR (default gpu_data) hold the model and prompt
 # files (tiny_prompts_dev.jsonl, prompts8/16.jsonl = 4/8 code + 4/8 verse of it, prompts120.jsonl = it twice).
 set -uo pipefail
@@ -24,14 +25,20 @@ tiny)
     bench.cost_max_block=128 output.dir="$out/tiny-b1" 2>&1 | grep -v Warning | tail -60
   ;;
 random1)
-  timeout ${T:-240} python3 -m jobs.bench model.name_or_path=random:llama-1b model.device=cuda model.dtype=bfloat16 \
-    data.path=$P/prompts8.jsonl generation.ignore_eos=true $common 'bench.methods=[ar,esp,hybrid]' \
+  timeout ${T:-400} python3 -m jobs.bench model.name_or_path=random:llama-1b model.device=cuda model.dtype=bfloat16 \
+    data.path=$P/prompts8.jsonl generation.ignore_eos=true $common ${EXTRA:-} 'bench.methods=[ar,esp,hybrid]' \
     'bench.block_complexities=[30,auto]' bench.cost_max_block=128 output.dir="$out/llama1b-b1" 2>&1 | grep -v Warning | tail -40
   ;;
 randomN)
   timeout ${T:-500} python3 -m jobs.bench model.name_or_path=random:llama-1b model.device=cuda model.dtype=bfloat16 \
-    data.path=$P/prompts120.jsonl generation.ignore_eos=true $common 'bench.methods=[ar,esp,hybrid]' \
+    data.path=$P/prompts120.jsonl generation.ignore_eos=true $common ${EXTRA:-} 'bench.methods=[ar,esp,hybrid]' \
     'bench.block_complexities=[30,auto]' 'bench.batch_sizes=[16,64]' bench.cost_max_block=128 \
     output.dir="$out/llama1b-b16-b64" 2>&1 | grep -v Warning | tail -40
+  ;;
+compile1)
+  timeout ${T:-400} python3 -m jobs.bench model.name_or_path=random:llama-1b model.device=cuda model.dtype=bfloat16 \
+    data.path=$P/prompts16.jsonl generation.ignore_eos=true $common ${EXTRA:-} engine.compile=true 'bench.methods=[ar,esp,hybrid]' \
+    'bench.block_complexities=[auto]' 'bench.batch_sizes=[1,16]' bench.cost_curve=false \
+    output.dir="$out/llama1b-compile" 2>&1 | grep -v Warning | tail -40
   ;;
 esac

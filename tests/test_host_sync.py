@@ -93,10 +93,10 @@ def test_no_synchronisation_inside_a_pass_on_gpu(monkeypatch, setting, temperatu
             inside[0] = False
             torch.cuda.set_sync_debug_mode(0)
 
-    def allowed_read_back(self):
+    def allowed_read_back(self, *args, **kwargs):
         torch.cuda.set_sync_debug_mode(0)
         try:
-            return read_back(self)
+            return read_back(self, *args, **kwargs)
         finally:
             if inside[0]:
                 torch.cuda.set_sync_debug_mode("error")

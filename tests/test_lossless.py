@@ -83,11 +83,12 @@ def test_sliding_window_model_matches_generate(method):
     model, tok = build_tiny_model("mistral", seed=3)
     model.config.sliding_window = 6
     model.config._attn_implementation = "sdpa"
-    base = tiny("mistral")
+    base = tiny("mistral")  # its device: CUDA where there is one
+    model = model.to(base.device)
     lm = dataclasses.replace(base, model=model.eval(), tokenizer=tok)
     outs = run(lm, EngineConfig(method=method, num_masks=2, block_complexity=30, max_batch_size=4), GREEDY)
     for p, o in zip(PROMPTS, outs):
-        ids = tok(p, return_tensors="pt").input_ids
+        ids = tok(p, return_tensors="pt").input_ids.to(base.device)
         with torch.inference_mode():
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False, pad_token_id=2)
         assert o.token_ids == ref[0, ids.shape[1]:].tolist()
