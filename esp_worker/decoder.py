@@ -217,7 +217,8 @@ def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     packed_q = query.reshape(b, hkv, g * q, hd)  # heads j * g .. j * g + g - 1 share key/value head j
     packed_bias = bias[:, :, None].expand(bias.shape[0], 1, g, q, s).reshape(bias.shape[0], 1, g * q, s)
     out = F.scaled_dot_product_attention(packed_q, key, value, attn_mask=packed_bias, dropout_p=dropout, scale=scaling)
-    return out.view(b, h, q, hd).transpose(1, 2), None
+    # reshape, not view: a CUDA kernel may return the packed output in another memory layout
+    return out.reshape(b, h, q, hd).transpose(1, 2), None
 
 
 def _rows_at(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

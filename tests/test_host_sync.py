@@ -52,6 +52,20 @@ def count_reads_per_pass(monkeypatch):
             seen["inside"] = False
 
     monkeypatch.setattr(Engine, "_step", counted_step)
+    # a tensor made from host data directly on the rows' device inside a pass is a host-to-device copy from
+    # pageable memory on a GPU, which waits for the stream: it counts as a read (sampling.upload is the way)
+    for name in ("tensor", "as_tensor"):
+        make = getattr(torch, name)
+
+        def counted_make(*a, _make=make, _name=name, **kw):
+            if seen["inside"] and kw.get("device") is not None:
+                seen["reads"] += 1
+                if len(seen["where"]) < 5:
+                    import traceback
+                    seen["where"].append((f"torch.{_name}", traceback.format_stack(limit=4)[-2]))
+            return _make(*a, **kw)
+
+        monkeypatch.setattr(torch, name, counted_make)
     yield seen
 
 

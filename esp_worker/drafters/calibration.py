@@ -26,13 +26,15 @@ class AcceptanceCalibration:
         self.acc = torch.zeros_like(self.prior)  # [C] decayed count of accepted reached nodes
         self.decay = decay
 
-    def _to(self, dev: torch.device) -> None:
-        if self.pred.device != dev:  # the counters live where the rows do: no device read
+    def to(self, dev: torch.device) -> None:
+        """Move the counters to where the rows live. Called when rows start (the prefill), outside a decode pass:
+        a copy from host memory to a GPU synchronises."""
+        if self.pred.device != dev:
             self.pred, self.acc, self.prior = self.pred.to(dev), self.acc.to(dev), self.prior.to(dev)
 
     def factors(self, dev: torch.device) -> torch.Tensor:
         """[C] accepted / predicted per cell."""
-        self._to(dev)
+        self.to(dev)
         return (self.acc + self.prior) / (self.pred + 1.0)
 
     def update(self, tree: DraftTree, path_slots: torch.Tensor, num_committed: torch.Tensor,
@@ -42,7 +44,7 @@ class AcceptanceCalibration:
         tree was built from."""
         b, t = tree.tokens.shape
         dev = tree.tokens.device
-        self._to(dev)
+        self.to(dev)
         steps = torch.arange(path_slots.shape[1], device=dev)[None]
         on_path = (steps < num_committed[:, None]).long()  # root + accepted nodes
         accepted = torch.zeros((b, t), dtype=torch.long, device=dev).scatter_add_(1, path_slots, on_path) > 0

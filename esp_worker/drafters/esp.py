@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..sampling import upload
 from ..tree import DraftTree, best_nodes, static_branches, static_parents
 from .base import Block, Drafter, PassResult, RowsView
 from .common import NEG, topk_excluding  # noqa: F401  (topk_excluding re-exported for callers of esp)
@@ -214,7 +215,7 @@ class ESPDrafter(Drafter):
     def _parents_for(self, b: int, dev, branches: list[int]) -> torch.Tensor:
         key = (b, dev, tuple(branches))
         if key not in self._parents:
-            self._parents[key] = torch.tensor(static_parents(branches), device=dev).expand(b, -1).contiguous()
+            self._parents[key] = upload(torch.tensor(static_parents(branches)), dev).expand(b, -1).contiguous()
         return self._parents[key]
 
     def _static_tree(self, root, cand_lp, cand_ids, branches: list[int]) -> DraftTree:

@@ -159,6 +159,7 @@ class HybridDrafter(ESPDrafter):
         return self.chain.row_hints(view)  # with a corpus: whether any row needs it next pass
 
     def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
+        self.calibration.to(view.hist.device)  # here, not inside a pass (a host-to-GPU copy synchronises)
         self.store.start_rows(view)
         if self.heads is not None:
             self.heads.start_rows(view)
