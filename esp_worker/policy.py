@@ -23,6 +23,8 @@ import torch
 from .cost_model import CostCurve, measure_cost_curve, powers_of_two
 from .model_io import ModelRunner
 
+EXCESS_TOLERANCE = 1.25  # a drafting pass's model time beyond the curve counts once it is this far above plain's
+EXCESS_REFRESH = 8  # while an excess counts, a plain pass at least every this many passes re-measures plain's
 CURVE_VERSION = 4  # bump when what a pass runs changes, so cached curves are measured again (4: packed GQA attention)
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -43,6 +45,9 @@ class _Arm:
         # can cost more than another's (the hybrid's merged set keeps its logit store and probe up to date)
         self.over: collections.deque = collections.deque(maxlen=15)
         self.plain_over: collections.deque = collections.deque(maxlen=15)
+        # measured / curve model seconds of this set's drafting passes (over the latest plain pass's ratio: what
+        # the curve does not see of them, e.g. a block shape that selects a slower kernel)
+        self.excess: collections.deque = collections.deque(maxlen=15)
         # decayed tokens committed per row / seconds in units of the curve's plain pass at that batch and
         # cache length, over the passes this arm planned: a speed relative to plain decoding, so that batch
         # occupancy (the tail of a job) and context length, which change throughput whatever the arm, do not
@@ -80,6 +85,15 @@ class BlockPolicy:
     the first `min_samples` looks draft whatever the estimate says,
     and while one mode wins, the other gets one pass in `explore_every` (plain; or a tree, when a look finds
     something to draft).
+
+    Model-time excess: the curve times the forward on the shapes it measured; a drafting pass's forward may cost
+    more (a shape that selects a slower kernel, a tree mask, a probe's extra rows). Each drafting pass's
+    measured model time over the curve's is kept per proposer set; the median of the last few, over the same
+    ratio of the latest plain pass (the machine's speed divides out), is the excess. When it is above
+    `EXCESS_TOLERANCE` (beyond the VM's noise), drafting sizes cost that factor times the curve, and a plain
+    pass runs at least every `EXCESS_REFRESH` passes to keep the plain ratio current: a machine that slowed
+    down while the policy drafted would otherwise look like an excess of drafting until the next plain pass. On an H100 a 1B model's hybrid passes under `auto` ran at 0.3-0.4x plain decoding with
+    their extra time inside the model calls (host overhead 0.12), which the host overheads could not see.
 
     Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set with the most tokens
     committed per row per curve-predicted plain pass time over the passes it planned (decayed; a speed
@@ -124,6 +138,7 @@ class BlockPolicy:
         self.decay, self.rate_decay = decay, rate_decay
         self.drift = 1.0  # measured / predicted model seconds (decayed): the machine's speed against the curve's
         self._drift_w = 0.0
+        self._plain_ratio: Optional[float] = None  # measured / predicted model seconds of the latest plain pass
         self.explore_every = explore_every
         self.min_samples = min_samples
         self.arm_min_passes = arm_min_passes  # passes each proposer set runs before their speeds are compared
@@ -151,7 +166,8 @@ class BlockPolicy:
         self._mass = None
         batch = len(view.seeds)
         cache_len = (sum(lens) // len(lens) if lens else int(view.hist_len.float().mean())) - 1
-        if self._wait > 0 or self._since["plain"] >= self.explore_every:
+        refresh = self._since["plain"] >= EXCESS_REFRESH and self.model_excess() > 1.0
+        if self._wait > 0 or self._since["plain"] >= self.explore_every or refresh:
             self._wait = max(self._wait - 1, 0)
             return self._planned(-1, batch, cache_len)
         base = self.probe_interval if drafter.needs_probe_to_draft else 1
@@ -190,8 +206,8 @@ class BlockPolicy:
             return True
         costs = self.costs(batch, cache_len)
         plain = batch / (costs[0] + self.overhead("plain"))
-        over, alpha = self.overhead("draft"), self.alpha
-        return any(batch * (1 + alpha * min(s, limit)) / (c + over) > plain
+        over, alpha, excess = self.overhead("draft"), self.alpha, self.model_excess()
+        return any(batch * (1 + alpha * min(s, limit)) / (c * excess + over) > plain
                    for s, c in zip(self.arm.sizes[1:], costs[1:]))
 
     def _pick_arm(self, drafter) -> bool:
@@ -253,17 +269,37 @@ class BlockPolicy:
             self.observe(self._mass[min(self._n, len(self._mass) - 1)], float(committed - batch))
         if seconds is None:
             return
+        excess = self.model_excess() if mode == "draft" else 1.0
         if model_seconds is None:
             host = max(seconds - model_s, 0.0)
         else:
-            self._track_drift(model_seconds, model_s)
+            self._observe_excess(mode, model_seconds, model_s)
+            self._track_drift(model_seconds / excess, model_s)  # the machine's speed, not the mode's excess
             host = max(seconds - model_seconds, 0.0) / self.drift
         (arm.plain_over if mode == "plain" else arm.over).append(host)
         if len(self.arms) > 1:  # speed of the proposer set in charge (its plain passes included)
             d = self.rate_decay
             arm.tokens = d * arm.tokens + committed / max(batch, 1)
-            arm.seconds = d * arm.seconds + (model_s + host) / plain_s
+            arm.seconds = d * arm.seconds + (model_s * excess + host) / plain_s
             arm.passes += 1
+
+    def _observe_excess(self, mode: str, measured: float, predicted: float) -> None:
+        if predicted <= 0 or measured <= 0:
+            return
+        ratio = measured / predicted
+        if mode == "plain":
+            self._plain_ratio = ratio
+        else:
+            self.arm.excess.append(ratio)
+
+    def model_excess(self) -> float:
+        """Factor on the curve's model time of the current proposer set's drafting passes: the median measured
+        excess once there are `min_samples` and it is above EXCESS_TOLERANCE, else 1."""
+        obs = self.arm.excess
+        if len(obs) < self.min_samples or self._plain_ratio is None:
+            return 1.0
+        m = statistics.median(obs) / self._plain_ratio
+        return m if m > EXCESS_TOLERANCE else 1.0
 
     def _track_drift(self, measured: float, predicted: float, decay: float = 0.9) -> None:
         """Decayed ratio of measured to predicted model seconds (a weighted mean: the first pass sets it)."""
@@ -302,11 +338,12 @@ class BlockPolicy:
         self._mass = cum
         alpha, top = self.alpha, len(cum) - 1
         plain, draft = (self.overhead("plain"), self.overhead("draft")) if measured else (0.0, 0.0)
+        excess = self.model_excess() if measured else 1.0
         best, best_rate = -1, -1.0
         for s, cost in zip(self.arm.sizes, self.costs(batch, cache_len)):
             if s < 0 and not measured and cum[-1] > 0:
                 continue  # exploring: draft
-            rate = (batch + alpha * cum[min(max(s, 0), top)]) / (cost + (plain if s < 0 else draft))
+            rate = (batch + alpha * cum[min(max(s, 0), top)]) / (cost + plain if s < 0 else cost * excess + draft)
             if rate > best_rate:  # the first of equal rates, as argmax
                 best, best_rate = s, rate
         return best

@@ -225,9 +225,10 @@ def test_proposer_sets_compare_speed_relative_to_plain_not_raw_tokens_per_second
     assert rates[0] == pytest.approx(rates[1]) == pytest.approx(1.5)
 
 
-def _run_timed(p: BlockPolicy, drafter, passes: int, speed) -> list[int]:
+def _run_timed(p: BlockPolicy, drafter, passes: int, speed, draft_excess: float = 1.0) -> list[int]:
     """Like _run, with the model's own time reported: pass i's model takes the curve's time x speed(i) (the
-    machine drifting) and its host work 0.3 s x speed(i) when drafting, 0.1 s x speed(i) when plain."""
+    machine drifting), x draft_excess when drafting, and its host work 0.3 s x speed(i) when drafting,
+    0.1 s x speed(i) when plain."""
     from types import SimpleNamespace
 
     view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
@@ -235,7 +236,7 @@ def _run_timed(p: BlockPolicy, drafter, passes: int, speed) -> list[int]:
     for i in range(passes):
         n = p.plan(drafter, view)
         plans.append(n)
-        model_s = p._last[1] * speed(i)
+        model_s = p._last[1] * speed(i) * (draft_excess if n >= 0 else 1.0)
         host = (0.3 if n > 0 else 0.1) * speed(i)
         p.observe_pass(torch.full((2,), 1 + int(n > 0)), model_s + host, model_s)
     return plans
@@ -256,6 +257,26 @@ def test_machine_drift_is_not_taken_for_a_mode_overhead():
     q = policy(FLAT)
     _run(q, _Drafter(mass), 100, lambda n: 2.5 * (FLAT.time(2, 60, 100) + 0.3))
     assert q.overhead("draft") > 1.5
+
+
+def test_drafting_passes_slower_than_the_curve_turn_drafting_off():
+    """The curve says a block is free, the host overheads are small, but every drafting pass's model calls take
+    7x the curve's time (on an H100, hybrid's passes under auto: their extra time was inside the model calls,
+    invisible to the host overheads). The measured excess makes plain decoding win; with no excess the same
+    policy drafts; a machine slowing down as a whole is not taken for an excess (the drift test above)."""
+    mass = torch.full((2, 29), 0.5)
+    p = policy(FLAT)
+    plans = _run_timed(p, _Drafter(mass), 400, lambda i: 1.0, draft_excess=7.0)
+    assert p.model_excess() == pytest.approx(7.0, rel=1e-3)
+    assert sum(n > 0 for n in plans[100:]) < 0.1 * 300  # only the exploration passes draft
+    assert p.drift == pytest.approx(1.0, rel=1e-3)  # the excess is not taken for the machine's speed
+    q = policy(FLAT)
+    plans = _run_timed(q, _Drafter(mass), 400, lambda i: 1.0)
+    assert q.model_excess() == 1.0 and sum(n > 0 for n in plans[100:]) > 0.95 * 300
+    # an excess within the VM's noise is not counted
+    r = policy(FLAT)
+    _run_timed(r, _Drafter(mass), 200, lambda i: 1.0, draft_excess=1.2)
+    assert r.model_excess() == 1.0
 
 
 def test_a_slower_proposer_set_is_tried_less_often():
