@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks (issue 11). Run from the repository root on a CUDA machine:
-#   bash scripts/gpu_bench.sh tests|tiny|random OUTDIR
+#   bash scripts/gpu_bench.sh tests|tiny|random1|randomN|compile1 OUTDIR
 # tests  : the gpu-marked tests, then the CPU lossless suite (the machine's own torch build)
 # tiny   : the trained esp-tiny-llama (float32) at batch 1: hf generate, ar, pld, esp, hybrid
 # random1: random-weight Llama 1B shape in bf16, batch 1: hf generate, ar, esp, hybrid + cost curve Q = 1..128
@@ -8,6 +8,8 @@
 # compile1: random1's model at batch 1 and 16 with engine.compile=true (ar, esp auto, hybrid auto; hf eager)
 # MODEL_DIR (default gpu_data/esp-tiny-llama) and PROMPTS_DIR (default gpu_data) hold the model and prompt
 # files (tiny_prompts_dev.jsonl, prompts8/16.jsonl = 4/8 code + 4/8 verse of it, prompts120.jsonl = it twice).
+# A machine without omegaconf: install the omegaconf and antlr4-python3-runtime wheels first and put the
+# repository on PYTHONPATH. EXTRA adds bench overrides (e.g. EXTRA=bench.cost_curve=false); T is the time limit.
 set -uo pipefail
 stage=$1; out=$2
 mkdir -p "$out"
