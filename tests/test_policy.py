@@ -334,3 +334,56 @@ def test_a_look_that_cannot_pay_costs_no_probe_pass():
     steep = _probes(STEEP)
     assert steep <= 2000 // (64 * 8) + 1
     assert _probes(FLAT) > 3 * steep
+
+
+def test_engine_stops_drafting_when_its_drafting_forwards_are_slow(monkeypatch):
+    """End to end on the engine with the trained esp-tiny-llama (random models accept nothing, so auto would
+    not draft anyway): the curve says a block is free, but every decode forward of more than one token per row
+    (a drafting pass) sleeps 20 ms. The engine reports each pass's model time, the policy measures the excess
+    and decodes plainly except for its exploration passes; without the sleep the same job drafts."""
+    import json
+    import time
+
+    from conftest_jobs import SHARED_DATA, TINY_PROMPTS, shared
+    from esp_worker import ModelConfig, Request
+    from esp_worker.model_io import ModelRunner, load_model
+
+    model_dir = shared(SHARED_DATA.parent / "models" / "esp-tiny-llama")
+    prompts = [json.loads(line)["prompt"] for line in shared(TINY_PROMPTS).read_text().splitlines()[:4]]
+    torch.set_num_threads(1)
+    lm = load_model(ModelConfig(name_or_path=str(model_dir)))
+
+    def drafting_share(slow: bool) -> float:
+        cfg = EngineConfig(method="pld", block_complexity="auto", max_batch_size=1)
+        eng = Engine(lm, cfg, cost_curve=FLAT)
+        forward, sync = ModelRunner.forward, ModelRunner._sync
+
+        def slow_forward(self, inputs_embeds, *a, **kw):
+            # a decode forward of more than one token per row (the prefill passes `keep`)
+            self.slow_now = slow and inputs_embeds.shape[1] > 1 and kw.get("keep") is None
+            return forward(self, inputs_embeds, *a, **kw)
+
+        def slow_sync(self):  # inside the forward's timed region: the sleep counts as model time
+            if getattr(self, "slow_now", False):
+                self.slow_now = False
+                time.sleep(0.02)
+            return sync(self)
+
+        monkeypatch.setattr(ModelRunner, "forward", slow_forward)
+        monkeypatch.setattr(ModelRunner, "_sync", slow_sync)
+        try:
+            reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=96)) for i, p in enumerate(prompts)]
+            outs = eng.generate(reqs)
+        finally:
+            monkeypatch.setattr(ModelRunner, "forward", forward)
+            monkeypatch.setattr(ModelRunner, "_sync", sync)
+        hist: dict = {}
+        for o in outs:
+            assert o.error is None
+            for q, c in o.stats.block_size_histogram.items():
+                hist[q] = hist.get(q, 0) + c
+        return 1 - hist.get(1, 0) / sum(hist.values())
+
+    fast, slow = drafting_share(False), drafting_share(True)
+    assert fast > 0.3, fast  # on a free block prompt lookup's chains pay on this model's text
+    assert slow < 0.15, (slow, fast)
