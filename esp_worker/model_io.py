@@ -10,6 +10,8 @@ The only module that knows how a Hugging Face model is called. Sources:
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import time
 from dataclasses import dataclass
@@ -296,6 +298,12 @@ class ModelRunner:
         # pass free of synchronisations, e.g. under torch.cuda.set_sync_debug_mode("error"))
         self.timed = True
 
+    # name the model's calls in a torch.profiler trace (jobs/bench_profile.py turns it on; off, no cost per call)
+    profile_marks = False
+
+    def _mark(self, name: str):
+        return torch.profiler.record_function(name) if self.profile_marks else contextlib.nullcontext()
+
     def _sync(self) -> None:
         if self.timed and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -319,6 +327,13 @@ class ModelRunner:
         was planned."""
         assert inputs_embeds.ndim == 3 and (bias is None or bias.ndim == 4) and position_ids.ndim == 2
         t0 = time.perf_counter()
+        with self._mark("model.forward"):
+            hidden = self._forward(inputs_embeds, bias, position_ids, cache, max_position, keep)
+        self._sync()
+        self.model_s += time.perf_counter() - t0
+        return hidden
+
+    def _forward(self, inputs_embeds, bias, position_ids, cache, max_position, keep) -> torch.Tensor:
         if self.direct is not None:
             hidden = self.direct(inputs_embeds, bias, position_ids, cache, max_position, keep)
         else:
@@ -331,19 +346,18 @@ class ModelRunner:
             ).last_hidden_state
             if keep is not None:
                 hidden = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))
-        self._sync()
-        self.model_s += time.perf_counter() - t0
         return hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., D] -> logits [..., V] in float32
         t0 = time.perf_counter()
-        logits = self.lm_head(hidden).float()
-        if self.logit_scale is not None:
-            logits = logits * self.logit_scale
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        with self._mark("model.logits"):
+            logits = self.lm_head(hidden).float()
+            if self.logit_scale is not None:
+                logits = logits * self.logit_scale
+            if self.softcap is not None:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
         self._sync()
         self.model_s += time.perf_counter() - t0
         return logits

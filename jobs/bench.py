@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .bench_config import AUTO_METHODS, HYBRID_HEADS
 from .bench_results import against_fastest_fixed, summarise, write_table
+from .bench_profile import matches, profile_run
 from .report import ALL, bench_plots, fmt, write_bench_report
 
 log = logging.getLogger("esp_batch.bench")
@@ -249,6 +250,11 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         torch.set_num_threads(b.torch_threads)
     out = Path(cfg.output.dir or default_output_dir(cfg))
     out.mkdir(parents=True, exist_ok=True)
+    settings = grid(b)
+    for spec in b.profile:  # before the model loads: a name that matches nothing fails fast
+        if not any(matches(spec, s.method, s.block_complexity, s.heads_path) for s in settings):
+            raise ValueError(f"bench.profile: {spec!r} names none of this bench's settings "
+                             f"({', '.join(s.label for s in settings)})")
     loaded = load_model(model_config(cfg))
     prompts, skipped = load_prompts(cfg, loaded.tokenizer)
     if not prompts:
@@ -259,7 +265,6 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     generation = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                       stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos)
     base = engine_config(cfg)
-    settings = grid(b)
     curve = None
     if b.cost_curve:
         log.info("measuring the cost curve")
@@ -296,6 +301,12 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
                      fmt(top["tau"]), fmt(top["tokens_per_s"], 1), fmt(top["speedup_vs_ar"]),
                      fmt(top["speedup_vs_hf"]), fmt(top["exact_match_rate"]))
         against_fastest_fixed(batch_records, {s.label: secs[s] for s in settings})
+        for s in settings:
+            if any(matches(spec, s.method, s.block_complexity, s.heads_path) for spec in b.profile):
+                with quiet_heap():
+                    path = profile_run(lambda: run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve),
+                                       s.label, batch, out, loaded.device.type)
+                log.info("%-24s batch %d: profile in %s", s.label, batch, path)
         records += batch_records
         # written after every batch size, so a run cut short keeps the batch sizes it finished
         (out / "bench.json").write_text(json.dumps(records, indent=1))

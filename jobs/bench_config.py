@@ -45,6 +45,9 @@ class BenchSection:
     # num_masks, trees and expansions; cp_heads one per heads path), e.g. [pld:30,esp:auto,hybrid:auto]; ar
     # (and hf) still run first. Fewer settings per round-robin round pair each with ar more closely in time.
     settings: list[str] = field(default_factory=list)
+    # settings to run once more under torch.profiler after the timed runs, "method:BC" as in `settings` (or ar,
+    # hf): op tables per setting and batch size in profile-<label>-b<batch>.txt (jobs/bench_profile.py)
+    profile: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -98,5 +101,10 @@ def validate_bench(cfg: DictConfig) -> None:
              f"bench.settings has {spec!r}: give bench.heads_paths=[DIR,...]")
         need(method != "esp" or not bc.isdigit() or int(bc) >= 2 * (b.num_masks[0] + 1),
              f"bench.settings: {spec!r} leaves no draft node with num_masks={b.num_masks[0]}; use BC >= {2 * (b.num_masks[0] + 1)}")
+    for spec in b.profile:
+        method, _, bc = str(spec).partition(":")
+        need((method in ("ar", "hf") and bc == "") or (method in (*METHODS, HYBRID_HEADS) and method != "ar"
+                                                        and (bc == "auto" or bc.isdigit())),
+             f"bench.profile: {spec!r} must be ar, hf or METHOD:BC naming one of the bench's settings")
     m = list(b.mixed_max_new_tokens)
     need(not m or (len(m) == 2 and 1 <= m[0] <= m[1]), "bench.mixed_max_new_tokens must be [] or [lo, hi] with 1 <= lo <= hi")

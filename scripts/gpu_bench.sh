@@ -6,6 +6,7 @@
 # random1: random-weight Llama 1B shape in bf16, batch 1: hf generate, ar, esp, hybrid + cost curve Q = 1..128
 # randomN: the same at batch 16 and 64 (120 prompts) + cost curves at those batch sizes
 # compile1: random1's model at batch 1 and 16 with engine.compile=true (ar, esp auto, hybrid auto; hf eager)
+# profile1: random1's model at batch 1: hybrid auto and BC 30 once each under torch.profiler (bench.profile)
 # MODEL_DIR (default gpu_data/esp-tiny-llama) and PROMPTS_DIR (default gpu_data) hold the model and prompt
 # files (tiny_prompts_dev.jsonl, prompts8/16.jsonl = 4/8 code + 4/8 verse of it, prompts120.jsonl = it twice).
 # A machine without omegaconf: install the omegaconf and antlr4-python3-runtime wheels first and put the
@@ -42,5 +43,11 @@ compile1)
     data.path=$P/prompts16.jsonl generation.ignore_eos=true $common ${EXTRA:-} engine.compile=true 'bench.methods=[ar,esp,hybrid]' \
     'bench.block_complexities=[auto]' 'bench.batch_sizes=[1,16]' bench.cost_curve=false \
     output.dir="$out/llama1b-compile" 2>&1 | grep -v Warning | tail -40
+  ;;
+profile1)
+  timeout ${T:-300} python3 -m jobs.bench model.name_or_path=random:llama-1b model.device=cuda model.dtype=bfloat16 \
+    data.path=$P/prompts8.jsonl generation.ignore_eos=true generation.max_new_tokens=64 ${EXTRA:-} \
+    'bench.settings=[hybrid:30,hybrid:auto]' bench.repeats=1 bench.warmup=1 bench.cost_curve=false \
+    'bench.profile=[hybrid:30,hybrid:auto]' output.dir="$out/llama1b-profile" 2>&1 | grep -v Warning | tail -20
   ;;
 esac

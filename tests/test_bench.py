@@ -178,3 +178,29 @@ def test_rounds_start_one_setting_further_on():
     assert [rotated(["ar", "hf", "pld"], r) for r in range(4)] == [
         ["ar", "hf", "pld"], ["hf", "pld", "ar"], ["pld", "ar", "hf"], ["ar", "hf", "pld"]]
     assert rotated([], 3) == []
+
+
+def test_bench_profile_writes_op_tables(tmp_path):
+    """bench.profile: one more run of the named settings under torch.profiler; the model's calls are marked."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n"
+                            for i, w in enumerate(["the cat sat on the mat, the cat sat", "a b c a b c a b"])))
+    out = tmp_path / "out"
+    code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=8", "bench.settings=[pld:auto]",
+                 "bench.warmup=0", "bench.cost_curve=false", "bench.hf_baseline=false", "bench.profile=[pld:auto]"])
+    assert code == 0
+    assert sorted(p.name for p in out.glob("profile-*")) == ["profile-pld_BCauto-b1.txt"]
+    text = (out / "profile-pld_BCauto-b1.txt").read_text()
+    assert "row-passes" in text and "model.forward" in text and "model.logits" in text
+    assert "grouped by input shape" in text
+    from esp_worker.model_io import ModelRunner
+
+    assert ModelRunner.profile_marks is False  # off again after the profiled run
+
+
+@pytest.mark.parametrize("spec,words", [("esp:30", "names none of this bench's settings"),
+                                        ("nope:3", "must be ar, hf or METHOD:BC")])
+def test_bench_rejects_a_profile_that_names_no_setting(capsys, spec, words):
+    assert main(["bench.settings=[pld:30]", f"bench.profile=[{spec}]"]) == 2
+    err = capsys.readouterr().err
+    assert "bench.profile" in err and words in err and "Traceback" not in err
