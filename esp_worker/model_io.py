@@ -11,7 +11,6 @@ The only module that knows how a Hugging Face model is called. Sources:
 from __future__ import annotations
 
 import contextlib
-
 import json
 import time
 from dataclasses import dataclass

@@ -92,8 +92,9 @@ class BlockPolicy:
     ratio of the latest plain pass (the machine's speed divides out), is the excess. When it is above
     `EXCESS_TOLERANCE` (beyond the VM's noise), drafting sizes cost that factor times the curve, and a plain
     pass runs at least every `EXCESS_REFRESH` passes to keep the plain ratio current: a machine that slowed
-    down while the policy drafted would otherwise look like an excess of drafting until the next plain pass. On an H100 a 1B model's hybrid passes under `auto` ran at 0.3-0.4x plain decoding with
-    their extra time inside the model calls (host overhead 0.12), which the host overheads could not see.
+    down while the policy drafted would otherwise look like an excess of drafting until the next plain pass.
+    On an H100 a 1B model's hybrid passes under `auto` ran at 0.3-0.4x plain decoding with their extra time
+    inside the model calls (host overhead 0.12), which the host overheads could not see.
 
     Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set with the most tokens
     committed per row per curve-predicted plain pass time over the passes it planned (decayed; a speed
