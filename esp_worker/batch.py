@@ -85,13 +85,19 @@ class Rows:
         """Uniforms each row has consumed: one per generated token (host mirror, no read)."""
         return [n - len(s.prompt_ids) for n, s in zip(self.lens, self.seqs)]
 
-    def read_back(self, hints: Optional[torch.Tensor] = None) -> None:
+    def read_back(self, hints: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None) -> Optional[list[float]]:
         """The one host read of a pass: lengths, finish reasons and the drafter's row hints [B] (or None), as
-        one small tensor."""
+        one small tensor; with `extra` (the policy's next look, [E] float) the same read returns its values."""
         parts = [self.t["hist_len"], self.reason] + ([] if hints is None else [hints])
-        got = torch.stack(parts).tolist()
+        if extra is None:
+            got = torch.stack(parts).tolist()
+        else:  # one float64 vector: lengths and ids are exact in it
+            b = len(parts[0])
+            flat = torch.cat([torch.stack(parts).to(torch.float64).flatten(), extra.to(torch.float64)]).tolist()
+            got = [[int(x) for x in flat[i * b: (i + 1) * b]] for i in range(len(parts))] + [flat[len(parts) * b:]]
         self.lens, self.done = got[0], got[1]
         self.hints = None if hints is None else got[2]
+        return None if extra is None else got[-1]
 
     def drop(self, gone: list[int]) -> None:
         """Rows `gone` leave the batch; the last rows that stay take their places (`drop_order`)."""

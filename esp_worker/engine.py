@@ -275,7 +275,14 @@ class Engine:
         self._observe(rows, block, res, hidden, slot_logits, n_fin)
         rows.count(n_fin, res.num_committed, block.tree.valid[:, 1:].sum(-1), block.max_depth + 1, block.source, res.path_slots)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
-        rows.read_back(self.drafter.row_hints(rows.view()))  # the one host read of the pass: lengths, finish reasons
+        view = rows.view()
+        hints = self.drafter.row_hints(view)
+        # the policy decides the next pass now and starts its look (hints unknown until the read: none assumed)
+        look = None if self.policy is None else self.policy.prepare(self.drafter, dataclasses.replace(view, hints=None),
+                                                                    rows.lens)
+        mass = rows.read_back(hints, look)  # the one host read of the pass: lengths, finish reasons (, look)
+        if mass is not None:
+            self.policy.receive(mass)
         seconds, model_s = time.perf_counter() - t_start, self.runner.model_s - model_s0
         if self.policy is not None:
             self.policy.observe_pass(sum(rows.lens) - len0, seconds, model_s)  # tokens committed (host, no read)

@@ -29,6 +29,9 @@ CURVE_VERSION = 4  # bump when what a pass runs changes, so cached curves are me
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
+_NO_MASS: list = []  # `prepare` looked, and the drafter had no mass to offer (choose: plain)
+
+
 class _Arm:
     """One proposer set of the drafter (a variant): its candidate sizes, costs, calibration and record."""
 
@@ -148,8 +151,11 @@ class BlockPolicy:
         self._wait = 0  # plain passes left before the next look
         self._next_wait = 0  # wait after the next look that chooses plain
         self._looks = 0
-        # (mode, predicted model seconds, the curve's plain pass seconds, batch) of the planned pass
-        self._last: Optional[tuple[str, float, float, int]] = None
+        # (mode, predicted model seconds, the curve's plain pass seconds, batch, proposer set) of the planned pass
+        self._last: Optional[tuple[str, float, float, int, _Arm]] = None
+        # the next pass's decision, made at the end of this one (`prepare`): [decision, the rows' hist_len
+        # tensor it was made for, the device cumulative mass to read, its host copy (`receive`)]
+        self._prepared: Optional[list] = None
         self._mass: Optional[list[float]] = None  # [max_nodes + 1] cumulative mass of the last plan (host)
         self._n = -1
 
@@ -163,14 +169,62 @@ class BlockPolicy:
 
     def plan(self, drafter, view, lens: Optional[list[int]] = None) -> int:
         """Draft nodes for this pass: -1 = plain decoding, 0 = root + masks (a probe), n > 0 = a tree.
-        lens: the rows' history lengths on the host (the engine's mirror); read from view.hist_len if None."""
+        lens: the rows' history lengths on the host (the engine's mirror); read from view.hist_len if None.
+
+        A look needs the draft mass on the host. When the previous pass prepared this one (`prepare`, the
+        engine's way) for the same rows, the mass came with that pass's one host read and this pass reads
+        nothing; otherwise (the first pass after rows joined or left, or a caller that does not prepare)
+        the look reads it here."""
         self._mass = None
         batch = len(view.seeds)
-        cache_len = (sum(lens) // len(lens) if lens else int(view.hist_len.float().mean())) - 1
+        cache_len = self._cache_len(view, lens)
+        prepared, self._prepared = self._prepared, None
+        decision = prepared[0] if prepared is not None else self._decide(drafter, view, batch, cache_len)
+        if decision[0] != "look":
+            return self._planned(-1 if decision[0] == "plain" else 0, batch, cache_len)
+        trial = decision[1]
+        if prepared is not None and prepared[1] is view.hist_len and prepared[3] is not None:
+            n = self.choose(prepared[3], batch, cache_len, measured=not self._exploring())
+        else:
+            n = self.choose(drafter.draft_mass(view), batch, cache_len, measured=not self._exploring())
+        return self._after_look(n, trial, batch, cache_len, drafter)
+
+    def prepare(self, drafter, view, lens: Optional[list[int]] = None) -> Optional[torch.Tensor]:
+        """At the end of a pass (its rows committed and observed), decide the next pass's kind now, and for a
+        look start its draft mass: returns the batch's cumulative mass [max_nodes + 1] (device) for the engine
+        to read with the pass's one host read and hand back with `receive`, or None when the next pass does
+        not look. The decision uses the statistics up to the pass before (this pass's `observe_pass` comes
+        after the read)."""
+        batch = len(view.seeds)
+        decision = self._decide(drafter, view, batch, self._cache_len(view, lens))
+        cum = None
+        if decision[0] == "look":
+            mass = drafter.draft_mass(view)
+            if mass is not None:
+                total = mass.float().sum(0).cumsum(0)
+                cum = torch.cat([total.new_zeros(1), total])
+        self._prepared = [decision, view.hist_len, cum, _NO_MASS if decision[0] == "look" and cum is None else None]
+        return cum
+
+    def receive(self, cum: list[float]) -> None:
+        """The host copy of the mass `prepare` returned (read with the pass's lengths)."""
+        if self._prepared is not None:
+            self._prepared[3] = cum
+
+    @staticmethod
+    def _cache_len(view, lens: Optional[list[int]]) -> int:
+        return (sum(lens) // len(lens) if lens else int(view.hist_len.float().mean())) - 1
+
+    def _exploring(self) -> bool:
+        return len(self.arm.over) < self.min_samples or self._since["draft"] >= self.explore_every
+
+    def _decide(self, drafter, view, batch: int, cache_len: int) -> tuple:
+        """("plain",) | ("probe",) | ("look", trial): what the next pass does before any draft mass is known
+        (waits, back-off, the bound on what drafting could pay, a probe first, the proposer set)."""
         refresh = self._since["plain"] >= EXCESS_REFRESH and self.model_excess() > 1.0
         if self._wait > 0 or self._since["plain"] >= self.explore_every or refresh:
             self._wait = max(self._wait - 1, 0)
-            return self._planned(-1, batch, cache_len)
+            return ("plain",)
         base = self.probe_interval if drafter.needs_probe_to_draft else 1
         if self._next_wait < 64 * base and not self._may_pay(drafter, batch, cache_len):
             # no size could beat plain decoding even with every depth's mass at its bound: skip the look (for a
@@ -178,18 +232,18 @@ class BlockPolicy:
             # back-off a real look still runs, so alpha and the overheads are measured again
             self._wait = self._next_wait or base
             self._next_wait = min(2 * self._wait, 64 * base)
-            return self._planned(-1, batch, cache_len)
+            return ("plain",)
         if drafter.needs_probe(view):  # a mask drafter after plain passes: look with a probe pass
-            return self._planned(0, batch, cache_len)
-        trial = self._pick_arm(drafter)
-        mass = drafter.draft_mass(view)
-        explore = len(self.arm.over) < self.min_samples or self._since["draft"] >= self.explore_every
-        n = self.choose(mass, batch, cache_len, measured=not explore)
+            return ("probe",)
+        return ("look", self._pick_arm(drafter))
+
+    def _after_look(self, n: int, trial: bool, batch: int, cache_len: int, drafter) -> int:
+        base = self.probe_interval if drafter.needs_probe_to_draft else 1
         if n > 0:
             self._next_wait = base
         elif trial:  # a trial of another proposer set that would not draft: the best set looks next pass
             pass
-        elif mass is not None and self._mass[-1] > 0:  # drafting was possible but does not pay: back off
+        elif self._mass is not None and self._mass[-1] > 0:  # drafting was possible but does not pay: back off
             self._wait = self._next_wait or base
             self._next_wait = min(2 * self._wait, 64 * base)
         else:  # nothing to draft right now (no match, no probe): look again soon
@@ -250,7 +304,7 @@ class BlockPolicy:
         else:
             model_s = self.curve.time(batch, float(arm.block_tokens(n)), cache_len)
         mode = "plain" if n < 0 else "draft"
-        self._last = (mode, model_s, self.costs(batch, cache_len)[0], batch)  # sizes[0] is plain decoding
+        self._last = (mode, model_s, self.costs(batch, cache_len)[0], batch, arm)  # sizes[0] is plain decoding
         for m in self._since:
             self._since[m] = 0 if m == mode else self._since[m] + 1
         return n
@@ -262,9 +316,17 @@ class BlockPolicy:
         time beyond the curve's prediction counts as host time and no drift is tracked)."""
         if self._last is None:
             return
-        arm = self.arm
-        mode, model_s, plain_s, batch = self._last
+        mode, model_s, plain_s, batch, arm = self._last
         self._last = None
+        # the pass's own proposer set: `prepare` may already have picked the next pass's
+        current, self.arm = self.arm, arm
+        try:
+            self._observe_pass(arm, mode, model_s, plain_s, batch, num_committed, seconds, model_seconds)
+        finally:
+            self.arm = current
+
+    def _observe_pass(self, arm: "_Arm", mode: str, model_s: float, plain_s: float, batch: int, num_committed,
+                      seconds: Optional[float], model_seconds: Optional[float]) -> None:
         committed = num_committed if isinstance(num_committed, int) else int(num_committed.sum())
         if self._mass is not None and self._n > 0:
             self.observe(self._mass[min(self._n, len(self._mass) - 1)], float(committed - batch))
@@ -332,10 +394,11 @@ class BlockPolicy:
         again even while plain decoding wins (an estimate that only learns from the passes it chooses would
         never recover from a low alpha). One device read (the batch's cumulative mass); the rest is host
         arithmetic over the few sizes."""
-        if mass is None:
+        if mass is None or mass is _NO_MASS:
             self._mass = None
             return -1
-        cum = [0.0] + mass.float().sum(0).cumsum(0).tolist()  # [max_nodes + 1]
+        # [max_nodes + 1]: a host list when `prepare` read it with the previous pass, else read here
+        cum = mass if isinstance(mass, list) else [0.0] + mass.float().sum(0).cumsum(0).tolist()
         self._mass = cum
         alpha, top = self.alpha, len(cum) - 1
         plain, draft = (self.overhead("plain"), self.overhead("draft")) if measured else (0.0, 0.0)

@@ -61,14 +61,14 @@ def test_window_layout():
 @pytest.mark.parametrize(
     "cands,ok,tokens,parents,valid",
     [
-        # shared first token merges; distinct second tokens become siblings
-        ([[7, 8], [7, 9], [5, 6]], [1, 1, 1], [9, 7, 5, 8, 9, 6], [-1, 0, 0, 1, 1, 2], [1] * 6),
+        # shared first token merges; distinct second tokens become siblings; T = 1 + G * L, the rest padding
+        ([[7, 8], [7, 9], [5, 6]], [1, 1, 1], [9, 7, 5, 8, 9, 6, 0], [-1, 0, 0, 1, 1, 2, 0], [1] * 6 + [0]),
         # identical n-grams collapse to one chain
-        ([[4, 4], [4, 4]], [1, 1], [9, 4, 4], [-1, 0, 1], [1, 1, 1]),
+        ([[4, 4], [4, 4]], [1, 1], [9, 4, 4, 0, 0], [-1, 0, 1, 0, 0], [1, 1, 1, 0, 0]),
         # candidates that are not ok are dropped
-        ([[1, 2], [3, 4]], [0, 1], [9, 3, 4], [-1, 0, 1], [1, 1, 1]),
-        # no candidate: the root alone
-        ([[1, 2]], [0], [9], [-1], [1]),
+        ([[1, 2], [3, 4]], [0, 1], [9, 3, 4, 0, 0], [-1, 0, 1, 0, 0], [1, 1, 1, 0, 0]),
+        # no candidate: the root and padding
+        ([[1, 2]], [0], [9, 0, 0], [-1, 0, 0], [1, 0, 0]),
     ],
 )
 def test_ngram_trie(cands, ok, tokens, parents, valid):

@@ -121,6 +121,7 @@ class ESPDrafter(Drafter):
             st.cand_ids = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
             st.has_probe = torch.ones_like(st.has_probe) if result.mask_ok is None else result.mask_ok.clone()
             self.probe_maybe = True
+            self._probe_partial = result.mask_ok is not None  # only then may rows be left without a probe
             if result.prefill:
                 self._catch_up(view, committed)
             else:
@@ -165,7 +166,13 @@ class ESPDrafter(Drafter):
     def needs_probe(self, view: RowsView) -> bool:
         if not self.needs_probe_to_draft:
             return False
-        return not self.probe_maybe or not bool(view.state.has_probe.any())
+        if not self.probe_maybe:
+            return True
+        # after a pass that fed every row masks, every row has a probe (rows that joined since came with one):
+        # known on the host; only masks on some rows (mask_ok) leave it to the device
+        return self._probe_partial and not bool(view.state.has_probe.any())
+
+    _probe_partial = False
 
     # ---- trees -------------------------------------------------------------------------------------
     @property

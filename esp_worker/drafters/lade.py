@@ -2,7 +2,8 @@
 
 Each pass feeds, per row, Q = (N - 1)(W + G) tokens (the paper's block complexity):
 - the verification branch: the root and up to G (N-1)-token n-grams from the pool that start with the
-  root token, merged into a trie (the draft tree, slots [0, T));
+  root token, merged into a trie (the draft tree, slots [0, T), T = 1 + G (N - 1) with invalid padding
+  where n-grams share prefixes or the pool has fewer than G);
 - the lookahead branch: a window of N - 1 levels x W columns, level 0 column 0 being the root itself, so
   A = (N - 1) W - 1 aux inputs after the tree. Window token (l, i) sits at position root + l + i and sees
   the root, level-0 tokens (0, 0..i) and its own column below it, (1..l, i) (the lmsys blog's mask).
@@ -78,9 +79,12 @@ def ngram_trie(root: torch.Tensor, cands: torch.Tensor, ok: torch.Tensor) -> Dra
     """Merge G candidate continuations of the root into a trie with distinct siblings.
 
     root [B]; cands [B, G, L] tokens; ok [B, G]. Nodes are prefixes cands[g, :d+1]; the first g carrying a
-    prefix owns it. Slots are numbered depth by depth (so parents come first), then packed to the front;
-    T = 1 + the largest node count over rows, shorter rows padded with invalid slots.
-    Example: cands [[7, 8], [7, 9], [5, 6]] -> tokens [r, 7, 5, 8, 9, 6], parents [-1, 0, 0, 1, 1, 2].
+    prefix owns it. Slots are numbered depth by depth (so parents come first), then packed to the front.
+    T = 1 + G * L whatever merged (the paper's block complexity counts every n-gram's tokens): a shape known
+    on the host, so the pass reads nothing from the device; the slots a row does not use are invalid
+    padding (token 0 under the root, never accepted).
+    Example: cands [[7, 8], [7, 9], [5, 6]] -> tokens [r, 7, 5, 8, 9, 6, 0], parents [-1, 0, 0, 1, 1, 2, 0],
+    the last slot invalid.
     """
     b, g, length = cands.shape
     dev = cands.device
@@ -94,7 +98,7 @@ def ngram_trie(root: torch.Tensor, cands: torch.Tensor, ok: torch.Tensor) -> Dra
     owner_f = (owner.transpose(1, 2) + g * torch.arange(length, device=dev)[None, :, None]).reshape(b, -1)
     rep_slot = slot_f.gather(1, owner_f)  # [B, L*G] slot of the node carrying this prefix
     parent_f = torch.cat([torch.zeros((b, g), dtype=torch.long, device=dev), rep_slot[:, : (length - 1) * g]], 1)
-    m = int(own_f.sum(1).max()) if own_f.numel() else 0
+    m = length * g  # the most nodes a row can own (host-known: no device read)
     tgt = torch.where(own_f, slot_f, m + 1)  # non-owned entries go to a dropped column
     tokens = torch.zeros((b, m + 2), dtype=torch.long, device=dev)
     parents = torch.zeros((b, m + 2), dtype=torch.long, device=dev)
@@ -128,7 +132,8 @@ class LookaheadDrafter(Drafter):
         self.n, self.w, self.g, self.pool_size = ngram, window, guess, pool_size
         self.levels = ngram - 1
         vis, pos = window_layout(self.levels, window)
-        self._win_vis, self._win_pos = vis, pos  # [K, K], [K] (K = levels * W, index 0 = root)
+        # [K, K], [K] (K = levels * W, index 0 = root); moved to the rows' device at the prefill (`start_rows`)
+        self._win_vis, self._win_pos = vis, pos
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, runner: ModelRunner) -> "LookaheadDrafter":
@@ -150,6 +155,8 @@ class LookaheadDrafter(Drafter):
         b = hist.shape[0]
         dev = hist.device
         k = self.levels * self.w
+        # here, not inside a pass: a host-to-GPU copy synchronises
+        self._win_vis, self._win_pos = self._win_vis.to(dev), self._win_pos.to(dev)
         draws = torch.stack([torch.randint(1 << 30, (k,), generator=_gen(s)) for s in view.seeds]).to(dev)
         window = hist.gather(1, draws % plen[:, None]).reshape(b, self.levels, self.w)
         st = view.state
@@ -176,13 +183,13 @@ class LookaheadDrafter(Drafter):
         anc = ancestor_matrix(tree.parents)  # [B, T, T]
         visible = torch.zeros((b, q, q), dtype=torch.bool, device=dev)
         visible[:, :t, :t] = anc
-        win_vis = self._win_vis.to(dev)
-        visible[:, t:, t:] = win_vis[1:, 1:]
+        visible[:, t:, t:] = self._win_vis[1:, 1:]
         visible[:, t:, 0] = True  # every window token sees the root
         depth = anc.sum(-1) - 1  # [B, T]
-        rel_pos = torch.cat([depth, self._win_pos[1:].to(dev).expand(b, -1)], 1)
+        rel_pos = torch.cat([depth, self._win_pos[1:].expand(b, -1)], 1)
         lay = BlockLayout(visible=visible, rel_pos=rel_pos, depth=depth, num_slots=t, num_masks=0)
-        return Block(tree=tree, layout=lay, aux_embeds=self.embed(aux_ids), max_depth=int(depth.max()))
+        # the trie is at most N - 1 deep: a host bound for verification (the deepest slot would be a device read)
+        return Block(tree=tree, layout=lay, aux_embeds=self.embed(aux_ids), max_depth=self.levels)
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         if result.prefill:
