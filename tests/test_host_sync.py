@@ -11,6 +11,7 @@ import torch
 from engine_helpers import PROMPTS, reference, run, tiny
 from esp_worker import EngineConfig, GenerationParams
 from esp_worker.batch import Rows
+from esp_worker import engine as engine_module
 from esp_worker.engine import Engine
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
@@ -83,6 +84,7 @@ def count_reads_per_pass(monkeypatch):
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_at_most_one_host_read_per_decode_pass(monkeypatch, setting, batch, temperature):
+    monkeypatch.setattr(engine_module, "PREPARE_LOOKS", True)  # auto's looks as on an accelerator
     lm = tiny("llama")
     cfg = EngineConfig(max_batch_size=batch, **SETTINGS[setting])
     with count_reads_per_pass(monkeypatch) as seen:

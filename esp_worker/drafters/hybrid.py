@@ -186,9 +186,13 @@ class HybridDrafter(ESPDrafter):
 
     # ---- candidates --------------------------------------------------------------------------------
     def _merged_pool(self, view: RowsView):
-        """(rank, valid, tok, par, src, cell, q) [B, P] of the merged pool; cached within a pass."""
-        if self._pool_key is not None and self._pool_key[0] is view.hist_len and self._pool_key[1] is view.state.cand_lp:
-            return self._pool_key[2]
+        """(rank, valid, tok, par, src, cell, q) [B, P] of the merged pool; cached for one history and probe (and
+        whether the corpus is consulted: the policy's look may have built it with the previous read's hints)."""
+        corpus = self.corpus is not None and self.chain.corpus_needed(view)
+        key = (view.hist_len, view.state.cand_lp, corpus)
+        if self._pool_key is not None and self._pool_key[0] is key[0] and self._pool_key[1] is key[1] \
+                and self._pool_key[2] == corpus:
+            return self._pool_key[3]
         st = view.state
         root = view.root
         b, dev = root.shape[0], root.device
@@ -197,7 +201,7 @@ class HybridDrafter(ESPDrafter):
         # n-gram pool, depth-major [chain_1, alt_1.., chain_2, ...] (STAND's layout)
         c = self.store.candidates(view, self.chain.own_start(view))  # the chain's match (same n-gram lengths)
         chain, ok = c["chain"], c["ok"]
-        if self.corpus is not None and self.chain.corpus_needed(view):  # rows with no match of their own:
+        if corpus:  # rows with no match of their own:
             # the job's n-grams (no stored branches)
             chain, ok, from_corpus = self.corpus.fill(view.hist, view.hist_len, chain, ok)
         dep, kk = chain.shape[1], self.store.topk
@@ -208,7 +212,7 @@ class HybridDrafter(ESPDrafter):
         ng_par = self.store.pool_parents(dev).expand(b, -1)
         d = torch.arange(dep, device=dev)[:, None].expand(dep, kk).reshape(-1)  # depth - 1
         kind = torch.where(torch.arange(kk, device=dev) == 0, NGRAM, STORE).repeat(dep).expand(b, -1)  # [B, P1]
-        if self.corpus is not None and self.chain.corpus_needed(view):
+        if corpus:
             kind = torch.where(from_corpus[:, None] & (kind == NGRAM), CORPUS, kind)
         ng_cell = kind * dmax + d
         # esp pool (Algorithm 1, top-1 expansion), parents offset behind the n-gram pool
@@ -268,7 +272,7 @@ class HybridDrafter(ESPDrafter):
             valid = valid & ((par < 0) | valid.gather(1, up))
         rank = torch.where(valid, cum, -1.0)
         out = (rank, valid, tok, par, src, cell, q)
-        self._pool_key = (view.hist_len, st.cand_lp, out)
+        self._pool_key = key + (out,)
         return out
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:

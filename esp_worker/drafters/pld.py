@@ -27,8 +27,8 @@ class PromptLookupDrafter(Drafter):
         self.max_nodes = depth
         self.corpus = corpus  # hybrid's ngram variant: the job's n-grams where a row's own history has none
         self._parents: dict[tuple, torch.Tensor] = {}
-        # (hist_len tensor, (chain [B, depth], valid [B, depth], from_corpus [B])) of the last lookup, reused
-        # within a pass (draft_mass then propose)
+        # (hist_len tensor, (chain [B, depth], valid [B, depth], from_corpus [B]), corpus consulted) of the last
+        # lookup, reused within a pass and by the next pass after the policy's look (draft_mass then propose)
         self._match = None
         # (hist_len tensor, start [B]) of the last match in the rows' own histories: with a corpus, found
         # after the commit (`row_hints`) and reused by the next pass's lookup
@@ -60,17 +60,18 @@ class PromptLookupDrafter(Drafter):
         """([B, depth] tokens, [B, depth] valid, [B] from the corpus) following the best match (computed once
         per pass at the full depth)."""
         hist, length = view.hist, view.hist_len  # [B, C], [B]
-        if self._match is None or self._match[0] is not length:
+        corpus = self.corpus is not None and self.corpus_needed(view)
+        if self._match is None or self._match[0] is not length or self._match[2] != corpus:
             c = hist.shape[1]
             start = self.own_start(view)  # [B], -1 = no match
             idx = start[:, None] + torch.arange(self.depth, device=hist.device)  # [B, depth]
             valid = (start[:, None] >= 0) & (idx < length[:, None])
             chain = hist.gather(1, idx.clamp(0, c - 1))
-            if self.corpus is not None and self.corpus_needed(view):
+            if corpus:
                 chain, valid, used = self.corpus.fill(hist, length, chain, valid)
             else:
                 used = torch.zeros_like(start, dtype=torch.bool)
-            self._match = (length, (chain, valid, used))
+            self._match = (length, (chain, valid, used), corpus)
         chain, valid, used = self._match[1]
         return chain[:, :depth], valid[:, :depth], used
 
