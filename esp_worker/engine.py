@@ -36,7 +36,7 @@ PREFILL_PAD = 0.1  # a prefill chunk takes prompts at least 90% as long as its l
 # block_complexity=auto: the policy decides each pass at the end of the one before, so that its look's draft
 # mass rides in that pass's one host read (BlockPolicy.prepare). None = on an accelerator only: there a read
 # drains the device's queue; on the CPU it costs nothing, and deciding with the latest statistics and hints
-# measured 1-4% faster for hybrid `auto` at batch 1 (tests set it True to check the accelerator's way here)
+# measured 1-5% faster for hybrid `auto` at batch 1 (tests set it True to check the accelerator's way here)
 PREPARE_LOOKS: Optional[bool] = None
 
 
