@@ -183,10 +183,9 @@ class BlockPolicy:
         if decision[0] != "look":
             return self._planned(-1 if decision[0] == "plain" else 0, batch, cache_len)
         trial = decision[1]
-        if prepared is not None and prepared[1] is view.hist_len and prepared[3] is not None:
-            n = self.choose(prepared[3], batch, cache_len, measured=not self._exploring())
-        else:
-            n = self.choose(drafter.draft_mass(view), batch, cache_len, measured=not self._exploring())
+        fresh = prepared is not None and prepared[1] is view.hist_len and prepared[3] is not None
+        mass = prepared[3] if fresh else drafter.draft_mass(view)
+        n = self.choose(mass, batch, cache_len, measured=not self._exploring())
         return self._after_look(n, trial, batch, cache_len, drafter)
 
     def prepare(self, drafter, view, lens: Optional[list[int]] = None) -> Optional[torch.Tensor]:
