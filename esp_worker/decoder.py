@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .grad import inference
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
@@ -115,7 +117,7 @@ class DirectDecoder:
         cos, sin = self._cos_sin
         return cos[position_ids], sin[position_ids]
 
-    @torch.inference_mode()
+    @inference
     def __call__(
         self,
         inputs_embeds: torch.Tensor,  # [B, Q, D]

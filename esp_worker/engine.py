@@ -23,7 +23,8 @@ from .config import EngineConfig, ModelConfig
 from .cost_model import CostCurve
 from .drafters import Block, Drafter, PassResult, RowsView, make_drafter
 from .feed import RequestFeed
-from .inputs import attention_bias
+from .grad import inference
+from .inputs import StaticBlockBias, attention_bias
 from .model_io import LoadedModel, ModelRunner, load_model
 from .policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
@@ -71,6 +72,7 @@ class Engine:
                                       probe_interval=cfg.auto_probe_interval)
         self.device = loaded.device
         self.prepare_looks = PREPARE_LOOKS if PREPARE_LOOKS is not None else self.device.type != "cpu"
+        self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
         self.vocab_size = int(self.runner.embed.weight.shape[0])
         # seconds spent in decode passes, and the part of it inside the model (forward + LM head)
@@ -220,7 +222,7 @@ class Engine:
         return Rows(seqs, t, self.drafter.new_state(), uni, cache, reason, lens=list(lens), done=[0] * len(seqs))
 
     # ---- prefill -----------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def _prefill(self, seqs: list[Seq], batch: Rows) -> Rows:
         """Prefill `seqs` into rows len(batch) .. of the batch's cache; returns their rows (not yet joined)."""
         now = time.perf_counter()
@@ -268,7 +270,7 @@ class Engine:
         return rows
 
     # ---- one decode pass ---------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def _step(self, rows: Rows) -> None:
         """One decode pass over every row: named phases, no host read until `read_back`."""
         t_start, model_s0, len0 = time.perf_counter(), self.runner.model_s, sum(rows.lens)
@@ -278,10 +280,10 @@ class Engine:
         n_fin, reason = self._stops(rows, res.committed, res.num_committed)
         self._keep(rows, block, res)
         self._commit(rows, res.committed, n_fin, reason)
-        self._observe(rows, block, res, hidden, slot_logits, n_fin)
+        view = rows.view()  # after the commit
+        self._observe(view, block, res, hidden, slot_logits, n_fin)
         rows.count(n_fin, res.num_committed, block.tree.valid[:, 1:].sum(-1), block.max_depth + 1, block.source, res.path_slots)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
-        view = rows.view()
         hints = self.drafter.row_hints(view)
         # the policy decides the next pass now and starts its look (with the previous read's hints: a drafter
         # whose lookup they change redoes it at propose, so the drafts are those of the fresh hints)
@@ -316,6 +318,8 @@ class Engine:
         rows.cache.plan(0, b, view_len, s_max if s_min == s_max else cache_len)  # rows of one length: a slice write
         if q == 1 and s_min == s_max and self.runner.sliding_window is None:
             bias = None  # plain decoding, rows of one length: every slot of the view is visible (no mask)
+        elif s_min == s_max and self.runner.sliding_window is None and tree.static_key is not None:
+            bias = self._static_bias(lay.visible, s_max, b, self.runner.dtype)  # a view of a cached buffer
         else:
             bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window,
                                   uniform_len=s_max if s_min == s_max else None)
@@ -340,7 +344,7 @@ class Engine:
         src = torch.where(steps < res.num_committed[:, None], cache_len + res.path_slots, dst)
         rows.cache.keep(dst, src)
 
-    def _observe(self, rows: Rows, block: Block, res: VerifyResult, hidden, slot_logits, n_fin) -> None:
+    def _observe(self, view: RowsView, block: Block, res: VerifyResult, hidden, slot_logits, n_fin) -> None:
         t_slots, k = block.tree.num_slots, self.drafter.num_masks
         mask_hidden = None
         mask_ok = None
@@ -354,7 +358,7 @@ class Engine:
             mask_hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
         result = PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block,
                             mask_ok=mask_ok)
-        self.drafter.observe(rows.view(), result)
+        self.drafter.observe(view, result)
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _chooser(self, rows: Rows):

@@ -52,3 +52,30 @@ def attention_bias(
         visible = visible & ((position_ids[:, :, None] - key_pos[:, None, :]) < window)
     bias = torch.zeros(visible.shape, dtype=dtype, device=dev)
     return bias.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+
+class StaticBlockBias:
+    """`attention_bias` for a block layout that repeats (a static tree shape: its `in_block` tensor is cached and
+    reused) over rows of one length: [0 ... 0 | block bias] is a right-aligned slice of a buffer built once per
+    layout (grown with the context), so a pass takes a view instead of building the bias (~8 tensor ops).
+    Bitwise the values `attention_bias(..., uniform_len=...)` gives."""
+
+    MAX_ENTRIES = 16  # layouts kept (a job uses a handful: one per block size)
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(in_block) -> (in_block, [1, Q, C])
+
+    def __call__(self, in_block: torch.Tensor, uniform_len: int, batch: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, Q, S] with S = uniform_len + Q; in_block [1, Q, Q] of a cached layout."""
+        q = in_block.shape[-1]
+        view_len = uniform_len + q
+        entry = self._buffers.get(id(in_block))
+        if entry is None or entry[0] is not in_block or entry[1].dtype != dtype or entry[1].shape[-1] < view_len:
+            if len(self._buffers) >= self.MAX_ENTRIES:
+                self._buffers.clear()
+            cap = max(256, 1 << view_len.bit_length())  # next power of two above the view
+            buf = torch.zeros((1, q, cap), dtype=dtype, device=in_block.device)
+            buf[:, :, cap - q:].masked_fill_(~in_block.expand(1, q, q), torch.finfo(dtype).min)
+            entry = self._buffers[id(in_block)] = (in_block, buf)
+        buf = entry[1]
+        return buf[:, :, buf.shape[-1] - view_len:].expand(batch, q, view_len)[:, None]

@@ -24,6 +24,8 @@ from typing import Optional, Sequence, Union
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .grad import inference
+
 
 def bucket(n: int, minimum: int = 16) -> int:
     """n rounded up to a multiple of max(minimum, 2^(floor(log2 n) - 3)): 100 -> 112, 1000 -> 1024, 1100 -> 1152."""
@@ -133,7 +135,7 @@ class KVCache(Cache):
             if l.in_slab:
                 l.keys, l.values = t[l.index, 0], t[l.index, 1]
 
-    @torch.inference_mode()
+    @inference
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for `num_rows` rows of `length` slots; keeps rows 0 .. self.num_rows-1 and their slots."""
         r, c = self.capacity
@@ -170,7 +172,7 @@ class KVCache(Cache):
         return self.plan_.view_len
 
     # ---- bookkeeping after a pass ------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def keep(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy slots `src` to slots `dst` in every row of the batch (dst, src: [B, P] slot indices).
 
@@ -182,13 +184,13 @@ class KVCache(Cache):
         b, p = src.shape
         for t, rd, _, _ in self._tensors():
             t = t.narrow(rd, 0, b)  # slab [L, 2, B, H, C, D] / own buffer [B, H, C, D]
-            lead = (None,) * rd
+            shape = (1,) * rd + (b, 1, p, 1)  # the indices broadcast over layers, heads and head dims
             size = list(t.shape)
             size[rd + 2] = p
-            moved = torch.gather(t, rd + 2, src[lead + (slice(None), None, slice(None), None)].expand(size))
-            t.scatter_(rd + 2, dst[lead + (slice(None), None, slice(None), None)].expand(size), moved)
+            moved = torch.gather(t, rd + 2, src.view(shape).expand(size))
+            t.scatter_(rd + 2, dst.view(shape).expand(size), moved)
 
-    @torch.inference_mode()
+    @inference
     def select_rows(self, keep: Sequence[int]) -> None:
         """Keep only batch rows `keep` (host list), in that order: row keep[i] becomes row i.
 

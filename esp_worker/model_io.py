@@ -15,12 +15,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .config import ATTN_IMPLS, DTYPES, ModelConfig
 from .decoder import direct_decoder
+from .grad import inference
 
 TINY_PREFIX = "tiny-random-"
 RANDOM_PREFIX = "random:"
@@ -286,6 +287,11 @@ class ModelRunner:
         # a forward with bias None and Q > 1 is causal (SDPA's is_causal); the other paths need the mask
         self.causal_without_bias = self.direct is not None and self.direct.sdpa
         self.embed = self.model.get_input_embeddings()
+        # a plain embedding and LM head (the direct forward checked the model has no hooks) run as the functional
+        # op itself, without nn.Module's call machinery (two calls per pass)
+        plain = self.direct is not None
+        self._embed_fn = _plain_embedding(self.embed) if plain else None
+        self._head_fn = _plain_linear(self.lm_head) if plain else None
         self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
         self.logit_scale = getattr(self.model.config, "logit_scale", None)
         self.device = loaded.device
@@ -307,12 +313,12 @@ class ModelRunner:
         if self.timed and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
+    @inference
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [..., ] -> [..., D]
-        return self.embed(ids)
+        return self._embed_fn(ids) if self._embed_fn is not None else self.embed(ids)
 
-    @torch.inference_mode()
+    @inference
     def forward(
         self,
         inputs_embeds: torch.Tensor,  # [B, Q, D]
@@ -347,12 +353,12 @@ class ModelRunner:
                 hidden = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))
         return hidden
 
-    @torch.inference_mode()
+    @inference
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., D] -> logits [..., V] in float32
         t0 = time.perf_counter()
         with self._mark("model.logits"):
-            logits = self.lm_head(hidden).float()
+            logits = (self._head_fn(hidden) if self._head_fn is not None else self.lm_head(hidden)).float()
             if self.logit_scale is not None:
                 logits = logits * self.logit_scale
             if self.softcap is not None:
@@ -360,3 +366,17 @@ class ModelRunner:
         self._sync()
         self.model_s += time.perf_counter() - t0
         return logits
+
+
+def _plain_embedding(m: Any) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """ids -> F.embedding with m's weight, when m is exactly an nn.Embedding that computes only that."""
+    if type(m) is not torch.nn.Embedding or m.max_norm is not None:
+        return None
+    return lambda ids: torch.nn.functional.embedding(ids, m.weight, m.padding_idx)
+
+
+def _plain_linear(m: Any) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """x -> F.linear with m's weight and bias, when m is exactly an nn.Linear."""
+    if type(m) is not torch.nn.Linear:
+        return None
+    return lambda x: torch.nn.functional.linear(x, m.weight, m.bias)

@@ -157,6 +157,8 @@ def block_layout(parents: torch.Tensor, num_masks: int, owners: Optional[torch.T
 
 def mask_indices(slot: torch.Tensor, num_slots: int, num_masks: int) -> torch.Tensor:
     """Block indices of the k masks owned by `slot` ([B] -> [B, k])."""
+    if num_masks == 1:
+        return (slot + num_slots)[:, None]
     j = torch.arange(num_masks, device=slot.device)
     return num_slots + slot[:, None] * num_masks + j
 

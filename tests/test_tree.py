@@ -79,3 +79,25 @@ def test_attention_bias_rows_of_one_length_equal_the_general_form():
         general = attention_bias(in_block, cache_len, pos, s + q, torch.float32)
         fast = attention_bias(in_block, cache_len, pos, s + q, torch.float32, uniform_len=s)
         assert fast.shape == general.shape == (b, 1, q, s + q) and torch.equal(fast, general)
+
+
+def test_static_block_bias_is_the_general_bias_as_the_context_grows():
+    """A cached layout's bias is a view of one buffer per layout, grown with the context; its values are
+    attention_bias's for every length, batch and dtype, and a second layout gets its own buffer."""
+    from esp_worker.inputs import StaticBlockBias, attention_bias
+
+    g = torch.Generator().manual_seed(1)
+    layouts = []
+    for q in (3, 7):
+        in_block = (torch.rand((1, q, q), generator=g) < 0.5) | torch.eye(q, dtype=torch.bool)[None]
+        layouts.append(in_block)
+    cached = StaticBlockBias()
+    for s in (0, 5, 250, 251, 700):
+        for in_block in layouts:
+            for b, dtype in ((1, torch.float32), (3, torch.bfloat16)):
+                q = in_block.shape[-1]
+                pos = s + torch.arange(q).expand(b, q)
+                want = attention_bias(in_block, torch.full((b,), s), pos, s + q, dtype)
+                got = cached(in_block, s, b, dtype)
+                assert got.shape == want.shape == (b, 1, q, s + q) and torch.equal(got, want)
+    assert cached(layouts[0], 9, 1, torch.float32).data_ptr() != cached(layouts[1], 9, 1, torch.float32).data_ptr()

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from ..cp_heads import CPHeads
+from ..grad import inference
 from ..tree import DraftTree, best_nodes
 from .base import Block, Drafter, PassResult, RowsView
 from .state import RowState, row_field
@@ -75,7 +76,7 @@ class CPHeadsDrafter(Drafter):
         st.cp_ok = torch.ones_like(st.cp_ok)
 
     # ---- the mixture and its candidate pool ---------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def _pool(self, view: RowsView):
         """(score [B, P] joint log-prob, token [B, P], parent pool index [B, P] (-1 = root), depth [B, P]),
         depth by depth.

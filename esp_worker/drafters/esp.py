@@ -115,13 +115,18 @@ class ESPDrafter(Drafter):
         committed = result.committed.shape[1]  # host bound on the tokens this pass committed per row
         if result.mask_hidden is not None:
             lp = torch.log_softmax(self.logits(result.mask_hidden), dim=-1)  # [B, k, V]
-            top = lp.topk(min(self.num_cand, lp.shape[-1]), dim=-1)
             cn = self.num_cand
-            st.cand_lp = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
-            st.cand_ids = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
+            top = lp.topk(min(cn, lp.shape[-1]), dim=-1)
+            if top.values.shape[-1] < cn:  # a vocabulary smaller than the candidates kept
+                st.cand_lp = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
+                st.cand_ids = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
+            else:
+                st.cand_lp, st.cand_ids = top.values, top.indices
             st.has_probe = torch.ones_like(st.has_probe) if result.mask_ok is None else result.mask_ok.clone()
             self.probe_maybe = True
             self._probe_partial = result.mask_ok is not None  # only then may rows be left without a probe
+            if not result.prefill:  # a prefill probes only the rows that join
+                self._all_probed = result.mask_ok is None
             if result.prefill:
                 self._catch_up(view, committed)
             else:
@@ -134,29 +139,46 @@ class ESPDrafter(Drafter):
             if self.probe_maybe:
                 st.has_probe = torch.zeros_like(st.has_probe)
                 self.probe_maybe = False
+            self._all_probed = False
             self._lag += committed
-        else:
+        else:  # a prefill without masks: the rows that join have no probe
+            self._all_probed = False
             self._catch_up(view, committed)
 
     _lag = 0  # host bound on max(hist_len - m_len) over the batch rows: tokens the EMA still owes
+    # host flag: every row of the batch holds a fresh probe (its last pass fed it masks); then `propose` need not
+    # mask the tree with has_probe. Conservative: False until a decode pass probed every row
+    _all_probed = False
 
     def _catch_up(self, view: RowsView, bound: int) -> None:
         """Apply the EMA for every token committed since m was last updated, in order:
         m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i] over the n tokens e_i = hist[m_len:hist_len].
         `bound` >= every row's n is known on the host, so the width of the gather needs no device read."""
         st = view.state
-        lam = self.ema_lambda
-        gap = view.hist_len - st.m_len  # [B]
         g = bound
-        if lam > 0 and g > 0:
-            i = torch.arange(g, device=gap.device)[None]
-            idx = (st.m_len[:, None] + i).clamp(max=view.hist.shape[1] - 1)
+        if self.ema_lambda > 0 and g > 0:
+            weights, decay, steps = self._ema_tables(g, st.m.device)
+            gap = view.hist_len - st.m_len  # [B] tokens to apply per row (<= g)
+            idx = (st.m_len[:, None] + steps[:g]).clamp(max=view.hist.shape[1] - 1)
             tokens = view.hist.gather(1, idx)  # [B, G]
-            n = gap[:, None]
-            w = torch.where(i < n, lam * (1 - lam) ** (n - 1 - i).clamp(min=0).float(), 0.0)  # [B, G]
+            w = weights[gap, :g]  # [B, G]: lam (1-lam)^(n-1-i) for i < n, else 0
             emb = self.embed(tokens).float()  # [B, G, D]
-            st.m = (1 - lam) ** gap[:, None].float() * st.m + (w[..., None] * emb).sum(1)
+            st.m = decay[gap][:, None] * st.m + torch.bmm(w[:, None], emb)[:, 0]
         st.m_len = view.hist_len.clone()
+
+    _ema = None
+
+    def _ema_tables(self, g: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights [N+1, N], decay [N+1], steps [N]) for gaps up to N >= g, N a power of two: weights[n, i] =
+        lam (1-lam)^(n-1-i) for i < n (else 0), decay[n] = (1-lam)^n, steps = 0 .. N-1. Built on the device
+        (no host data), once per size."""
+        if self._ema is None or self._ema[2].shape[0] < g or self._ema[2].device != dev:
+            lam, size = self.ema_lambda, max(8, 1 << (g - 1).bit_length())
+            n = torch.arange(size + 1, device=dev, dtype=torch.float64)
+            i = torch.arange(size, device=dev, dtype=torch.float64)
+            weights = torch.where(i[None] < n[:, None], lam * (1 - lam) ** (n[:, None] - 1 - i[None]).clamp(min=0), 0.0)
+            self._ema = (weights.float(), ((1 - lam) ** n).float(), torch.arange(size, device=dev))
+        return self._ema
 
     @property
     def depth_limit(self) -> Optional[int]:
@@ -200,7 +222,8 @@ class ESPDrafter(Drafter):
             tree, depth = self._static_tree(view.root, st.cand_lp, st.cand_ids, branches), len(branches)
         else:
             tree, depth = self._dynamic_tree(view.root, st.cand_lp, st.cand_ids, n), min(self.num_masks, n)
-        tree.valid = tree.valid & (st.has_probe[:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0))
+        if not self._all_probed:  # rows without a probe keep the root only
+            tree.valid = tree.valid & (st.has_probe[:, None] | (torch.arange(tree.num_slots, device=tree.valid.device) == 0))
         if self._lag:
             self._catch_up(view, self._lag)  # after plain passes m still owes their tokens
             self._lag = 0

@@ -32,6 +32,9 @@ def row_field(fill: float = 0) -> Optional[torch.Tensor]:
     return dataclasses.field(default=None, metadata={"fill": fill})
 
 
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
+
+
 @dataclasses.dataclass
 class RowState:
     """Base of every drafter's state (no fields: a drafter that keeps nothing per row)."""
@@ -43,7 +46,10 @@ class RowState:
 
     @classmethod
     def _names(cls) -> frozenset[str]:
-        return frozenset(f.name for f in dataclasses.fields(cls))
+        names = _FIELD_NAMES.get(cls)
+        if names is None:  # once per class (a field set is a few per pass)
+            names = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+        return names
 
     def update(self, **values: Optional[torch.Tensor]) -> None:
         """Set several fields at once (unknown names raise)."""
