@@ -311,8 +311,10 @@ class Engine:
             embeds = torch.cat([embeds, block.aux_embeds.to(embeds.dtype)], 1)
         b, q = embeds.shape[:2]
         cache_len = rows.t["hist_len"] - 1  # [B] the root is not cached
-        pos = (cache_len[:, None] + lay.rel_pos).clamp(max=self.loaded.max_context - 1)  # [B, Q]
         s_max, s_min = max(rows.lens) - 1, min(rows.lens) - 1
+        pos = cache_len[:, None] + lay.rel_pos  # [B, Q]
+        if s_max + q > self.loaded.max_context:  # positions past the context (rows that stop there) are clamped
+            pos = pos.clamp(max=self.loaded.max_context - 1)
         view_len = s_max + q
         rows.cache.reserve(b, view_len)
         rows.cache.plan(0, b, view_len, s_max if s_min == s_max else cache_len)  # rows of one length: a slice write
@@ -384,12 +386,11 @@ class Engine:
     def _commit(self, rows: Rows, committed: torch.Tensor, n_fin: torch.Tensor, reason: torch.Tensor) -> None:
         t = rows.t
         s = committed.shape[1]
-        rows.ensure_capacity(s)
-        hist = t["hist"]
-        i = torch.arange(s, device=committed.device)[None]
-        idx = (t["hist_len"][:, None] + i).clamp(max=hist.shape[1] - 1)
-        cur = hist.gather(1, idx)
-        hist.scatter_(1, idx, torch.where(i < n_fin[:, None], committed, cur))
+        rows.ensure_capacity(s)  # room for s more tokens behind every row (host-known lengths)
+        # all s slots are written: those past n_fin lie beyond the new length, where a row's slots are stale
+        # anyway (every reader of `hist` stops at hist_len)
+        idx = t["hist_len"][:, None] + torch.arange(s, device=committed.device)  # [B, S]
+        t["hist"].scatter_(1, idx, committed)
         t["hist_len"] = t["hist_len"] + n_fin
         rows.reason = torch.where(rows.reason == 0, reason, rows.reason)
 
