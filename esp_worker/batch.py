@@ -140,9 +140,10 @@ class Rows:
             self.t["hist"] = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
 
     # ---- statistics --------------------------------------------------------------------------------
-    def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: torch.Tensor, max_committed: int,
+    def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: Optional[torch.Tensor], max_committed: int,
               source: Optional[torch.Tensor] = None, path_slots: Optional[torch.Tensor] = None) -> None:
-        """Add one pass to the per-row counters (tensor ops only, ~7 of them). n_fin, n_raw, drafted: [B].
+        """Add one pass to the per-row counters (tensor ops only, ~7 of them). n_fin, n_raw, drafted: [B]
+        (drafted None: no draft this pass).
         source [B, T] (proposer of each tree slot, -1 = root; [B, 1]: of every draft of the row) and
         path_slots [B, S]: split the kept accepted drafts by proposer into accepted_by [B, P]."""
         t = self.t
@@ -152,7 +153,8 @@ class Rows:
             hists = t["hists"] = torch.nn.functional.pad(hists, (0, max(max_committed + 1, 2 * width) - width))
             width = hists.shape[2]
         acc = torch.minimum(n_raw - 1, n_fin)  # [B] accepted drafts that were kept
-        t["drafted"] += drafted
+        if drafted is not None:
+            t["drafted"] += drafted
         # one scatter for both histograms: accepted drafts (row 0) and committed tokens (row 1) of this pass
         idx = torch.stack([acc, n_fin + width], 1)  # [B, 2] into hists viewed as [B, 2W]
         hists.view(len(acc), -1).scatter_add_(1, idx, torch.ones_like(idx))

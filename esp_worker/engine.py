@@ -282,7 +282,8 @@ class Engine:
         self._commit(rows, res.committed, n_fin, reason)
         view = rows.view()  # after the commit
         self._observe(view, block, res, hidden, slot_logits, n_fin)
-        rows.count(n_fin, res.num_committed, block.tree.valid[:, 1:].sum(-1), block.max_depth + 1, block.source, res.path_slots)
+        drafted = block.tree.valid[:, 1:].sum(-1) if block.tree.num_slots > 1 else None  # [B]; None: root only
+        rows.count(n_fin, res.num_committed, drafted, block.max_depth + 1, block.source, res.path_slots)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
         hints = self.drafter.row_hints(view)
         # the policy decides the next pass now and starts its look (with the previous read's hints: a drafter
