@@ -106,6 +106,30 @@ def test_ema_update_per_committed_token_in_order():
         assert view.state.m_len.tolist() == [4, 2]
 
 
+def test_ema_replays_long_gaps_and_short_ones_after_them():
+    """A gap longer than the weight table built so far (after many plain passes) grows it; shorter gaps after
+    it use the same table. m equals the token-by-token EMA in float64 each time."""
+    lam = 0.1
+    table = torch.arange(V * D, dtype=torch.float64).reshape(V, D) / (V * D)
+    hist = torch.tensor([[3] + [(7 * i) % V for i in range(1, 60)]])
+    d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
+    d.embed = lambda ids: table.float()[ids]
+    m0 = torch.tensor([[0.5, -1.0, 2.0, 0.0]])
+    view = RowsView(hist, torch.tensor([1]), torch.ones(1, dtype=torch.long), [0], ESPState())
+    view.state.update(m=m0.clone(), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
+    ref = m0[0].double()
+    seen = 1
+    for length in (38, 41, 42, 59):  # gaps 37 (a table of 64), 3, 1, 17
+        view = RowsView(hist, torch.tensor([length]), torch.ones(1, dtype=torch.long), [0], view.state)
+        d.observe(view, PassResult(torch.zeros(1, length - seen, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                                   None, torch.zeros((1, 1, D))))
+        for t in hist[0, seen:length].tolist():
+            ref = ref + lam * (table[t] - ref)
+        seen = length
+        assert torch.allclose(view.state.m[0].double(), ref, atol=1e-5), (length, view.state.m, ref)
+        assert view.state.m_len.tolist() == [length]
+
+
 def test_ema_lambda_zero_freezes_mask():
     d = drafter(num_masks=1, block_complexity=10, ema_lambda=0.0)
     view = RowsView(torch.tensor([[1, 3, 0, 0]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState())
