@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import math
 import os
 import statistics
 from pathlib import Path
@@ -51,12 +52,15 @@ class _Arm:
         # measured / curve model seconds of this set's drafting passes (over the latest plain pass's ratio: what
         # the curve does not see of them, e.g. a block shape that selects a slower kernel)
         self.excess: collections.deque = collections.deque(maxlen=15)
-        # decayed tokens committed per row / seconds in units of the curve's plain pass at that batch and
-        # cache length, over the passes this arm planned: a speed relative to plain decoding, so that batch
-        # occupancy (the tail of a job) and context length, which change throughput whatever the arm, do not
-        # bias the comparison between arms
-        self.tokens = 0.0
-        self.seconds = 0.0
+        # speed of this set's passes: tokens committed per row / seconds in units of the curve's plain pass at
+        # that batch and cache length (a speed relative to plain decoding, so that batch occupancy and context
+        # length, which change throughput whatever the set, do not bias the comparison). `local_*`: over its
+        # latest passes (decayed per pass of the job, so after another set's run only its newest passes count)
+        self.local_tokens = 0.0
+        self.local_seconds = 0.0
+        self.local_at = 0  # the policy's pass count at its last pass
+        # log speed relative to the other sets, from paired comparisons on the same text (`BlockPolicy._pair`)
+        self.lead = 0.0
         self.passes = 0
         self.last_trial = 0  # the policy's look count at this set's last trial
 
@@ -65,8 +69,8 @@ class _Arm:
         return self.acc / self.pred
 
     @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("inf")
+    def local_rate(self) -> float:
+        return self.local_tokens / self.local_seconds if self.local_seconds else 0.0
 
 
 class BlockPolicy:
@@ -99,19 +103,21 @@ class BlockPolicy:
     On an H100 a 1B model's hybrid passes under `auto` ran at 0.3-0.4x plain decoding with their extra time
     inside the model calls (host overhead 0.12), which the host overheads could not see.
 
-    Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set with the most tokens
-    committed per row per curve-predicted plain pass time over the passes it planned (decayed; a speed
-    relative to plain decoding, not biased by batch occupancy or context length; a pass's time is the curve's
-    model time plus its drift-corrected host time, so drift does not favour the set that ran while the
-    machine was fast), after `arm_min_passes` passes each, taken in turns (a speed decayed over a few noisy
-    passes picked the wrong set for hundreds of passes; one set's first passes all on the job's first prompt
-    and the other's on the next gave the first an estimate from other text, and it then ran as the best set
-    until its own passes corrected it); every `explore_every // 2` looks the other set gets one (less often the
-    slower it measured: see `_trial_interval`). The speed's
-    memory (`rate_decay` 0.99 per pass of the set, ~100 passes) spans several requests: the set in charge is
-    measured on the text at hand while the other's few trial passes spread over the whole job, so a shorter
-    memory (0.95) swapped sets whenever the text at hand got harder (code to verse), not when the other set
-    was faster (the merged tree ran 15-30% of passes at batch 1 on this CPU, where it is half as fast).
+    Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set that measured fastest
+    in paired comparisons on the same text. A pass's speed is the tokens it committed per row over its time
+    in units of the curve's plain pass at that batch and cache length (relative to plain decoding, so batch
+    occupancy and context length do not bias it; its time is the curve's model time plus its drift-corrected
+    host time, so drift does not favour the set that ran while the machine was fast). Whenever the set changes
+    from one pass to the next, the new set's pass is compared with the other's latest passes (`local_decay`
+    per pass of the job: after a run of the other set only its newest passes count), and the log of the ratio
+    moves their `lead`s (an EMA over `pair_weight` comparisons; a running mean before that). The sets take
+    turns, one look each, for their first `arm_min_passes` passes; after that every `explore_every // 2`
+    looks the other set gets one trial (less often the slower it measured: see `_trial_interval`), and each
+    trial gives two comparisons (into the trial and back). Why paired: comparing each set's speed decayed
+    over its own passes compared text with text. The set in charge is measured on the text at hand while the
+    other's record is frozen from its last trials: on easy text (code) the set in charge looked faster than
+    the other's record from harder text, whichever was faster, and kept running (the merged tree, ~0.75x as
+    fast as the chains at batch 1 on this CPU, ran ~9% of passes and cost the hybrid ~3.5% of its speed).
 
     Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
     chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
@@ -132,14 +138,18 @@ class BlockPolicy:
         explore_every: int = 64,
         min_samples: int = 3,
         arm_min_passes: int = 16,
-        rate_decay: float = 0.99,
+        local_decay: float = 0.7,
+        pair_weight: int = 20,
     ):
         self.curve = curve
         self.max_block = min(max_block, max(curve.block_sizes))  # never extrapolate the curve beyond what was measured
         self._prior = (prior_alpha, prior_weight)
         self.arms: dict[str, _Arm] = {"": _Arm(block_tokens, max_nodes, self.max_block, *self._prior)}
         self.arm = self.arms[""]
-        self.decay, self.rate_decay = decay, rate_decay
+        self.decay, self.local_decay, self.pair_weight = decay, local_decay, pair_weight
+        self._passes = 0  # passes observed (the clock of the sets' local speeds)
+        self._pairs = 0  # paired comparisons of proposer sets so far
+        self._prev_arm: Optional[_Arm] = None  # the set of the last pass observed
         self.drift = 1.0  # measured / predicted model seconds (decayed): the machine's speed against the curve's
         self._drift_w = 0.0
         self._plain_ratio: Optional[float] = None  # measured / predicted model seconds of the latest plain pass
@@ -220,7 +230,11 @@ class BlockPolicy:
     def _decide(self, drafter, view, batch: int, cache_len: int) -> tuple:
         """("plain",) | ("probe",) | ("look", trial): what the next pass does before any draft mass is known
         (waits, back-off, the bound on what drafting could pay, a probe first, the proposer set)."""
-        refresh = self._since["plain"] >= EXCESS_REFRESH and self.model_excess() > 1.0
+        # a plain pass re-measures plain's model time while an excess counts, and measures it at all once drafting
+        # passes could show one (without it the excess is unknown, and a job drafting on a free-looking curve would
+        # otherwise run `explore_every` slow drafting passes before its first plain pass)
+        unmeasured = self._plain_ratio is None and len(self.arm.excess) >= self.min_samples
+        refresh = self._since["plain"] >= EXCESS_REFRESH and (unmeasured or self.model_excess() > 1.0)
         if self._wait > 0 or self._since["plain"] >= self.explore_every or refresh:
             self._wait = max(self._wait - 1, 0)
             return ("plain",)
@@ -280,7 +294,7 @@ class BlockPolicy:
         if new:  # the sets take turns until each has its passes: both are measured on the same text
             pick, best = min(new, key=lambda v: tried[v].passes), None
         else:
-            best = max(tried, key=lambda v: tried[v].rate)
+            best = max(tried, key=lambda v: tried[v].lead)
             due = [v for v in names if v != best and self._looks - tried[v].last_trial >= self._trial_interval(tried, best, v)]
             pick = min(due, key=lambda v: tried[v].last_trial) if due else best
             tried[pick].last_trial = self._looks
@@ -293,7 +307,7 @@ class BlockPolicy:
         slower it measured (at most 8x): a set half as fast is tried a quarter as often (each trial costs
         what it loses), one nearly as fast about as often as before."""
         base = max(self.explore_every // 2, 1)
-        slower = arms[best].rate / max(arms[other].rate, 1e-9)
+        slower = math.exp(min(arms[best].lead - arms[other].lead, 10.0))
         return base * min(8.0, max(1.0, slower * slower))
 
     def _planned(self, n: int, batch: int, cache_len: int) -> int:
@@ -339,11 +353,27 @@ class BlockPolicy:
             self._track_drift(model_seconds / excess, model_s)  # the machine's speed, not the mode's excess
             host = max(seconds - model_seconds, 0.0) / self.drift
         (arm.plain_over if mode == "plain" else arm.over).append(host)
-        if len(self.arms) > 1:  # speed of the proposer set in charge (its plain passes included)
-            d = self.rate_decay
-            arm.tokens = d * arm.tokens + committed / max(batch, 1)
-            arm.seconds = d * arm.seconds + (model_s * excess + host) / plain_s
+        if len(self.arms) > 1:  # speed of the proposer set in charge, compared with the other's on the same text
+            tokens, secs = committed / max(batch, 1), (model_s * excess + host) / plain_s
+            self._pair(arm, tokens / secs)
+            self._passes += 1
+            keep = self.local_decay ** (self._passes - arm.local_at)
+            arm.local_tokens, arm.local_seconds = keep * arm.local_tokens + tokens, keep * arm.local_seconds + secs
+            arm.local_at = self._passes
             arm.passes += 1
+            self._prev_arm = arm
+
+    def _pair(self, arm: "_Arm", speed: float) -> None:
+        """When the set changed since the last pass: this pass's speed against the other set's latest passes
+        (the same text), one sample of the log ratio of their speeds; their leads move apart by its error."""
+        prev = self._prev_arm
+        if prev is None or prev is arm or prev.local_rate <= 0 or speed <= 0:
+            return
+        self._pairs += 1
+        err = math.log(speed / prev.local_rate) - (arm.lead - prev.lead)
+        step = err / min(self._pairs, self.pair_weight) / 2
+        arm.lead += step
+        prev.lead -= step
 
     def _observe_excess(self, mode: str, measured: float, predicted: float) -> None:
         if predicted <= 0 or measured <= 0:

@@ -1,6 +1,8 @@
 """block_complexity=auto: the size policy on synthetic cost curves, and losslessness under it."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -174,7 +176,30 @@ def test_proposer_set_with_more_tokens_per_second_wins_and_the_other_is_explored
     late = used[100:]
     assert late.count("fast") > 0.8 * len(late)
     assert 0 < late.count("slow") < 0.1 * len(late)  # explored now and then
-    assert p.arms["fast"].rate > p.arms["slow"].rate
+    assert p.arms["fast"].lead > p.arms["slow"].lead
+
+
+def test_proposer_sets_are_compared_on_the_same_text():
+    """"slow" is always 0.75x as fast as "fast" on the same text, and the text alternates between stretches
+    where every drafting pass commits 4 tokens per row (code) and stretches where it commits 1.5 (verse).
+    Each set's speed decayed over its own passes compared text with text: the set in charge on easy text
+    outran the other's record from hard text and ran on; the paired comparison keeps "slow" to its trials."""
+    from types import SimpleNamespace
+
+    p = policy(FLAT)
+    d = _TwoSets(torch.full((2, 29), 0.5))
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    used = []
+    for i in range(3000):
+        n = p.plan(d, view)
+        easy = (i // 150) % 2 == 0
+        tokens = 1.0 if n < 0 else (4.0 if easy else 1.5)
+        used.append(d.variant if n > 0 else "plain")
+        secs = 1.3 if n < 0 else (1.4 / 0.75 if d.variant == "slow" else 1.4)
+        p.observe_pass(int(2 * tokens), secs)
+    late = used[300:]
+    assert late.count("slow") < 0.05 * len(late)
+    assert p.arms["fast"].lead - p.arms["slow"].lead == pytest.approx(-math.log(0.75), abs=0.1)
 
 
 def test_an_exploring_look_drafts_even_with_a_low_alpha():
@@ -196,8 +221,7 @@ def test_a_trial_of_the_other_proposer_set_starts_no_back_off():
     p.arm_min_passes = 0
     p.arms["slow"] = _arm = type(p.arm)(*d.use_variant("slow"), p.max_block, *p._prior)
     p.arms["fast"] = type(p.arm)(*d.use_variant("fast"), p.max_block, *p._prior)
-    p.arms["fast"].tokens, p.arms["fast"].seconds = 2.0, 1.0
-    _arm.tokens, _arm.seconds = 1.0, 1.0
+    p.arms["fast"].lead = math.log(2.0)  # twice as fast as "slow" (lead 0)
     p.arm = p.arms["fast"]
     for a in p.arms.values():
         a.over.extend([0.0] * p.min_samples)  # measured: no exploring looks
@@ -218,10 +242,10 @@ def test_proposer_sets_compare_speed_relative_to_plain_not_raw_tokens_per_second
     for batch in (8, 2):
         plain_s = FLAT.time(batch, 1, 96)  # the curve's plain pass at this batch (cache bucket of 100 tokens)
         arm = p.arm
-        arm.tokens = arm.seconds = 0.0
+        arm.local_tokens = arm.local_seconds = 0.0
         p._planned(-1, batch, 100)
         p.observe_pass(int(1.5 * batch), plain_s)  # 1.5 tokens per row in one plain pass's time
-        rates.append(arm.rate)
+        rates.append(arm.local_rate)
     assert rates[0] == pytest.approx(rates[1]) == pytest.approx(1.5)
 
 
@@ -288,7 +312,7 @@ def test_a_slower_proposer_set_is_tried_less_often():
         p._pick_arm(d)  # creates both sets
         for name, rate in (("fast", 2.0), ("slow", slow_rate)):
             a = p.arms[name]
-            a.passes, a.tokens, a.seconds = p.arm_min_passes, rate, 1.0
+            a.passes, a.lead = p.arm_min_passes, math.log(rate)
         picks = [p._pick_arm(d) for _ in range(1024)]
         return sum(picks)
 
