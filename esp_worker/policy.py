@@ -355,7 +355,7 @@ class BlockPolicy:
         (arm.plain_over if mode == "plain" else arm.over).append(host)
         if len(self.arms) > 1:  # speed of the proposer set in charge, compared with the other's on the same text
             tokens, secs = committed / max(batch, 1), (model_s * excess + host) / plain_s
-            self._pair(arm, tokens / secs)
+            self._pair(arm, tokens / secs if secs > 0 else 0.0)
             self._passes += 1
             keep = self.local_decay ** (self._passes - arm.local_at)
             arm.local_tokens, arm.local_seconds = keep * arm.local_tokens + tokens, keep * arm.local_seconds + secs
