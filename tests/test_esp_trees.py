@@ -130,6 +130,36 @@ def test_ema_replays_long_gaps_and_short_ones_after_them():
         assert view.state.m_len.tolist() == [length]
 
 
+def test_ema_owed_for_longer_than_its_window_or_table_replays_in_bounded_work(monkeypatch):
+    """A host bound far above what any row owes (it outlives the rows it was counted for) costs no more than
+    the history, a gap longer than the EMA's window starts from the window (older tokens weigh < 2^-40), and a
+    window wider than the largest table is replayed in chunks: m equals the token-by-token EMA in float64, and
+    the weight table never grows past EMA_TABLE_MAX."""
+    from esp_worker.drafters import esp as esp_mod
+    monkeypatch.setattr(esp_mod, "EMA_TABLE_MAX", 16)
+    table = torch.arange(V * D, dtype=torch.float64).reshape(V, D) / (V * D)
+    hist = torch.tensor([[3] + [(7 * i + i * i) % V for i in range(1, 300)], [5] + [(3 * i) % V for i in range(1, 300)]])
+    for lam, lengths in ((0.5, (30, 200, 230)), (0.05, (90, 300))):  # windows 40 and 541 tokens
+        d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
+        d.embed = lambda ids: table.float()[ids]
+        m0 = torch.tensor([[0.5, -1.0, 2.0, 0.0], [1.0, 0.0, -2.0, 3.0]])
+        state = ESPState()
+        state.update(m=m0.clone(), m_len=torch.tensor([1, 1]), has_probe=torch.zeros(2, dtype=torch.bool))
+        ref = [m0[r].double() for r in range(2)]
+        seen = [1, 1]
+        for step, length in enumerate(lengths):
+            lens = torch.tensor([length, length - 10 * step])  # row 1 owes less than row 0
+            view = RowsView(hist, lens, torch.ones(2, dtype=torch.long), [0, 0], state)
+            d._catch_up(view, 10_000)  # a bound far above every gap
+            for r in range(2):
+                for t in hist[r, seen[r]: lens[r]].tolist():
+                    ref[r] = ref[r] + lam * (table[t] - ref[r])
+                seen[r] = int(lens[r])
+                assert torch.allclose(state.m[r].double(), ref[r], atol=1e-5), (lam, length, r, state.m[r], ref[r])
+            assert state.m_len.tolist() == lens.tolist()
+            assert d._ema[2].shape[0] <= 16
+
+
 def test_ema_lambda_zero_freezes_mask():
     d = drafter(num_masks=1, block_complexity=10, ema_lambda=0.0)
     view = RowsView(torch.tensor([[1, 3, 0, 0]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState())

@@ -10,6 +10,7 @@ tokens; `has_probe` [B] bool (False until a probe exists, e.g. when prefill prob
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -20,6 +21,16 @@ from ..tree import DraftTree, best_nodes, static_branches, static_parents
 from .base import Block, Drafter, PassResult, RowsView
 from .common import NEG, topk_excluding  # noqa: F401  (topk_excluding re-exported for callers of esp)
 from .state import RowState, row_field
+
+
+EMA_TABLE_MAX = 1024  # widest EMA replay in one step (its weight table is [N + 1, N]); wider gaps go in chunks
+
+
+def ema_window(lam: float) -> int:
+    """Tokens whose EMA weights sum to all but < 2^-40 of m: (1 - lam)^W < 2^-40 (lam 0.1: 264; lam 1: 1)."""
+    if lam >= 1.0:
+        return 1
+    return max(1, math.ceil(40 * math.log(2) / -math.log1p(-lam)))
 
 
 @dataclass
@@ -153,17 +164,38 @@ class ESPDrafter(Drafter):
     def _catch_up(self, view: RowsView, bound: int) -> None:
         """Apply the EMA for every token committed since m was last updated, in order:
         m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i] over the n tokens e_i = hist[m_len:hist_len].
-        `bound` >= every row's n is known on the host, so the width of the gather needs no device read."""
+        `bound` >= every row's n is known on the host, so the width of the gather needs no device read.
+
+        The host bound only grows between mask passes and outlives the rows it was counted for (a batch-1 job
+        drafting from n-grams for many requests owed ~2,500 tokens, and a weight table of that size squared
+        cost ~0.5 s), so its work is bounded two ways: tokens more than `ema_window` back (and the old m) weigh
+        less than 2^-40 of m, below float32's resolution, so a longer gap starts m over from the window's first
+        token; and a window wider than EMA_TABLE_MAX is replayed in chunks of that size, in order."""
         st = view.state
-        g = bound
-        if self.ema_lambda > 0 and g > 0:
+        if self.ema_lambda <= 0 or bound <= 0:
+            st.m_len = view.hist_len.clone()
+            return
+        bound = min(bound, view.hist.shape[1])  # no row owes more than its history
+        window = ema_window(self.ema_lambda)
+        if bound > window:  # rows owing more than the window: m restarts from the window's first token
+            start = torch.maximum(st.m_len, view.hist_len - window)
+            st.m = torch.where((start > st.m_len)[:, None], 0.0, st.m)
+            st.m_len, bound = start, window
+        last = view.hist.shape[1] - 1
+        while bound > 0:
+            g = min(bound, EMA_TABLE_MAX)
             weights, decay, steps = self._ema_tables(g, st.m.device)
-            gap = view.hist_len - st.m_len  # [B] tokens to apply per row (<= g)
-            idx = (st.m_len[:, None] + steps[:g]).clamp(max=view.hist.shape[1] - 1)
+            gap = view.hist_len - st.m_len  # [B] tokens to apply per row (<= g, or clamped to g: more chunks follow)
+            if g < bound:
+                gap = gap.clamp(max=g)
+            idx = (st.m_len[:, None] + steps[:g]).clamp(max=last)
             tokens = view.hist.gather(1, idx)  # [B, G]
             w = weights[gap, :g]  # [B, G]: lam (1-lam)^(n-1-i) for i < n, else 0
             emb = self.embed(tokens).float()  # [B, G, D]
             st.m = decay[gap][:, None] * st.m + torch.bmm(w[:, None], emb)[:, 0]
+            bound -= g
+            if bound > 0:
+                st.m_len = st.m_len + gap
         st.m_len = view.hist_len.clone()
 
     _ema = None
