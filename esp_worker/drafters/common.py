@@ -8,6 +8,7 @@ The tree-selection helper (`best_nodes`) lives in esp_worker.tree next to the tr
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -36,21 +37,29 @@ def find_continuation(hist: torch.Tensor, length: torch.Tensor, max_ngram: int, 
     Example (n=2): history [5 6 7 8 5 6] -> suffix [5 6] matched at 0 -> 2 (the continuation starts with 7).
 
     One comparison for every length: window e holds the m = max_ngram tokens ending at position e, compared
-    with the suffix's last m; a run of equal tokens from the end of the window of length >= n is a match of n
-    ending at e (the history is left-padded with m - 1 tokens that match nothing).
+    with the suffix's last m; the run of equal tokens from the end of the window (m minus the place of its
+    last difference) is the longest n that matches ending at e, and the best window maximises (run, e) among
+    those with run >= min_ngram and a continuation before the suffix (the history is left-padded with m - 1
+    tokens that match nothing). ~22 tensor ops whatever the lengths.
     """
     b, c = hist.shape
-    dev, m = hist.device, max_ngram
-    suffix = hist.gather(1, (length[:, None] - m + torch.arange(m, device=dev)).clamp(min=0))  # [B, m]
-    padded = torch.nn.functional.pad(hist, (m - 1, 0), value=-1)  # [B, C + m - 1]
-    same = padded.unfold(1, m, 1) == suffix[:, None, :]  # [B, C, m]: window ending at e, oldest token first
-    run = same.flip(-1).cumprod(-1)[..., min_ngram - 1:].flip(-1)  # [B, C, N]: a match of n, n = m .. min_ngram
-    end = torch.arange(c, device=dev)[None, :, None]
-    before = end + 1 < length[:, None, None]  # the continuation exists (and the window is not the suffix)
-    latest = torch.where(run.bool() & before, end, -1).amax(1)  # [B, N] latest end per n, longest n first
-    first = (latest >= 0).long().argmax(-1, keepdim=True)  # the longest n that matched
-    best = latest.gather(1, first).squeeze(1)
-    return torch.where(best >= 0, best + 1, -1)
+    m = max_ngram
+    back, place, ends = _match_ranges(m, c, hist.device)
+    lengths = length[:, None]  # [B, 1]
+    suffix = hist.gather(1, (lengths + back).clamp(min=0))  # [B, m] oldest first
+    windows = torch.nn.functional.pad(hist, (m - 1, 0), value=-1).unfold(1, m, 1)  # [B, C, m] ending at e
+    run = m - ((windows != suffix[:, None, :]) * place).amax(-1)  # [B, C] equal tokens back from e
+    ok = (run >= min_ngram) & (ends < lengths)  # a match whose continuation e + 1 comes before the suffix
+    best = torch.where(ok, run * (c + 1) + ends, 0).amax(1)  # [B] longest run, then latest e (0: none)
+    return torch.where(best > 0, best % (c + 1), -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _match_ranges(m: int, c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(back [m] = -m .. -1: a suffix's positions from its end; place [m] = 1 .. m: a window position's rank;
+    ends [C] = 1 .. C: the continuation index after each window), built once per history width."""
+    return (torch.arange(-m, 0, device=device), torch.arange(1, m + 1, device=device),
+            torch.arange(1, c + 1, device=device))
 
 
 def pool_depth(par: torch.Tensor, max_depth: int) -> torch.Tensor:
