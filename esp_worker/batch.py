@@ -65,6 +65,7 @@ class Rows:
     lens: list[int] = field(default_factory=list)  # host copy of hist_len
     done: list[int] = field(default_factory=list)  # host copy of reason
     hints: Optional[list[int]] = None  # host copy of the drafter's row_hints (None: it gives none)
+    _view: Optional[RowsView] = field(default=None, repr=False)  # the last view (see `view`)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -78,8 +79,14 @@ class Rows:
         return any(s.req.params.stop_strings for s in self.seqs)
 
     def view(self) -> RowsView:
-        t = self.t
-        return RowsView(t["hist"], t["hist_len"], t["prompt_len"], [s.seed for s in self.seqs], self.state, self.hints)
+        """The drafter's view of the rows; the same object until a commit, a host read or a change of rows
+        (so the root it computes is computed once per pass)."""
+        t, v = self.t, self._view
+        if (v is None or v.hist is not t["hist"] or v.hist_len is not t["hist_len"] or v.hints is not self.hints
+                or v.state is not self.state):
+            v = self._view = RowsView(t["hist"], t["hist_len"], t["prompt_len"], [s.seed for s in self.seqs],
+                                      self.state, self.hints)
+        return v
 
     def consumed(self) -> list[int]:
         """Uniforms each row has consumed: one per generated token (host mirror, no read)."""

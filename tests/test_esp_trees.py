@@ -36,9 +36,24 @@ def test_topk_excluding_replaces_parent_token():
     assert topk_excluding(lp, ids, None, 2)[1].tolist() == [[7, 3]]
 
 
+def observed(d: ESPDrafter, root: int, rows):
+    """The candidates ESP's observe keeps after a pass that committed `root` (the next tree's root), from mask
+    logits log(p) per (token, p) of each depth (every other token far below): cand_lp, cand_ids [1, k, C]."""
+    logits = torch.full((1, len(rows), V), -30.0)
+    for j, r in enumerate(rows):
+        for t, p in r:
+            logits[0, j, t] = math.log(p)
+    view = RowsView(torch.tensor([[0, root]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState())
+    view.state.update(m=torch.zeros(1, D), m_len=torch.tensor([1]), has_probe=torch.zeros(1, dtype=torch.bool))
+    d.observe(view, PassResult(torch.tensor([[root]]), torch.tensor([1]), None, logits))  # logits: identity head
+    return view.state.cand_lp, view.state.cand_ids
+
+
 def test_static_tree_top1_expansion_with_pruning():
     d = drafter(num_masks=2, block_complexity=3 * 4, tree="static", branches=[2, 1], prune=True)
-    lp, ids = cands([[(5, 0.5), (6, 0.3), (7, 0.1)], [(6, 0.6), (9, 0.2), (4, 0.1)]])
+    lp, ids = observed(d, 5, [[(5, 0.5), (6, 0.3), (7, 0.1)], [(6, 0.6), (9, 0.2), (5, 0.1)]])
+    # the root's token never becomes a depth-1 candidate; deeper it may (it is not their parent)
+    assert 5 not in ids[0, 0].tolist() and ids[0, 0, :2].tolist() == [6, 7] and 5 in ids[0, 1].tolist()
     tree = d._static_tree(torch.tensor([5]), lp, ids, [2, 1])  # root token 5 is pruned at depth 1
     assert tree.tokens.tolist() == [[5, 6, 7, 9]]  # depth-2 child of 6 skips 6
     assert tree.parents.tolist() == [[-1, 0, 0, 1]]
@@ -70,11 +85,11 @@ def test_dynamic_tree_frontier_expands_several_parents():
 
 
 def test_dynamic_tree_pruning_skips_root_token():
+    probs = [[(3, 0.6), (4, 0.3), (5, 0.1)]]
     d = drafter(num_masks=1, block_complexity=6, tree="dynamic", prune=True)  # 3 slots -> 2 nodes
-    lp, ids = cands([[(3, 0.6), (4, 0.3), (5, 0.1)]])
-    assert d._dynamic_tree(torch.tensor([3]), lp, ids, d.num_nodes).tokens.tolist() == [[3, 4, 5]]
-    d.prune = False
-    assert d._dynamic_tree(torch.tensor([3]), lp, ids, d.num_nodes).tokens.tolist() == [[3, 3, 4]]
+    assert d._dynamic_tree(torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 4, 5]]
+    d = drafter(num_masks=1, block_complexity=6, tree="dynamic", prune=False)
+    assert d._dynamic_tree(torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 3, 4]]
 
 
 def test_ema_update_per_committed_token_in_order():
@@ -92,7 +107,7 @@ def test_ema_update_per_committed_token_in_order():
         for t in toks:
             m = m + lam * (table[t] - m)
         expected.append(m)
-    mask_hidden = torch.zeros((2, 1, D))
+    mask_hidden = torch.zeros((2, 1, V))
     for plain_first in (False, True):
         d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
         view = RowsView(hist, hist_len, torch.ones(2, dtype=torch.long), [0, 0], ESPState())
@@ -100,7 +115,9 @@ def test_ema_update_per_committed_token_in_order():
         if plain_first:  # a plain pass defers the update; the next mask pass applies it
             d.observe(view, PassResult(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), None, None))
             assert torch.equal(view.state.m, m0)
-        d.observe(view, PassResult(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), None, mask_hidden))
+        # this pass's tokens as the engine passes them (hist[:, 1:4], valid up to [3, 1]): m was up to date before
+        # it (without a plain pass first), so they are applied as they are
+        d.observe(view, PassResult(hist[:, 1:], torch.tensor([3, 1]), None, mask_hidden))
         for r in range(2):
             assert torch.allclose(view.state.m[r], expected[r], atol=1e-5)
         assert view.state.m_len.tolist() == [4, 2]
@@ -121,8 +138,7 @@ def test_ema_replays_long_gaps_and_short_ones_after_them():
     seen = 1
     for length in (38, 41, 42, 59):  # gaps 37 (a table of 64), 3, 1, 17
         view = RowsView(hist, torch.tensor([length]), torch.ones(1, dtype=torch.long), [0], view.state)
-        d.observe(view, PassResult(torch.zeros(1, length - seen, dtype=torch.long), torch.ones(1, dtype=torch.long),
-                                   None, torch.zeros((1, 1, D))))
+        d.observe(view, PassResult(hist[:, seen:length], torch.tensor([length - seen]), None, torch.zeros((1, 1, V))))
         for t in hist[0, seen:length].tolist():
             ref = ref + lam * (table[t] - ref)
         seen = length
@@ -157,14 +173,14 @@ def test_ema_owed_for_longer_than_its_window_or_table_replays_in_bounded_work(mo
                 seen[r] = int(lens[r])
                 assert torch.allclose(state.m[r].double(), ref[r], atol=1e-5), (lam, length, r, state.m[r], ref[r])
             assert state.m_len.tolist() == lens.tolist()
-            assert d._ema[2].shape[0] <= 16
+            assert d._ema[1].shape[0] <= 16
 
 
 def test_ema_lambda_zero_freezes_mask():
     d = drafter(num_masks=1, block_complexity=10, ema_lambda=0.0)
     view = RowsView(torch.tensor([[1, 3, 0, 0]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState())
     view.state.update(m=torch.ones((1, D)), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
-    d.observe(view, PassResult(torch.tensor([[3]]), torch.tensor([1]), None, torch.zeros((1, 1, D))))
+    d.observe(view, PassResult(torch.tensor([[3]]), torch.tensor([1]), None, torch.zeros((1, 1, V))))
     assert torch.equal(view.state.m, torch.ones((1, D)))
 
 

@@ -114,7 +114,9 @@ class ESPDrafter(Drafter):
     def _mask_embeds(self, m: torch.Tensor, num_slots: int) -> torch.Tensor:
         # m: [B, D] -> [B, num_slots * k, D] in the model dtype
         dtype = self.table_mu.dtype if self._model_dtype is None else self._model_dtype
-        return m.to(dtype)[:, None, :].expand(-1, num_slots * self.num_masks, -1)
+        if m.dtype != dtype:
+            m = m.to(dtype)
+        return m.unsqueeze(1).expand(-1, num_slots * self.num_masks, -1)
 
     _model_dtype: Optional[torch.dtype] = None
 
@@ -126,6 +128,8 @@ class ESPDrafter(Drafter):
         committed = result.committed.shape[1]  # host bound on the tokens this pass committed per row
         if result.mask_hidden is not None:
             lp = torch.log_softmax(self.logits(result.mask_hidden), dim=-1)  # [B, k, V]
+            if self.prune:  # mask 1's candidates hang under the next root: never the root's own token
+                lp.select(1, 0).scatter_(1, view.root.unsqueeze(1), NEG)
             cn = self.num_cand
             top = lp.topk(min(cn, lp.shape[-1]), dim=-1)
             if top.values.shape[-1] < cn:  # a vocabulary smaller than the candidates kept
@@ -133,16 +137,21 @@ class ESPDrafter(Drafter):
                 st.cand_ids = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
             else:
                 st.cand_lp, st.cand_ids = top.values, top.indices
-            st.has_probe = torch.ones_like(st.has_probe) if result.mask_ok is None else result.mask_ok.clone()
+            if result.mask_ok is not None:
+                st.has_probe = result.mask_ok.clone()
+            elif not (self._all_probed and not result.prefill):  # else every row holds a probe already
+                st.has_probe = torch.ones_like(st.has_probe)
             self.probe_maybe = True
             self._probe_partial = result.mask_ok is not None  # only then may rows be left without a probe
             if not result.prefill:  # a prefill probes only the rows that join
                 self._all_probed = result.mask_ok is None
             if result.prefill:
                 self._catch_up(view, committed)
-            else:
+            elif self._lag:
                 self._catch_up(view, self._lag + committed)
                 self._lag = 0
+            else:  # m was up to date before this pass: it owes exactly the tokens just committed
+                self._catch_up(view, committed, fresh=(result.committed, result.num_committed))
         elif not result.prefill:
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
             # until masks are fed again (_catch_up replays the committed tokens from the history). After a plain
@@ -161,10 +170,12 @@ class ESPDrafter(Drafter):
     # mask the tree with has_probe. Conservative: False until a decode pass probed every row
     _all_probed = False
 
-    def _catch_up(self, view: RowsView, bound: int) -> None:
+    def _catch_up(self, view: RowsView, bound: int, fresh: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Apply the EMA for every token committed since m was last updated, in order:
         m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i] over the n tokens e_i = hist[m_len:hist_len].
         `bound` >= every row's n is known on the host, so the width of the gather needs no device read.
+        `fresh` = (committed [B, S], n [B]): this pass's tokens, when they are exactly what every row owes (m was
+        up to date before the pass); they are used as they are, with no gather from the history.
 
         The host bound only grows between mask passes and outlives the rows it was counted for (a batch-1 job
         drafting from n-grams for many requests owed ~2,500 tokens, and a weight table of that size squared
@@ -173,7 +184,10 @@ class ESPDrafter(Drafter):
         token; and a window wider than EMA_TABLE_MAX is replayed in chunks of that size, in order."""
         st = view.state
         if self.ema_lambda <= 0 or bound <= 0:
-            st.m_len = view.hist_len.clone()
+            st.m_len = view.hist_len
+            return
+        if fresh is not None:
+            st.m, st.m_len = self._ema_step(st.m, *fresh), view.hist_len
             return
         bound = min(bound, view.hist.shape[1])  # no row owes more than its history
         window = ema_window(self.ema_lambda)
@@ -184,32 +198,39 @@ class ESPDrafter(Drafter):
         last = view.hist.shape[1] - 1
         while bound > 0:
             g = min(bound, EMA_TABLE_MAX)
-            weights, decay, steps = self._ema_tables(g, st.m.device)
             gap = view.hist_len - st.m_len  # [B] tokens to apply per row (<= g, or clamped to g: more chunks follow)
             if g < bound:
                 gap = gap.clamp(max=g)
-            idx = (st.m_len[:, None] + steps[:g]).clamp(max=last)
-            tokens = view.hist.gather(1, idx)  # [B, G]
-            w = weights[gap, :g]  # [B, G]: lam (1-lam)^(n-1-i) for i < n, else 0
-            emb = self.embed(tokens).float()  # [B, G, D]
-            st.m = decay[gap][:, None] * st.m + torch.bmm(w[:, None], emb)[:, 0]
+            idx = (st.m_len[:, None] + self._ema_table(g, st.m.device)[1][:g]).clamp(max=last)
+            st.m = self._ema_step(st.m, view.hist.gather(1, idx), gap)  # tokens [B, G]
             bound -= g
             if bound > 0:
                 st.m_len = st.m_len + gap
-        st.m_len = view.hist_len.clone()
+        st.m_len = view.hist_len
+
+    def _ema_step(self, m: torch.Tensor, tokens: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
+        """m [B, D] after the first gap[b] <= G of tokens [B, G] (the rest ignored): one batched product of the
+        weights [decay, w_0 .. w_{G-1}] with [m, E[t_0] .. E[t_{G-1}]]."""
+        g = tokens.shape[1]
+        emb = self.embed(tokens)  # [B, G, D]
+        if emb.dtype != m.dtype:
+            emb = emb.to(m.dtype)
+        w = self._ema_table(g, m.device)[0][gap, : g + 1]  # [B, 1 + G]
+        return torch.bmm(w[:, None], torch.cat([m[:, None], emb], 1)).squeeze(1)
 
     _ema = None
 
-    def _ema_tables(self, g: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights [N+1, N], decay [N+1], steps [N]) for gaps up to N >= g, N a power of two: weights[n, i] =
-        lam (1-lam)^(n-1-i) for i < n (else 0), decay[n] = (1-lam)^n, steps = 0 .. N-1. Built on the device
-        (no host data), once per size."""
-        if self._ema is None or self._ema[2].shape[0] < g or self._ema[2].device != dev:
+    def _ema_table(self, g: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [N+1, 1+N], steps [N]) for gaps up to N >= g, N a power of two: table[n, 0] = (1-lam)^n (the
+        old m's weight) and table[n, 1+i] = lam (1-lam)^(n-1-i) for i < n, else 0; steps = 0 .. N-1. Built on
+        the device (no host data), once per size."""
+        if self._ema is None or self._ema[1].shape[0] < g or self._ema[1].device != dev:
             lam, size = self.ema_lambda, max(8, 1 << (g - 1).bit_length())
             n = torch.arange(size + 1, device=dev, dtype=torch.float64)
             i = torch.arange(size, device=dev, dtype=torch.float64)
             weights = torch.where(i[None] < n[:, None], lam * (1 - lam) ** (n[:, None] - 1 - i[None]).clamp(min=0), 0.0)
-            self._ema = (weights.float(), ((1 - lam) ** n).float(), torch.arange(size, device=dev))
+            table = torch.cat([((1 - lam) ** n)[:, None], weights], 1).float()
+            self._ema = (table, torch.arange(size, device=dev))
         return self._ema
 
     @property
@@ -286,15 +307,17 @@ class ESPDrafter(Drafter):
         parent_tok = root
         toks, oks = [], []
         for j, kj in enumerate(branches):
-            lp, ids = topk_excluding(cand_lp[:, j], cand_ids[:, j], parent_tok if self.prune else None, kj)
+            # depth 1 never holds the root (observe excluded it); deeper, the parent's token is skipped here
+            excl = parent_tok if self.prune and j else None
+            lp, ids = topk_excluding(cand_lp.select(1, j), cand_ids.select(1, j), excl, kj)
             toks.append(ids)
             ok = lp > NEG
             if oks:
                 ok = ok & oks[-1][:, :1]  # children of an invalid parent are invalid
             oks.append(ok)
             parent_tok = ids[:, 0]
-        tokens = torch.cat([root[:, None]] + toks, 1)
-        valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=root.device)] + oks, 1)
+        tokens = torch.cat([root.unsqueeze(1)] + toks, 1)
+        valid = torch.cat([_true_column(b, root.device)] + oks, 1)
         return DraftTree(tokens, self._parents_for(b, root.device, branches), valid, static_key=("esp", tuple(branches)))
 
     def _pool(self, root, cand_lp, cand_ids):
@@ -313,8 +336,8 @@ class ESPDrafter(Drafter):
         b, k, _ = cand_lp.shape
         dev = root.device
         bud = self.budget
-        excl = root if self.prune else None
-        lp1, ids1 = topk_excluding(cand_lp[:, 0], cand_ids[:, 0], excl, bud - 1)  # [B, B-1]
+        # depth 1: the probe's candidates never hold the root (observe excluded it when pruning)
+        lp1, ids1 = topk_excluding(cand_lp[:, 0], cand_ids[:, 0], None, bud - 1)  # [B, B-1]
         pool_score, pool_tok = [lp1], [ids1]
         pool_par = [torch.full_like(ids1, -1)]  # parent pool index, -1 = root
         level_score, level_tok, level_off = lp1, ids1, 0
@@ -357,6 +380,17 @@ class ESPDrafter(Drafter):
         if self.num_masks == 1:
             tree.static_key = ("esp-k1", num_nodes)
         return tree
+
+
+_TRUE: dict[tuple, torch.Tensor] = {}
+
+
+def _true_column(b: int, dev: torch.device) -> torch.Tensor:
+    """[B, 1] True (the root's validity; cached per shape, never written)."""
+    key = (b, dev)
+    if key not in _TRUE:
+        _TRUE[key] = torch.ones((b, 1), dtype=torch.bool, device=dev)
+    return _TRUE[key]
 
 
 def _gen(seed: int) -> torch.Generator:
