@@ -282,7 +282,8 @@ class Engine:
         self._commit(rows, res.committed, n_fin, reason)
         view = rows.view()  # after the commit
         self._observe(view, block, res, hidden, slot_logits, n_fin)
-        drafted = block.tree.valid[:, 1:].sum(-1) if block.tree.num_slots > 1 else None  # [B]; None: root only
+        t_slots = block.tree.num_slots
+        drafted = block.tree.valid.narrow(1, 1, t_slots - 1).sum(-1) if t_slots > 1 else None  # [B]; None: root only
         rows.count(n_fin, res.num_committed, drafted, block.max_depth + 1, block.source, res.path_slots)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
         hints = self.drafter.row_hints(view)
@@ -309,11 +310,12 @@ class Engine:
         tree, lay = block.tree, block.layout
         embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
         if block.aux_embeds is not None:
-            embeds = torch.cat([embeds, block.aux_embeds.to(embeds.dtype)], 1)
+            aux = block.aux_embeds
+            embeds = torch.cat([embeds, aux if aux.dtype == embeds.dtype else aux.to(embeds.dtype)], 1)
         b, q = embeds.shape[:2]
         cache_len = rows.t["hist_len"] - 1  # [B] the root is not cached
         s_max, s_min = max(rows.lens) - 1, min(rows.lens) - 1
-        pos = cache_len[:, None] + lay.rel_pos  # [B, Q]
+        pos = cache_len.unsqueeze(1) + lay.rel_pos  # [B, Q]
         if s_max + q > self.loaded.max_context:  # positions past the context (rows that stop there) are clamped
             pos = pos.clamp(max=self.loaded.max_context - 1)
         view_len = s_max + q
@@ -328,7 +330,7 @@ class Engine:
                                   uniform_len=s_max if s_min == s_max else None)
         hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
-        return hidden, self.runner.logits(hidden[:, : tree.num_slots])
+        return hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots))
 
     def _verify(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> VerifyResult:
         if rows.sampling:
@@ -338,13 +340,15 @@ class Engine:
         return verify_greedy(block.tree, slot_logits, block.layout.visible[:, :t, :t], block.layout.depth, block.max_depth)
 
     def _keep(self, rows: Rows, block: Block, res: VerifyResult) -> None:
-        """Cache: root + accepted nodes move right behind each row's prefix (a chain is already in place)."""
-        if block.tree.path_in_place:
+        """Cache: the accepted nodes move right behind each row's root (the root and a chain are in place).
+        Path steps past a row's accepted count copy a slot of the block to a slot past its new length, where
+        slots are stale anyway: no mask is needed (every source is read before any slot is written)."""
+        p = res.path_slots.shape[1] - 1  # path steps after the root
+        if block.tree.path_in_place or p < 1:
             return
-        cache_len = rows.t["hist_len"][:, None] - 1  # [B, 1]
-        steps = torch.arange(res.path_slots.shape[1], device=self.device)[None]
-        dst = cache_len + steps  # [B, P]
-        src = torch.where(steps < res.num_committed[:, None], cache_len + res.path_slots, dst)
+        hist_len = rows.t["hist_len"].unsqueeze(1)  # [B, 1] before the commit: the root's slot + 1
+        dst = hist_len + _steps(p, self.device)  # [B, P-1] slots hist_len ..
+        src = res.path_slots.narrow(1, 1, p) + (hist_len - 1)  # the block wrote tree slot i at hist_len - 1 + i
         rows.cache.keep(dst, src)
 
     def _observe(self, view: RowsView, block: Block, res: VerifyResult, hidden, slot_logits, n_fin) -> None:
@@ -390,10 +394,10 @@ class Engine:
         rows.ensure_capacity(s)  # room for s more tokens behind every row (host-known lengths)
         # all s slots are written: those past n_fin lie beyond the new length, where a row's slots are stale
         # anyway (every reader of `hist` stops at hist_len)
-        idx = t["hist_len"][:, None] + torch.arange(s, device=committed.device)  # [B, S]
+        idx = t["hist_len"].unsqueeze(1) + _steps(s, committed.device)  # [B, S]
         t["hist"].scatter_(1, idx, committed)
         t["hist_len"] = t["hist_len"] + n_fin
-        rows.reason = torch.where(rows.reason == 0, reason, rows.reason)
+        rows.reason = reason  # every row in a pass is running: the rows that finished left at the last read
 
     def _retire(self, rows: Rows) -> Iterator[RequestOutput]:
         """Outputs of the rows that finished (known on the host since the last read_back); they leave the batch."""
@@ -413,3 +417,14 @@ class Engine:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             yield RequestOutput(id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[rows.done[r]], stats=s.stats)
         rows.drop(done)
+
+
+_STEPS: dict[tuple, torch.Tensor] = {}
+
+
+def _steps(n: int, dev: torch.device) -> torch.Tensor:
+    """[n] 0 .. n-1 (cached per length and device, never written)."""
+    key = (n, dev)
+    if key not in _STEPS:
+        _STEPS[key] = torch.arange(n, device=dev)
+    return _STEPS[key]
