@@ -336,8 +336,7 @@ class Engine:
         if rows.sampling:
             rows.uniforms.ensure(block.max_depth + 1, rows.consumed())
             return verify(block.tree, slot_logits, block.max_depth, self._chooser(rows))
-        t = block.tree.num_slots
-        return verify_greedy(block.tree, slot_logits, block.layout.visible[:, :t, :t], block.layout.depth, block.max_depth)
+        return verify_greedy(block.tree, slot_logits, block.layout.visible, block.layout.depth, block.max_depth)
 
     def _keep(self, rows: Rows, block: Block, res: VerifyResult) -> None:
         """Cache: the accepted nodes move right behind each row's root (the root and a chain are in place).

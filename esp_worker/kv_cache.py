@@ -183,7 +183,8 @@ class KVCache(Cache):
         """
         b, p = src.shape
         for t, rd, _, _ in self._tensors():
-            t = t.narrow(rd, 0, b)  # slab [L, 2, B, H, C, D] / own buffer [B, H, C, D]
+            if t.shape[rd] != b:
+                t = t.narrow(rd, 0, b)  # slab [L, 2, B, H, C, D] / own buffer [B, H, C, D]
             shape = (1,) * rd + (b, 1, p, 1)  # the indices broadcast over layers, heads and head dims
             size = list(t.shape)
             size[rd + 2] = p

@@ -63,7 +63,7 @@ def verify(
 def verify_greedy(
     tree: DraftTree,
     slot_logits: torch.Tensor,  # [B, T, V] float32
-    ancestors: torch.Tensor,  # [B|1, T, T] bool, ancestors-or-self (the tree part of the block layout)
+    ancestors: torch.Tensor,  # [B|1, >=T, >=T] bool, ancestors-or-self in its [:, :T, :T] (e.g. the block layout's)
     depth: torch.Tensor,  # [B|1, T]
     max_depth: int,
 ) -> VerifyResult:
@@ -84,6 +84,8 @@ def verify_greedy(
         return VerifyResult(committed=target, num_committed=zeros[:, 0] + 1, path_slots=zeros, last_slot=zeros[:, 0])
     if tree.path_in_place:  # a chain: the accepted drafts are its longest correct prefix
         return _verify_chain(tree, target, max_depth)
+    if ancestors.shape[1] != t or ancestors.shape[2] != t:
+        ancestors = ancestors[:, :t, :t]
     correct = (tree.tokens == target.gather(1, tree.parents.clamp(min=0))) & tree.valid
     correct[:, 0] = True
     accepted = ~(ancestors & ~correct[:, None, :]).any(-1)  # [B, T]: every node on the path is correct

@@ -81,7 +81,7 @@ class RowsView:
     @functools.cached_property
     def root(self) -> torch.Tensor:
         # [B] last committed token (computed once per view)
-        return self.hist.gather(1, (self.hist_len - 1)[:, None]).squeeze(1)
+        return self.hist.gather(1, (self.hist_len - 1).unsqueeze(1)).squeeze(1)
 
 
 class Drafter(ABC):

@@ -26,7 +26,7 @@ def topk_excluding(lp: torch.Tensor, ids: torch.Tensor, exclude: Optional[torch.
         key = torch.arange(c, device=lp.device)[None] + c * (ids == exclude[:, None])
         order = key.argsort(dim=1)[:, :k]
         return lp.gather(1, order), ids.gather(1, order)
-    return lp[:, :k], ids[:, :k]
+    return lp.narrow(1, 0, k), ids.narrow(1, 0, k)
 
 
 def find_continuation(hist: torch.Tensor, length: torch.Tensor, max_ngram: int, min_ngram: int) -> torch.Tensor:

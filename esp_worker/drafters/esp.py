@@ -63,6 +63,7 @@ class ESPDrafter(Drafter):
         probe_prefill: bool = True,
     ):
         super().__init__()
+        self._ema_cols: dict[int, torch.Tensor] = {}
         self.embed, self.logits = embed, logits
         self.num_masks = k = num_masks
         self.tree_mode, self.expansion, self.prune = tree, expansion, prune
@@ -215,8 +216,18 @@ class ESPDrafter(Drafter):
         emb = self.embed(tokens)  # [B, G, D]
         if emb.dtype != m.dtype:
             emb = emb.to(m.dtype)
-        w = self._ema_table(g, m.device)[0][gap, : g + 1]  # [B, 1 + G]
-        return torch.bmm(w[:, None], torch.cat([m[:, None], emb], 1)).squeeze(1)
+        w = self._ema_columns(g, m.device).index_select(0, gap)  # [B, 1 + G]
+        return torch.bmm(w.unsqueeze(1), torch.cat([m.unsqueeze(1), emb], 1)).squeeze(1)
+
+    def _ema_columns(self, g: int, dev: torch.device) -> torch.Tensor:
+        """The table's first 1 + g columns (a view, cached per g while the table stands)."""
+        table = self._ema_table(g, dev)[0]
+        cols = self._ema_cols.get(g)
+        if cols is None or cols._base is not table:
+            if len(self._ema_cols) > 64:
+                self._ema_cols.clear()
+            cols = self._ema_cols[g] = table[:, : g + 1]
+        return cols
 
     _ema = None
 
