@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .grad import inference
+from .tree import gather_slots
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
@@ -141,7 +142,7 @@ class DirectDecoder:
         if self.compiled is not None or (keep is not None and not self.rows_invariant):
             h = self.norm(self.compiled.run(inputs_embeds, rope, bias, cache)) if self.compiled is not None \
                 else self(inputs_embeds, bias, position_ids, cache, max_position)
-            return h if keep is None else _rows_at(h, keep)
+            return h if keep is None else gather_slots(h, keep)
         k = 0 if keep is None else keep.shape[1]
         if keep is not None and b * k < MIN_ROWS:  # pad to a product of >= MIN_ROWS rows (extra rows: position 0)
             keep = torch.cat([keep, keep.new_zeros(b, -(-MIN_ROWS // b) - k)], 1)
@@ -150,7 +151,7 @@ class DirectDecoder:
         for i, layer in enumerate(self.base.layers):
             sel = keep if i == last else None
             a = self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q, sel)
-            h = (h if sel is None else _rows_at(h, sel)) + a
+            h = (h if sel is None else gather_slots(h, sel)) + a
             h = h + self._mlp(layer.mlp, self.norms[i][1](h), self.gate_up[i])
         h = self.norm(h)
         return h if keep is None else h[:, :k]
@@ -189,7 +190,7 @@ class DirectDecoder:
         out, _ = self.attend(attn, qs, ks, vs, bias, dropout=0.0, scaling=attn.scaling)  # [B, Q, H, hd]
         out = out.reshape(b, q, -1)
         if keep is not None:
-            out = _rows_at(out, keep)  # [B, K, H * hd]
+            out = gather_slots(out, keep)  # [B, K, H * hd]
         return _linear(attn.o_proj, out.contiguous())
 
     @staticmethod
@@ -221,11 +222,6 @@ def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     out = F.scaled_dot_product_attention(packed_q, key, value, attn_mask=packed_bias, dropout_p=dropout, scale=scaling)
     # reshape, not view: a CUDA kernel may return the packed output in another memory layout
     return out.reshape(b, h, q, hd).transpose(1, 2), None
-
-
-def _rows_at(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """x [B, Q, D] at positions keep [B, K] -> [B, K, D]."""
-    return x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))
 
 
 def _linear(layer: Any, x: torch.Tensor) -> torch.Tensor:

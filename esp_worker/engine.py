@@ -29,7 +29,7 @@ from .model_io import LoadedModel, ModelRunner, load_model
 from .policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits
-from .tree import mask_indices
+from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
 from .verify import VerifyResult, verify, verify_greedy
 
@@ -360,8 +360,7 @@ class Engine:
                 owner = block.mask_owner.expand(len(owner), -1).gather(1, owner[:, None]).squeeze(1)
                 mask_ok = owner >= 0
                 owner = owner.clamp(min=0)
-            idx = mask_indices(owner, t_slots, k)  # [B, k]
-            mask_hidden = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+            mask_hidden = gather_slots(hidden, mask_indices(owner, t_slots, k))  # [B, k, D]
         result = PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block,
                             mask_ok=mask_ok)
         self.drafter.observe(view, result)

@@ -22,6 +22,7 @@ import torch
 from .config import ATTN_IMPLS, DTYPES, ModelConfig
 from .decoder import direct_decoder
 from .grad import inference
+from .tree import gather_slots
 
 TINY_PREFIX = "tiny-random-"
 RANDOM_PREFIX = "random:"
@@ -350,7 +351,7 @@ class ModelRunner:
                 use_cache=True,
             ).last_hidden_state
             if keep is not None:
-                hidden = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))
+                hidden = gather_slots(hidden, keep)
         return hidden
 
     @inference

@@ -28,7 +28,7 @@ def apply_stops(
     Example: committed [[5, 9, 7]], n [3], stop_ids [[9]] -> n_final [2], reason [1].
     """
     p = committed.shape[1]
-    is_stop = (committed[..., None] == stop_ids[:, None, :]).any(-1)  # [B, P]
+    is_stop = committed.unsqueeze(2).eq(stop_ids.unsqueeze(1)).any(-1)  # [B, P]
     n_stop = torch.where(is_stop, _slot_counts(p, committed.device), 1 << 30).amin(-1)  # first stop slot + 1
     room = limit - hist_len  # [B]
     n_fin = torch.minimum(torch.minimum(n_stop, room), n)

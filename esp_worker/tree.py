@@ -158,9 +158,14 @@ def block_layout(parents: torch.Tensor, num_masks: int, owners: Optional[torch.T
 def mask_indices(slot: torch.Tensor, num_slots: int, num_masks: int) -> torch.Tensor:
     """Block indices of the k masks owned by `slot` ([B] -> [B, k])."""
     if num_masks == 1:
-        return (slot + num_slots)[:, None]
+        return (slot + num_slots).unsqueeze(1)
     j = torch.arange(num_masks, device=slot.device)
-    return num_slots + slot[:, None] * num_masks + j
+    return num_slots + slot.unsqueeze(1) * num_masks + j
+
+
+def gather_slots(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, Q, D] at block indices idx [B, K] -> [B, K, D]."""
+    return x.gather(1, idx.unsqueeze(2).expand(-1, -1, x.shape[2]))
 
 
 def static_branches(block_complexity: int, num_masks: int) -> list[int]:
