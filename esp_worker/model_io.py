@@ -359,7 +359,9 @@ class ModelRunner:
         # hidden: [..., D] -> logits [..., V] in float32
         t0 = time.perf_counter()
         with self._mark("model.logits"):
-            logits = (self._head_fn(hidden) if self._head_fn is not None else self.lm_head(hidden)).float()
+            logits = self._head_fn(hidden) if self._head_fn is not None else self.lm_head(hidden)
+            if logits.dtype != torch.float32:
+                logits = logits.float()
             if self.logit_scale is not None:
                 logits = logits * self.logit_scale
             if self.softcap is not None:
@@ -373,7 +375,10 @@ def _plain_embedding(m: Any) -> Optional[Callable[[torch.Tensor], torch.Tensor]]
     """ids -> F.embedding with m's weight, when m is exactly an nn.Embedding that computes only that."""
     if type(m) is not torch.nn.Embedding or m.max_norm is not None:
         return None
-    return lambda ids: torch.nn.functional.embedding(ids, m.weight, m.padding_idx)
+    # torch.embedding is what F.embedding calls after its argument checks (padding_idx only matters for
+    # gradients; -1 = none); calling it directly saves the wrapper's Python on every call
+    pad = -1 if m.padding_idx is None else m.padding_idx
+    return lambda ids: torch.embedding(m.weight, ids, pad, False, False)
 
 
 def _plain_linear(m: Any) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
