@@ -78,4 +78,4 @@ class StaticBlockBias:
             buf[:, :, cap - q:].masked_fill_(~in_block.expand(1, q, q), torch.finfo(dtype).min)
             entry = self._buffers[id(in_block)] = (in_block, buf)
         buf = entry[1]
-        return buf[:, :, buf.shape[-1] - view_len:].expand(batch, q, view_len)[:, None]
+        return buf.narrow(2, buf.shape[-1] - view_len, view_len).unsqueeze(1).expand(batch, 1, q, view_len)
