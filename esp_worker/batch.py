@@ -63,6 +63,7 @@ class Rows:
     cache: KVCache
     reason: Optional[torch.Tensor] = None  # [B] finish reason code (0 = running)
     lens: list[int] = field(default_factory=list)  # host copy of hist_len
+    limits: list[int] = field(default_factory=list)  # host copy of t["limit"] (fixed per row)
     done: list[int] = field(default_factory=list)  # host copy of reason
     hints: Optional[list[int]] = None  # host copy of the drafter's row_hints (None: it gives none)
     _view: Optional[RowsView] = field(default=None, repr=False)  # the last view (see `view`)
@@ -115,6 +116,7 @@ class Rows:
         rows = torch.tensor(keep, dtype=torch.long, device=self.reason.device)
         self.seqs = [self.seqs[i] for i in keep]
         self.lens = [self.lens[i] for i in keep]
+        self.limits = [self.limits[i] for i in keep]
         self.done = [self.done[i] for i in keep]
         self.hints = None if self.hints is None else [self.hints[i] for i in keep]
         self.t = {k: v.index_select(0, rows) for k, v in self.t.items()}
@@ -129,9 +131,10 @@ class Rows:
         if not self.seqs:
             self.seqs, self.t, self.state, self.reason = other.seqs, other.t, other.state, other.reason
             self.uniforms, self.lens, self.done, self.hints = other.uniforms, other.lens, other.done, other.hints
+            self.limits = other.limits
             return
         self.seqs = self.seqs + other.seqs
-        self.lens, self.done = self.lens + other.lens, self.done + other.done
+        self.lens, self.done, self.limits = self.lens + other.lens, self.done + other.done, self.limits + other.limits
         self.hints = None if self.hints is None or other.hints is None else self.hints + other.hints
         self.t = {k: cat_rows(v, other.t[k], -1 if k == "stop_ids" else 0) for k, v in self.t.items()}
         self.state.extend(other.state)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import collections
 import itertools
+import operator
 import time
 import zlib
 from typing import Callable, Iterable, Iterator, Optional, Union
@@ -219,7 +220,8 @@ class Engine:
         uni = UniformStreams(dev)
         uni.append([UniformStreams.generator(s.seed) if x.temperature > 0 else None for s, x in zip(seqs, p)])
         reason = torch.zeros(len(seqs), dtype=torch.long, device=dev)
-        return Rows(seqs, t, self.drafter.new_state(), uni, cache, reason, lens=list(lens), done=[0] * len(seqs))
+        return Rows(seqs, t, self.drafter.new_state(), uni, cache, reason, lens=list(lens), done=[0] * len(seqs),
+                    limits=limit.tolist())
 
     # ---- prefill -----------------------------------------------------------------------------------
     @inference
@@ -379,7 +381,8 @@ class Engine:
     def _stops(self, rows: Rows, committed: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(n_final [B], reason [B]) after stop ids, lengths, the context limit and stop strings."""
         t = rows.t
-        n_fin, reason = apply_stops(committed, n, t["stop_ids"], t["hist_len"], t["limit"], t["limit_code"])
+        far = min(map(operator.sub, rows.limits, rows.lens), default=0) > committed.shape[1]  # host mirrors: no read
+        n_fin, reason = apply_stops(committed, n, t["stop_ids"], t["hist_len"], t["limit"], t["limit_code"], far)
         if rows.has_stop_strings:
             stops = [s.req.params.stop_strings for s in rows.seqs]
             gen = [t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist() if stops[r] else [] for r, s in enumerate(rows.seqs)]

@@ -18,6 +18,7 @@ def apply_stops(
     hist_len: torch.Tensor,  # [B] tokens so far (prompt + generated)
     limit: torch.Tensor,  # [B] most tokens the row may hold: min(prompt + max_new_tokens, context), `row_limits`
     limit_code: torch.Tensor,  # [B] the reason when the limit cuts: 2 length, 3 context
+    limit_far: bool = False,  # no row can reach its limit this pass (host-known): stop ids only
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(n_final [B], reason [B]): each row's committed tokens cut at the first stop id or at its limit. Tensor
     ops only (a dozen, the same every pass); no host read.
@@ -30,6 +31,8 @@ def apply_stops(
     p = committed.shape[1]
     is_stop = committed.unsqueeze(2).eq(stop_ids.unsqueeze(1)).any(-1)  # [B, P]
     n_stop = torch.where(is_stop, _slot_counts(p, committed.device), 1 << 30).amin(-1)  # first stop slot + 1
+    if limit_far:
+        return torch.minimum(n_stop, n), n_stop.le(n).long()
     room = limit - hist_len  # [B]
     n_fin = torch.minimum(torch.minimum(n_stop, room), n)
     reason = torch.where(n_stop == n_fin, 1, torch.where(room == n_fin, limit_code, 0))

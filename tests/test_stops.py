@@ -37,3 +37,24 @@ def test_stop_id_wins_a_tie_with_the_limit():
 def test_rows_are_independent():
     got = stops([[5, 9, 7], [1, 2, 3], [4, 4, 4]], [3, 3, 1], [[9, -1], [-1, -1], [4, 8]], [10, 10, 10], [100, 11, 100])
     assert got == ([2, 1, 1], ["stop", "length", "stop"])
+
+
+def test_stop_ids_only_when_no_row_can_reach_its_limit():
+    """With `limit_far` (the engine knows on the host that every row's room exceeds the pass's width) the stop
+    ids alone decide: the same cuts and reasons as the full computation on random rows far from their limits,
+    and a row that does reach its limit is what the flag must not be given for."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        b, p = 4, int(torch.randint(1, 6, (1,), generator=g))
+        committed = torch.randint(0, 6, (b, p), generator=g)
+        n = torch.randint(1, p + 1, (b,), generator=g)
+        stop_ids = torch.randint(-1, 6, (b, 2), generator=g)
+        hist_len = torch.randint(5, 20, (b,), generator=g)
+        limit, code = row_limits(hist_len + p + 1 + torch.randint(0, 5, (b,), generator=g), 1000)
+        full = apply_stops(committed, n, stop_ids, hist_len, limit, code)
+        fast = apply_stops(committed, n, stop_ids, hist_len, limit, code, limit_far=True)
+        assert torch.equal(full[0], fast[0]) and torch.equal(full[1], fast[1])
+    # at its limit the flag would be wrong: the full computation cuts by length
+    limit, code = row_limits(torch.tensor([12]), 1000)
+    args = (torch.tensor([[5, 6, 7]]), torch.tensor([3]), torch.tensor([[-1]]), torch.tensor([10]), limit, code)
+    assert apply_stops(*args)[0].tolist() == [2] and apply_stops(*args, limit_far=True)[0].tolist() == [3]

@@ -26,6 +26,8 @@ def topk_excluding(lp: torch.Tensor, ids: torch.Tensor, exclude: Optional[torch.
         key = torch.arange(c, device=lp.device)[None] + c * (ids == exclude[:, None])
         order = key.argsort(dim=1)[:, :k]
         return lp.gather(1, order), ids.gather(1, order)
+    if k >= lp.shape[1]:
+        return lp, ids
     return lp.narrow(1, 0, k), ids.narrow(1, 0, k)
 
 

@@ -80,7 +80,9 @@ class ESPDrafter(Drafter):
             self.num_nodes = self.budget - 1
             if self.num_nodes < 1:
                 raise ValueError(f"block_complexity={block_complexity} leaves no draft node with num_masks={k}")
-        self.num_cand = self.budget  # top candidates kept per mask: enough for any tree of the budget
+        # top candidates kept per mask: enough for any tree of the budget (the root's own token is excluded before
+        # the probe's top-k, so depth 1 needs budget - 1; a deeper level skips one parent token of budget - 1)
+        self.num_cand = max(1, self.budget - 1)
         table = embedding_table.float()
         self.table_mu = table.mean(0)  # [D]
         self.table_sigma = table.std(0)  # [D]
