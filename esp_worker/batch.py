@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .consts import ones
 from .drafters import RowsView
 from .drafters.state import RowState, cat_rows
 from .kv_cache import KVCache
@@ -167,7 +168,7 @@ class Rows:
             t["drafted"] += drafted
         # one scatter for both histograms: accepted drafts (row 0) and committed tokens (row 1) of this pass
         idx = torch.stack([acc, n_fin + width], 1)  # [B, 2] into hists viewed as [B, 2W]
-        hists.view(len(acc), -1).scatter_add_(1, idx, _ones(idx.shape, idx.device))
+        hists.view(len(acc), -1).scatter_add_(1, idx, ones(idx.shape, torch.long, idx.device))
         if source is None or "accepted_by" not in t:
             return
         if source.shape[1] == 1:  # one proposer per row: all of its kept drafts (-1: a root-only tree, none kept)
@@ -177,17 +178,6 @@ class Rows:
         kept = ((steps >= 1) & (steps <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
         src = source.expand(len(acc), -1).gather(1, path_slots).clamp(min=0)  # [B, S]
         t["accepted_by"].scatter_add_(1, src, kept)
-
-
-_ONES: dict[tuple, torch.Tensor] = {}
-
-
-def _ones(shape: torch.Size, dev: torch.device) -> torch.Tensor:
-    """Long ones of `shape` (cached per shape and device, never written)."""
-    key = (tuple(shape), dev)
-    if key not in _ONES:
-        _ONES[key] = torch.ones(shape, dtype=torch.long, device=dev)
-    return _ONES[key]
 
 
 def drop_order(n: int, gone: list[int]) -> list[int]:

@@ -20,6 +20,7 @@ import torch
 
 from . import kv_cache
 from .batch import PassCounter, Rows, Seq, finish_stats, new_counters
+from .consts import steps
 from .config import EngineConfig, ModelConfig
 from .cost_model import CostCurve
 from .drafters import Block, Drafter, PassResult, RowsView, make_drafter
@@ -348,7 +349,7 @@ class Engine:
         if block.tree.path_in_place or p < 1:
             return
         hist_len = rows.t["hist_len"].unsqueeze(1)  # [B, 1] before the commit: the root's slot + 1
-        dst = hist_len + _steps(p, self.device)  # [B, P-1] slots hist_len ..
+        dst = hist_len + steps(p, self.device)  # [B, P-1] slots hist_len ..
         src = res.path_slots.narrow(1, 1, p) + (hist_len - 1)  # the block wrote tree slot i at hist_len - 1 + i
         rows.cache.keep(dst, src)
 
@@ -395,7 +396,7 @@ class Engine:
         rows.ensure_capacity(s)  # room for s more tokens behind every row (host-known lengths)
         # all s slots are written: those past n_fin lie beyond the new length, where a row's slots are stale
         # anyway (every reader of `hist` stops at hist_len)
-        idx = t["hist_len"].unsqueeze(1) + _steps(s, committed.device)  # [B, S]
+        idx = t["hist_len"].unsqueeze(1) + steps(s, committed.device)  # [B, S]
         t["hist"].scatter_(1, idx, committed)
         t["hist_len"] = t["hist_len"] + n_fin
         rows.reason = reason  # every row in a pass is running: the rows that finished left at the last read
@@ -419,13 +420,3 @@ class Engine:
             yield RequestOutput(id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[rows.done[r]], stats=s.stats)
         rows.drop(done)
 
-
-_STEPS: dict[tuple, torch.Tensor] = {}
-
-
-def _steps(n: int, dev: torch.device) -> torch.Tensor:
-    """[n] 0 .. n-1 (cached per length and device, never written)."""
-    key = (n, dev)
-    if key not in _STEPS:
-        _STEPS[key] = torch.arange(n, device=dev)
-    return _STEPS[key]

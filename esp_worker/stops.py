@@ -8,6 +8,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .consts import steps
+
 REASONS = (None, "stop", "length", "context")
 
 
@@ -30,7 +32,7 @@ def apply_stops(
     """
     p = committed.shape[1]
     is_stop = committed.unsqueeze(2).eq(stop_ids.unsqueeze(1)).any(-1)  # [B, P]
-    n_stop = torch.where(is_stop, _slot_counts(p, committed.device), 1 << 30).amin(-1)  # first stop slot + 1
+    n_stop = torch.where(is_stop, steps(p, committed.device, start=1), 1 << 30).amin(-1)  # first stop slot + 1
     if limit_far:
         return torch.minimum(n_stop, n), n_stop.le(n).long()
     room = limit - hist_len  # [B]
@@ -44,17 +46,6 @@ def row_limits(max_total: torch.Tensor, max_context: int) -> tuple[torch.Tensor,
     unless the context ends first (code 3; at a tie, the length)."""
     ctx = max_total > max_context
     return torch.where(ctx, max_context, max_total), torch.where(ctx, 3, 2)
-
-
-_SLOT_COUNTS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _slot_counts(p: int, dev: torch.device) -> torch.Tensor:
-    """[P] 1 .. P (cached per width and device: one fewer op per pass)."""
-    key = (p, dev)
-    if key not in _SLOT_COUNTS:
-        _SLOT_COUNTS[key] = torch.arange(1, p + 1, device=dev)
-    return _SLOT_COUNTS[key]
 
 
 def apply_stop_strings(

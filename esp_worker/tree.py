@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from .consts import constant, ones
+
 
 @dataclass
 class DraftTree:
@@ -44,15 +46,9 @@ class DraftTree:
         # root_tokens: [B]; parents and valid are shared constants per (B, device): never modify them in place
         b = root_tokens.shape[0]
         dev = root_tokens.device
-        key = (b, dev)
-        if key not in _ROOT_ONLY:
-            _ROOT_ONLY[key] = (torch.full((b, 1), -1, dtype=torch.long, device=dev),
-                               torch.ones((b, 1), dtype=torch.bool, device=dev))
-        parents, valid = _ROOT_ONLY[key]
-        return DraftTree(tokens=root_tokens[:, None], parents=parents, valid=valid, static_key=("root",))
-
-
-_ROOT_ONLY: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        parents = constant(("root_parents", b, dev), lambda: torch.full((b, 1), -1, dtype=torch.long, device=dev))
+        return DraftTree(tokens=root_tokens.unsqueeze(1), parents=parents, valid=ones((b, 1), torch.bool, dev),
+                         static_key=("root",))
 
 
 def best_nodes(

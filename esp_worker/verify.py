@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .consts import constant, ones, steps
 from .sampling import argmax_last
 from .tree import DraftTree
 
@@ -80,8 +81,8 @@ def verify_greedy(
         return _verify_fan(tree, slot_logits)
     target = argmax_last(slot_logits)  # [B, T]
     if t == 1:  # plain decoding: the argmax at the root is the bonus
-        zeros = torch.zeros((b, 1), dtype=torch.long, device=dev)
-        return VerifyResult(committed=target, num_committed=zeros[:, 0] + 1, path_slots=zeros, last_slot=zeros[:, 0])
+        return VerifyResult(committed=target, num_committed=ones((b,), torch.long, dev), path_slots=_slots(b, 1, dev),
+                            last_slot=_zeros(b, dev))
     if tree.path_in_place:  # a chain: the accepted drafts are its longest correct prefix
         return _verify_chain(tree, target, max_depth)
     if ancestors.shape[1] != t or ancestors.shape[2] != t:
@@ -127,37 +128,28 @@ def _verify_fan(tree: DraftTree, slot_logits: torch.Tensor) -> VerifyResult:
     # the accepted slot's logits: rows of the flattened [B * T, V] logits
     bonus = argmax_last(slot_logits.reshape(b * t, v).index_select(0, last + _row_starts(b, t, dev)))
     return VerifyResult(committed=torch.stack([first, bonus], 1), num_committed=last.clamp(max=1) + 1,
-                        path_slots=torch.stack([_slots(b, 1, dev).select(1, 0), last], 1), last_slot=last)
-
-
-_FAN_RANK: dict[tuple, torch.Tensor] = {}
-_ROW_STARTS: dict[tuple, torch.Tensor] = {}
+                        path_slots=torch.stack([_zeros(b, dev), last], 1), last_slot=last)
 
 
 def _fan_rank(t: int, dev: torch.device) -> torch.Tensor:
-    """[T] 0, T-1, T-2, .., 1: weights under which the first correct child (slot >= 1) is the largest (cached)."""
-    key = (t, dev)
-    if key not in _FAN_RANK:
+    """[T] 0, T-1, T-2, .., 1: weights under which the first correct child (slot >= 1) is the largest."""
+    def make() -> torch.Tensor:
         rank = t - torch.arange(t, device=dev)
         rank[0] = 0
-        _FAN_RANK[key] = rank
-    return _FAN_RANK[key]
+        return rank
+    return constant(("fan_rank", t, dev), make)
+
+
+def _zeros(b: int, dev: torch.device) -> torch.Tensor:
+    """[B] 0 (slot 0, the root, on every row's path)."""
+    return constant(("zeros", b, dev), lambda: torch.zeros(b, dtype=torch.long, device=dev))
 
 
 def _row_starts(b: int, t: int, dev: torch.device) -> torch.Tensor:
-    """[B] 0, T, 2T, ..: each row's first index in a flattened [B * T, ..] tensor (cached per shape)."""
-    key = (b, t, dev)
-    if key not in _ROW_STARTS:
-        _ROW_STARTS[key] = torch.arange(b, device=dev) * t
-    return _ROW_STARTS[key]
-
-
-_SLOTS: dict[tuple, torch.Tensor] = {}
+    """[B] 0, T, 2T, ..: each row's first index in a flattened [B * T, ..] tensor."""
+    return constant(("row_starts", b, t, dev), lambda: torch.arange(b, device=dev) * t)
 
 
 def _slots(b: int, t: int, dev: torch.device) -> torch.Tensor:
-    """[B, T] 0 .. T-1 per row (a chain's path slots; cached per shape, never written)."""
-    key = (b, t, dev)
-    if key not in _SLOTS:
-        _SLOTS[key] = torch.arange(t, device=dev).expand(b, t)
-    return _SLOTS[key]
+    """[B, T] 0 .. T-1 per row (a chain's path slots)."""
+    return constant(("slots", b, t, dev), lambda: steps(t, dev).expand(b, t))

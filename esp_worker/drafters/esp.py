@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..consts import ones
 from ..sampling import upload
 from ..tree import DraftTree, best_nodes, static_branches, static_parents
 from .base import Block, Drafter, PassResult, RowsView
@@ -330,7 +331,7 @@ class ESPDrafter(Drafter):
             oks.append(ok)
             parent_tok = ids[:, 0]
         tokens = torch.cat([root.unsqueeze(1)] + toks, 1)
-        valid = torch.cat([_true_column(b, root.device)] + oks, 1)
+        valid = torch.cat([ones((b, 1), torch.bool, root.device)] + oks, 1)
         return DraftTree(tokens, self._parents_for(b, root.device, branches), valid, static_key=("esp", tuple(branches)))
 
     def _pool(self, root, cand_lp, cand_ids):
@@ -393,17 +394,6 @@ class ESPDrafter(Drafter):
         if self.num_masks == 1:
             tree.static_key = ("esp-k1", num_nodes)
         return tree
-
-
-_TRUE: dict[tuple, torch.Tensor] = {}
-
-
-def _true_column(b: int, dev: torch.device) -> torch.Tensor:
-    """[B, 1] True (the root's validity; cached per shape, never written)."""
-    key = (b, dev)
-    if key not in _TRUE:
-        _TRUE[key] = torch.ones((b, 1), dtype=torch.bool, device=dev)
-    return _TRUE[key]
 
 
 def _gen(seed: int) -> torch.Generator:
