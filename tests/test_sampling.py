@@ -91,7 +91,7 @@ def test_grouped_argmax_is_argmax_with_ties_and_nan():
     from esp_worker.sampling import argmax_last
 
     torch.manual_seed(0)
-    for shape in [(30, 4096), (4, 30, 4096), (1, 1, 4096), (2, 100, 320)]:
+    for shape in [(30, 4096), (4, 30, 4096), (1, 1, 4096), (2, 200, 320)]:  # grouped but (1, 1, 4096)
         x = torch.randn(shape)
         ties = (x * 2).round()  # many equal maxima: the first one must win, as in argmax
         nan = x.clone()
