@@ -72,6 +72,7 @@ class Engine:
             curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path)
             self.policy = BlockPolicy(curve, self.drafter.block_tokens, self.drafter.max_nodes, cfg.auto_max_block,
                                       probe_interval=cfg.auto_probe_interval)
+        self.drafter.mass_wanted = self.policy is not None
         self.device = loaded.device
         self.prepare_looks = PREPARE_LOOKS if PREPARE_LOOKS is not None else self.device.type != "cpu"
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)

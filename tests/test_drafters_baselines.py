@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import ARCHS, reference, run, tiny
+from engine_helpers import ARCHS, PROMPTS, reference, run, tiny
 from esp_worker import EngineConfig, GenerationParams
 from esp_worker.drafters.base import PassResult, RowsView
 from esp_worker.drafters.lade import LadeState, LookaheadDrafter, lade_sizes, ngram_trie, window_layout
@@ -30,6 +30,25 @@ def test_stand_and_lade_accept_drafts_on_repetitive_text():
     for method in ("stand", "lade"):
         outs = run(lm, EngineConfig(method=method, block_complexity=30, max_batch_size=4), GREEDY)
         assert sum(o.stats.num_accepted_drafts for o in outs) > 0, method
+
+
+def test_prompt_lookup_keeps_its_acceptance_rates_only_for_auto():
+    """The per-depth rates only feed draft_mass (block_complexity=auto): a fixed block size skips them (the
+    same tokens either way); with `auto` they count the chains offered."""
+    from esp_worker import Engine, Request
+    from esp_worker.cost_model import CostCurve
+
+    lm = tiny("llama")
+    reqs = lambda: [Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)]  # noqa: E731
+    fixed = Engine(lm, EngineConfig(method="pld", block_complexity=10, max_batch_size=4))
+    outs = fixed.generate(reqs())
+    assert not fixed.drafter.mass_wanted and float(fixed.drafter.reached.sum()) == 0.0
+    blocks = [1, 2, 4, 8, 16]
+    curve = CostCurve([1, 8], [64, 512], blocks, [[[1.0 + 0.001 * q for q in blocks]] * 2] * 2)  # drafting is cheap
+    auto = Engine(lm, EngineConfig(method="pld", block_complexity="auto", auto_max_block=16, max_batch_size=4),
+                  cost_curve=curve)
+    assert [o.token_ids for o in auto.generate(reqs())] == [o.token_ids for o in outs]
+    assert auto.drafter.mass_wanted and float(auto.drafter.reached.sum()) > 0.0
 
 
 # ---- LADE parts -------------------------------------------------------------------------------------

@@ -130,6 +130,10 @@ class Drafter(ABC):
         """Tokens fed per sequence for a tree of num_nodes draft nodes (-1 = plain pass)."""
         return 1 + max(num_nodes, 0)
 
+    # whether anything will ask `draft_mass` (the engine clears it when the block size is fixed): a drafter may
+    # then skip the statistics that only feed it
+    mass_wanted: bool = True
+
     def draft_mass(self, view: RowsView) -> Optional[torch.Tensor]:
         """[B, max_nodes] the drafter's own probability that each node of its largest tree is accepted, best
         first; None when the drafter cannot tell (block_complexity=auto needs it)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..consts import constant, ones, steps
 from ..tree import DraftTree
 from typing import Optional
 
@@ -48,8 +49,8 @@ class PromptLookupDrafter(Drafter):
         b = view.hist.shape[0]
         dev = view.hist.device
         chain, valid, self._used = self._chain(view, depth)
-        tokens = torch.cat([view.root[:, None], chain], 1)
-        valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), valid], 1)
+        tokens = torch.cat([view.root.unsqueeze(1), chain], 1)
+        valid = torch.cat([ones((b, 1), torch.bool, dev), valid], 1)
         key = (b, depth, dev)
         if key not in self._parents:
             self._parents[key] = torch.arange(-1, depth, device=dev).expand(b, -1).contiguous()
@@ -63,17 +64,20 @@ class PromptLookupDrafter(Drafter):
         corpus = self.corpus is not None and self.corpus_needed(view)
         if self._match is None or self._match[0] is not length or self._match[2] != corpus:
             c = hist.shape[1]
-            start = self.own_start(view)  # [B], -1 = no match
-            idx = start[:, None] + torch.arange(self.depth, device=hist.device)  # [B, depth]
-            valid = (start[:, None] >= 0) & (idx < length[:, None])
+            start = self.own_start(view).unsqueeze(1)  # [B, 1], -1 = no match
+            idx = start + steps(self.depth, hist.device)  # [B, depth]
+            valid = (start >= 0) & (idx < length.unsqueeze(1))
             chain = hist.gather(1, idx.clamp(0, c - 1))
             if corpus:
                 chain, valid, used = self.corpus.fill(hist, length, chain, valid)
             else:
-                used = torch.zeros_like(start, dtype=torch.bool)
+                used = constant(("no_rows", len(length), hist.device),
+                                lambda: torch.zeros(len(length), dtype=torch.bool, device=hist.device))
             self._match = (length, (chain, valid, used), corpus)
         chain, valid, used = self._match[1]
-        return chain[:, :depth], valid[:, :depth], used
+        if depth < self.depth:
+            chain, valid = chain.narrow(1, 0, depth), valid.narrow(1, 0, depth)
+        return chain, valid, used
 
     def own_start(self, view: RowsView) -> torch.Tensor:
         """[B] index of the first token after the best match in each row's own history, -1 = none (once per
@@ -121,7 +125,7 @@ class PromptLookupDrafter(Drafter):
         return (big_b * (0.8 + (self.accepted.double() * b / big_b).cumsum(1))).float()
 
     def observe(self, view: RowsView, result: PassResult) -> None:
-        if result.block is None:
+        if result.block is None or not self.mass_wanted:  # the rates only feed draft_mass
             return
         valid = result.block.tree.valid[:, 1:].float()  # [B, depth]
         accepted = (result.num_committed - 1).clamp(min=0)  # [B]
