@@ -279,3 +279,18 @@ def test_pld_rates_equal_the_recurrence():
             prev = (float(d.accepted[s, i]) + prev) / (float(d.reached[s, i]) + 1.0)
             want[s, i] = prev
     assert torch.allclose(d.rates(), want, rtol=1e-5)
+
+
+def test_prompt_lookup_mass_follows_its_counters():
+    """draft_mass reuses the chain rates until the counters change (in place, as observe does, or replaced):
+    always the value computed from the current counters."""
+    from esp_worker.drafters.pld import PromptLookupDrafter
+
+    d = PromptLookupDrafter(max_ngram=3, min_ngram=1, depth=4)
+    view = RowsView(torch.tensor([[5, 6, 7, 8, 5, 6]]), torch.tensor([6]), torch.tensor([1]), [0])
+    fresh = lambda: d.rates().cumprod(1)[:1]  # noqa: E731  (the row's own chain [7, 8, 5, 6]: 4 valid nodes)
+    assert torch.allclose(d.draft_mass(view), fresh())
+    d.reached += 3.0  # in place
+    assert torch.allclose(d.draft_mass(view), fresh())
+    d.accepted = torch.full((2, 4), 2.0)  # replaced
+    assert torch.allclose(d.draft_mass(view), fresh())
