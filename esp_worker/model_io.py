@@ -11,6 +11,7 @@ The only module that knows how a Hugging Face model is called. Sources:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import time
 from dataclasses import dataclass
@@ -275,6 +276,9 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        # the decoder's name for the KV cache argument: `cache` from transformers 5.24 (`past_key_values`, before,
+        # is deprecated there and goes in 5.40)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
         # the layer loop called directly where the architecture allows (bitwise equal hidden states)
         self.direct = direct_decoder(self.base) if loaded.direct_forward else None
         if compile:
@@ -347,8 +351,8 @@ class ModelRunner:
                 inputs_embeds=inputs_embeds,
                 attention_mask=bias,
                 position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_kwarg: cache},
             ).last_hidden_state
             if keep is not None:
                 hidden = gather_slots(hidden, keep)

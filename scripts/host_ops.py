@@ -1,0 +1,112 @@
+"""Host work per decode pass, by phase: tensor operations (counted with a TorchDispatchMode) and host time.
+
+    python scripts/host_ops.py --model ../shared/models/esp-tiny-llama --method esp --bc 30 [--prompts 12]
+
+Runs the prompts of `--data` once to warm up, then once with every dispatched tensor operation counted and
+attributed to the engine phase that issued it (propose, forward inputs, verify, stops, keep, commit, observe,
+count, read_back, other), then `--repeats` more times timed (no counting): host time per pass is decode time
+outside the model's forward and LM head (`Engine.timing`), as the benchmark's `host overhead` column. The
+model's own operations (forward, LM head, the drafter's LM-head calls) are listed apart and not counted as
+host work. One torch thread; batch `--batch`. A development tool: the numbers are this machine's.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from esp_worker import batch as batch_mod  # noqa: E402
+from esp_worker.config import EngineConfig, ModelConfig  # noqa: E402
+from esp_worker.engine import Engine  # noqa: E402
+from esp_worker.types import GenerationParams, Request  # noqa: E402
+
+PHASES = ("_propose", "_forward", "_verify", "_stops", "_keep", "_commit", "_observe", "_prefill", "_retire")
+NOT_HOST = ("model", "prefill", "retire")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shared = Path(__file__).resolve().parents[2] / "shared"
+    ap.add_argument("--model", default=str(shared / "models" / "esp-tiny-llama"))
+    ap.add_argument("--data", default=str(shared / "data" / "tiny_prompts_dev.jsonl"))
+    ap.add_argument("--method", default="esp")
+    ap.add_argument("--bc", default="30", help="block complexity (an int or auto)")
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    bc = args.bc if args.bc == "auto" else int(args.bc)
+    eng = Engine.from_config(ModelConfig(name_or_path=args.model),
+                             EngineConfig(method=args.method, block_complexity=bc, num_masks=1, tree="static",
+                                          max_batch_size=args.batch))
+    rows = [json.loads(line) for line in open(args.data)][: args.prompts]
+    reqs = lambda: [Request(id=str(i), prompt=r["prompt"], params=GenerationParams(max_new_tokens=args.max_new_tokens))  # noqa: E731
+                    for i, r in enumerate(rows)]
+    eng.generate(reqs())  # warm-up
+
+    phase = ["other"]
+    counts: collections.Counter[str] = collections.Counter()
+
+    def label(obj, name: str, tag: str) -> None:
+        f = getattr(obj, name)
+
+        @functools.wraps(f)
+        def g(*a, **k):
+            prev, phase[0] = phase[0], tag
+            try:
+                return f(*a, **k)
+            finally:
+                phase[0] = prev
+
+        setattr(obj, name, g)
+
+    for name in PHASES:
+        label(eng, name, name.strip("_"))
+    label(eng.runner, "forward", "model")
+    label(eng.runner, "logits", "model")
+    if hasattr(eng.drafter, "logits"):  # ESP-like drafters hold the runner's LM head
+        label(eng.drafter, "logits", "model")
+    label(batch_mod.Rows, "count", "count")
+    label(batch_mod.Rows, "read_back", "read_back")
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[phase[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    p0 = eng.timing["decode_passes"]
+    with Count():
+        eng.generate(reqs())
+    passes = eng.timing["decode_passes"] - p0
+    host = 0.0
+    print(f"{args.method} BC {args.bc}, batch {args.batch}, {len(rows)} prompts: {passes} decode passes")
+    print("tensor operations per pass:")
+    for k, v in sorted(counts.items(), key=lambda kv: -kv[1]):
+        if k in NOT_HOST:
+            print(f"  ({k:9s} {v / passes:6.1f}  not host work)")
+            continue
+        host += v / passes
+        print(f"  {k:11s} {v / passes:6.1f}")
+    print(f"  host total  {host:6.1f}")
+    for _ in range(args.repeats):
+        d0, m0, n0 = eng.timing["decode_s"], eng.timing["model_s"], eng.timing["decode_passes"]
+        eng.generate(reqs())
+        d, m, n = eng.timing["decode_s"] - d0, eng.timing["model_s"] - m0, eng.timing["decode_passes"] - n0
+        print(f"timed run: host share {1 - m / d:.3f}, host {1e6 * (d - m) / n:.0f} us per pass, "
+              f"model {1e6 * m / n:.0f} us per pass")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
