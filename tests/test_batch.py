@@ -48,3 +48,21 @@ def test_root_only_tree_with_a_row_source_counts_nothing():
     rows.count(torch.tensor([1, 1]), torch.tensor([1, 1]), torch.tensor([0, 0]), 1,
                torch.tensor([[-1], [-1]]), torch.tensor([[0], [0]]))
     assert rows.t["accepted_by"].tolist() == [[0, 0], [0, 0]]
+
+
+def test_rows_view_is_reused_within_a_pass_and_rebuilt_after_a_commit_or_read():
+    """The drafter's view (and the root it computes once) stays the same object until the history's length
+    tensor, the history, the host hints or the rows change: a commit makes a new view with the new root."""
+    from esp_worker.drafters.state import RowState
+
+    t = {"hist": torch.tensor([[5, 6, 7, 0], [1, 2, 0, 0]]), "hist_len": torch.tensor([3, 2]),
+         "prompt_len": torch.tensor([2, 1])}
+    rows = Rows(seqs=[], t=t, state=RowState(), uniforms=None, cache=None)
+    v = rows.view()
+    assert rows.view() is v and v.root.tolist() == [7, 2]
+    t["hist"].scatter_(1, torch.tensor([[3], [2]]), torch.tensor([[8], [9]]))  # a commit: tokens, then lengths
+    t["hist_len"] = t["hist_len"] + 1
+    w = rows.view()
+    assert w is not v and w.root.tolist() == [8, 9] and rows.view() is w
+    rows.hints = [0, -1]  # a host read brings new hints
+    assert rows.view() is not w and rows.view().hints == [0, -1]
