@@ -223,12 +223,10 @@ class ESPDrafter(Drafter):
         return torch.bmm(w.unsqueeze(1), torch.cat([m.unsqueeze(1), emb], 1)).squeeze(1)
 
     def _ema_columns(self, g: int, dev: torch.device) -> torch.Tensor:
-        """The table's first 1 + g columns (a view, cached per g while the table stands)."""
+        """The table's first 1 + g columns (a view, cached per g until the table is rebuilt)."""
         table = self._ema_table(g, dev)[0]
         cols = self._ema_cols.get(g)
-        if cols is None or cols._base is not table:
-            if len(self._ema_cols) > 64:
-                self._ema_cols.clear()
+        if cols is None:
             cols = self._ema_cols[g] = table[:, : g + 1]
         return cols
 
@@ -244,7 +242,7 @@ class ESPDrafter(Drafter):
             i = torch.arange(size, device=dev, dtype=torch.float64)
             weights = torch.where(i[None] < n[:, None], lam * (1 - lam) ** (n[:, None] - 1 - i[None]).clamp(min=0), 0.0)
             table = torch.cat([((1 - lam) ** n)[:, None], weights], 1).float()
-            self._ema = (table, torch.arange(size, device=dev))
+            self._ema, self._ema_cols = (table, torch.arange(size, device=dev)), {}
         return self._ema
 
     @property
