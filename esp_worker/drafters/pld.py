@@ -105,13 +105,15 @@ class PromptLookupDrafter(Drafter):
         """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i) of the chain's
         source (the row's own history or the corpus)."""
         _, valid, used = self._chain(view, self.depth)
-        # the rates change only when the counters do (observe): cached on the counters' version counters
-        key = (id(self.reached), self.reached._version, id(self.accepted), self.accepted._version, valid.device)
-        if self._chain_rates is None or self._chain_rates[0] != key:
-            self._chain_rates = (key, self.rates().to(valid.device).cumprod(1))  # [2, depth]
-        return valid.float() * self._chain_rates[1].index_select(0, used.long())  # [B, depth]
+        # the rates change only when the counters do (observe): cached on the counters themselves (held, so
+        # that a new tensor cannot pass for them) and their version counters (bumped by in-place updates)
+        key = (self.reached._version, self.accepted._version, valid.device)
+        c = self._chain_rates
+        if c is None or c[0] is not self.reached or c[1] is not self.accepted or c[2] != key:
+            c = self._chain_rates = (self.reached, self.accepted, key, self.rates().to(valid.device).cumprod(1))
+        return valid.float() * c[3].index_select(0, used.long())  # [B, depth]
 
-    _chain_rates: Optional[tuple] = None  # (the counters' key, cumprod of `rates()`)
+    _chain_rates: Optional[tuple] = None  # (reached, accepted, their versions and device, cumprod of `rates()`)
 
     def rates(self) -> torch.Tensor:
         """[2, depth] P(node d accepted | node d-1 accepted) per source: decayed counts with a prior of one
