@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ops", action="store_true", help="also list the operations of each phase, per pass")
     args = ap.parse_args()
     torch.set_num_threads(1)
     bc = args.bc if args.bc == "auto" else int(args.bc)
@@ -57,6 +58,7 @@ def main() -> None:
 
     phase = ["other"]
     counts: collections.Counter[str] = collections.Counter()
+    by_op: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def label(obj, name: str, tag: str) -> None:
         f = getattr(obj, name)
@@ -83,6 +85,7 @@ def main() -> None:
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             counts[phase[0]] += 1
+            by_op[phase[0], str(func.overloadpacket.__name__)] += 1
             return func(*args, **(kwargs or {}))
 
     p0 = eng.timing["decode_passes"]
@@ -99,6 +102,11 @@ def main() -> None:
         host += v / passes
         print(f"  {k:11s} {v / passes:6.1f}")
     print(f"  host total  {host:6.1f}")
+    if args.ops:
+        for k in sorted(counts, key=lambda k: -counts[k]):
+            if k not in NOT_HOST:
+                ops = sorted(((n, c) for (ph, n), c in by_op.items() if ph == k), key=lambda nc: -nc[1])
+                print(f"  {k}: " + ", ".join(f"{n} {c / passes:.1f}" for n, c in ops))
     for _ in range(args.repeats):
         d0, m0, n0 = eng.timing["decode_s"], eng.timing["model_s"], eng.timing["decode_passes"]
         eng.generate(reqs())
