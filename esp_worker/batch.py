@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,8 +57,8 @@ class Rows:
     """Row-indexed batch state. `lens` mirrors t["hist_len"] on the host (read once per pass)."""
 
     seqs: list[Seq]
-    # hist, hist_len, prompt_len, limit, limit_code, temperature, top_p, top_k, stop_ids, and statistics counters:
-    # drafted [B], hists [B, 2, W] (passes that kept d accepted drafts / committed d tokens), accepted_by [B, P]
+    # hist, hist_len, prompt_len, limit, limit_code, temperature, top_p, top_k, stop_table, and statistics counters:
+    # drafted [B], hists [B, W * W] (passes by tokens committed before / after the stops), accepted_by [B, P]
     t: dict[str, torch.Tensor]
     state: RowState  # the drafter's per-row state (its own dataclass; the engine only moves rows of it)
     uniforms: UniformStreams
@@ -137,7 +138,7 @@ class Rows:
         self.seqs = self.seqs + other.seqs
         self.lens, self.done, self.limits = self.lens + other.lens, self.done + other.done, self.limits + other.limits
         self.hints = None if self.hints is None or other.hints is None else self.hints + other.hints
-        self.t = {k: cat_rows(v, other.t[k], -1 if k == "stop_ids" else 0) for k, v in self.t.items()}
+        self.t = {k: _join(k, v, other.t[k]) for k, v in self.t.items()}
         self.state.extend(other.state)
         self.uniforms.append_from(other.uniforms)
         self.reason = torch.cat([self.reason, other.reason])
@@ -153,24 +154,23 @@ class Rows:
     # ---- statistics --------------------------------------------------------------------------------
     def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: Optional[torch.Tensor], max_committed: int,
               source: Optional[torch.Tensor] = None, path_slots: Optional[torch.Tensor] = None) -> None:
-        """Add one pass to the per-row counters (tensor ops only, ~7 of them). n_fin, n_raw, drafted: [B]
-        (drafted None: no draft this pass).
+        """Add one pass to the per-row counters (tensor ops only, 4 of them). n_fin, n_raw: [B] tokens committed
+        after / before the stops; drafted [B] (None: no draft this pass).
         source [B, T] (proposer of each tree slot, -1 = root; [B, 1]: of every draft of the row) and
         path_slots [B, S]: split the kept accepted drafts by proposer into accepted_by [B, P]."""
         t = self.t
-        hists = t["hists"]  # [B, 2, W]
-        width = hists.shape[2]
+        hists = t["hists"]  # [B, W * W]: passes by (n_raw, n_fin), the accepted drafts kept follow from both
+        width = math.isqrt(hists.shape[1])
         if max_committed + 1 > width:  # a deeper block than any before: widen (host-known size, no read)
-            hists = t["hists"] = torch.nn.functional.pad(hists, (0, max(max_committed + 1, 2 * width) - width))
-            width = hists.shape[2]
-        acc = torch.minimum(n_raw - 1, n_fin)  # [B] accepted drafts that were kept
+            hists = t["hists"] = widen_counts(hists, max(max_committed + 1, 2 * width))
+            width = math.isqrt(hists.shape[1])
         if drafted is not None:
             t["drafted"] += drafted
-        # one scatter for both histograms: accepted drafts (row 0) and committed tokens (row 1) of this pass
-        idx = torch.stack([acc, n_fin + width], 1)  # [B, 2] into hists viewed as [B, 2W]
-        hists.view(len(acc), -1).scatter_add_(1, idx, ones(idx.shape, torch.long, idx.device))
+        idx = n_fin.add(n_raw, alpha=width).unsqueeze(1)  # [B, 1] = n_raw * W + n_fin
+        hists.scatter_add_(1, idx, ones(idx.shape, hists.dtype, idx.device))
         if source is None or "accepted_by" not in t:
             return
+        acc = torch.minimum(n_raw - 1, n_fin)  # [B] accepted drafts that were kept
         if source.shape[1] == 1:  # one proposer per row: all of its kept drafts (-1: a root-only tree, none kept)
             t["accepted_by"].scatter_add_(1, source.expand(len(acc), -1).clamp(min=0), acc[:, None])
             return
@@ -178,6 +178,20 @@ class Rows:
         kept = ((steps >= 1) & (steps <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
         src = source.expand(len(acc), -1).gather(1, path_slots).clamp(min=0)  # [B, S]
         t["accepted_by"].scatter_add_(1, src, kept)
+
+
+def _join(key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows of `a` then of `b` for t[key]: the pass counts at one width, the rest padded with zeros."""
+    if key == "hists" and a.shape[1] != b.shape[1]:
+        width = math.isqrt(max(a.shape[1], b.shape[1]))
+        a, b = widen_counts(a, width), widen_counts(b, width)
+    return cat_rows(a, b)
+
+
+def widen_counts(hists: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, W * W] pass counts by (n_raw, n_fin) -> [B, width * width], the same counts at the same pairs."""
+    b, w = hists.shape[0], math.isqrt(hists.shape[1])
+    return torch.nn.functional.pad(hists.view(b, w, w), (0, width - w, 0, width - w)).reshape(b, -1)
 
 
 def drop_order(n: int, gone: list[int]) -> list[int]:
@@ -191,20 +205,28 @@ def drop_order(n: int, gone: list[int]) -> list[int]:
 
 
 def new_counters(b: int, device: torch.device, num_proposers: int = 0) -> dict[str, torch.Tensor]:
-    """Statistics counters of b new rows: drafted [B], hists [B, 2, W] (per pass: row 0 counts the accepted
-    drafts kept, row 1 the tokens committed), accepted_by [B, P] (accepted drafts per proposer) when P > 0."""
+    """Statistics counters of b new rows: drafted [B], hists [B, W * W] int32 (passes that committed n_raw
+    tokens before the stops and n_fin after them, at n_raw * W + n_fin), accepted_by [B, P] (accepted drafts
+    per proposer) when P > 0."""
     z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
-    out = {"drafted": z(b), "hists": z(b, 2, STAT_WIDTH)}
+    out = {"drafted": z(b), "hists": z(b, STAT_WIDTH * STAT_WIDTH).int()}
     if num_proposers:
         out["accepted_by"] = z(b, num_proposers)
     return out
 
 
-def finish_stats(st: RequestStats, drafted: int, hists: list[list[int]], num_generated: int, passes: int,
+def finish_stats(st: RequestStats, drafted: int, hists: list[int], num_generated: int, passes: int,
                  sizes: dict[int, int]) -> None:
-    """Fill `st` from one row's counters (host): drafted, and hists [2][W] (passes that kept j accepted drafts,
-    passes that committed j tokens). accepted_per_depth[d] = passes that kept more than d drafts."""
-    acc_hist, committed = hists
+    """Fill `st` from one row's counters (host): drafted, and hists [W * W] (passes that committed n_raw tokens
+    before the stops and n_fin after them, at n_raw * W + n_fin; such a pass kept min(n_raw - 1, n_fin)
+    accepted drafts). accepted_per_depth[d] = passes that kept more than d drafts."""
+    width = math.isqrt(len(hists))
+    acc_hist, committed = [0] * width, [0] * width
+    for i, c in enumerate(hists):
+        if c:
+            n_raw, n_fin = divmod(i, width)
+            acc_hist[max(min(n_raw - 1, n_fin), 0)] += c
+            committed[n_fin] += c
     st.num_generated_tokens = num_generated
     st.num_decode_passes = passes
     st.num_decode_tokens = max(num_generated - 1, 0)  # the prefill commits the first token

@@ -30,7 +30,7 @@ from .inputs import StaticBlockBias, attention_bias
 from .model_io import LoadedModel, ModelRunner, load_model
 from .policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
-from .stops import REASONS, apply_stop_strings, apply_stops, row_limits
+from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
 from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
 from .verify import VerifyResult, verify, verify_greedy
@@ -216,7 +216,7 @@ class Engine:
             "temperature": torch.tensor([float(x.temperature) for x in p], device=dev),
             "top_p": torch.tensor([float(x.top_p) for x in p], device=dev),
             "top_k": torch.tensor([int(x.top_k) for x in p], device=dev),
-            "stop_ids": stop_ids.to(dev),
+            "stop_table": stop_table(stop_ids, self.vocab_size).to(dev),  # [B, V] bool
             **new_counters(len(seqs), dev, len(self.drafter.proposers)),
         }
         uni = UniformStreams(dev)
@@ -317,21 +317,26 @@ class Engine:
             aux = block.aux_embeds
             embeds = torch.cat([embeds, aux if aux.dtype == embeds.dtype else aux.to(embeds.dtype)], 1)
         b, q = embeds.shape[:2]
-        cache_len = rows.t["hist_len"] - 1  # [B] the root is not cached
-        s_max, s_min = max(rows.lens) - 1, min(rows.lens) - 1
-        pos = cache_len.unsqueeze(1) + lay.rel_pos  # [B, Q]
+        s_max, s_min = max(rows.lens) - 1, min(rows.lens) - 1  # cached slots per row (the root is not cached)
+        if s_min == s_max:  # rows of one length (batch 1 always): positions from the host-known length
+            cache_len, pos = None, lay.rel_pos + s_max  # [B|1, Q]
+            if pos.shape[0] != b:
+                pos = pos.expand(b, -1)
+        else:
+            cache_len = rows.t["hist_len"] - 1  # [B]
+            pos = cache_len.unsqueeze(1) + lay.rel_pos  # [B, Q]
         if s_max + q > self.loaded.max_context:  # positions past the context (rows that stop there) are clamped
             pos = pos.clamp(max=self.loaded.max_context - 1)
         view_len = s_max + q
         rows.cache.reserve(b, view_len)
-        rows.cache.plan(0, b, view_len, s_max if s_min == s_max else cache_len)  # rows of one length: a slice write
+        rows.cache.plan(0, b, view_len, s_max if cache_len is None else cache_len)  # rows of one length: a slice write
         if q == 1 and s_min == s_max and self.runner.sliding_window is None:
             bias = None  # plain decoding, rows of one length: every slot of the view is visible (no mask)
         elif s_min == s_max and self.runner.sliding_window is None and tree.static_key is not None:
             bias = self._static_bias(lay.visible, s_max, b, self.runner.dtype)  # a view of a cached buffer
         else:
-            bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window,
-                                  uniform_len=s_max if s_min == s_max else None)
+            bias = attention_bias(lay.visible, rows.t["hist_len"] - 1 if cache_len is None else cache_len, pos, view_len,
+                                  self.runner.dtype, self.runner.sliding_window, uniform_len=s_max if s_min == s_max else None)
         hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots))
@@ -348,6 +353,10 @@ class Engine:
         slots are stale anyway: no mask is needed (every source is read before any slot is written)."""
         p = res.path_slots.shape[1] - 1  # path steps after the root
         if block.tree.path_in_place or p < 1:
+            return
+        length = rows.lens[0]
+        if min(rows.lens) == max(rows.lens):  # rows of one length: the path lands at slots length .. (host-known)
+            rows.cache.keep(length, res.path_slots.narrow(1, 1, p) + (length - 1))
             return
         hist_len = rows.t["hist_len"].unsqueeze(1)  # [B, 1] before the commit: the root's slot + 1
         dst = hist_len + steps(p, self.device)  # [B, P-1] slots hist_len ..
@@ -384,7 +393,7 @@ class Engine:
         """(n_final [B], reason [B]) after stop ids, lengths, the context limit and stop strings."""
         t = rows.t
         far = min(map(operator.sub, rows.limits, rows.lens), default=0) > committed.shape[1]  # host mirrors: no read
-        n_fin, reason = apply_stops(committed, n, t["stop_ids"], t["hist_len"], t["limit"], t["limit_code"], far)
+        n_fin, reason = apply_stops(committed, n, t["stop_table"], t["hist_len"], t["limit"], t["limit_code"], far)
         if rows.has_stop_strings:
             stops = [s.req.params.stop_strings for s in rows.seqs]
             gen = [t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist() if stops[r] else [] for r, s in enumerate(rows.seqs)]
@@ -397,8 +406,11 @@ class Engine:
         rows.ensure_capacity(s)  # room for s more tokens behind every row (host-known lengths)
         # all s slots are written: those past n_fin lie beyond the new length, where a row's slots are stale
         # anyway (every reader of `hist` stops at hist_len)
-        idx = t["hist_len"].unsqueeze(1) + steps(s, committed.device)  # [B, S]
-        t["hist"].scatter_(1, idx, committed)
+        if min(rows.lens) == max(rows.lens):  # rows of one length (host-known): one slice
+            t["hist"].narrow(1, rows.lens[0], s).copy_(committed)
+        else:
+            idx = t["hist_len"].unsqueeze(1) + steps(s, committed.device)  # [B, S]
+            t["hist"].scatter_(1, idx, committed)
         t["hist_len"] = t["hist_len"] + n_fin
         rows.reason = reason  # every row in a pass is running: the rows that finished left at the last read
 

@@ -173,13 +173,15 @@ class KVCache(Cache):
 
     # ---- bookkeeping after a pass ------------------------------------------------------------------
     @inference
-    def keep(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy slots `src` to slots `dst` in every row of the batch (dst, src: [B, P] slot indices).
+    def keep(self, dst: Union[int, torch.Tensor], src: torch.Tensor) -> None:
+        """Copy slots `src` to slots `dst` in every row of the batch (src: [B, P] slot indices; dst: [B, P], or an
+        int d for slots d .. d+P-1 of every row).
 
         Only the P moved slots per row are touched (P = accepted path + 1), so the cost of a pass does not
         grow with the cache. Example: cache_len [3, 5], a pass of Q=4 wrote row 0 at slots 3..6 and row 1 at
         5..8. Row 0 keeps the root and the node at block index 2: dst [3, 4], src [3, 5]. Row 1 keeps the
         root only: dst [5, 6], src [5, 6] (slot 6 is beyond its new length, whatever lands there is stale).
+        Every source is read before any slot is written.
         """
         b, p = src.shape
         for t, rd, _, _ in self._tensors():
@@ -188,8 +190,14 @@ class KVCache(Cache):
             shape = (1,) * rd + (b, 1, p, 1)  # the indices broadcast over layers, heads and head dims
             size = list(t.shape)
             size[rd + 2] = p
-            moved = torch.gather(t, rd + 2, src.view(shape).expand(size))
-            t.scatter_(rd + 2, dst.view(shape).expand(size), moved)
+            if b == 1:  # one row: its slots as one index
+                moved = t.index_select(rd + 2, src.view(p))
+            else:
+                moved = torch.gather(t, rd + 2, src.view(shape).expand(size))
+            if isinstance(dst, int):
+                t.narrow(rd + 2, dst, p).copy_(moved)
+            else:
+                t.scatter_(rd + 2, dst.view(shape).expand(size), moved)
 
     @inference
     def select_rows(self, keep: Sequence[int]) -> None:

@@ -16,22 +16,22 @@ REASONS = (None, "stop", "length", "context")
 def apply_stops(
     committed: torch.Tensor,  # [B, P] tokens committed this pass, valid up to n
     n: torch.Tensor,  # [B]
-    stop_ids: torch.Tensor,  # [B, E] per-row stop ids, -1 padded
+    stop_table: torch.Tensor,  # [B, V] bool: token v ends row b (`stop_table`)
     hist_len: torch.Tensor,  # [B] tokens so far (prompt + generated)
     limit: torch.Tensor,  # [B] most tokens the row may hold: min(prompt + max_new_tokens, context), `row_limits`
     limit_code: torch.Tensor,  # [B] the reason when the limit cuts: 2 length, 3 context
     limit_far: bool = False,  # no row can reach its limit this pass (host-known): stop ids only
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(n_final [B], reason [B]): each row's committed tokens cut at the first stop id or at its limit. Tensor
-    ops only (a dozen, the same every pass); no host read.
+    ops only (six, or nine with the limits, the same every pass); no host read.
 
     A stop id at slot >= n (a rejected draft's leftover) needs no mask: it cuts after n, and n is the smaller.
     When a stop id and the limit cut at the same token, the reason is the stop.
 
-    Example: committed [[5, 9, 7]], n [3], stop_ids [[9]] -> n_final [2], reason [1].
+    Example: committed [[5, 9, 7]], n [3], stop ids [[9]] -> n_final [2], reason [1].
     """
     p = committed.shape[1]
-    is_stop = committed.unsqueeze(2).eq(stop_ids.unsqueeze(1)).any(-1)  # [B, P]
+    is_stop = stop_table.gather(1, committed)  # [B, P]
     n_stop = torch.where(is_stop, steps(p, committed.device, start=1), 1 << 30).amin(-1)  # first stop slot + 1
     if limit_far:
         return torch.minimum(n_stop, n), n_stop.le(n).long()
@@ -39,6 +39,15 @@ def apply_stops(
     n_fin = torch.minimum(torch.minimum(n_stop, room), n)
     reason = torch.where(n_stop == n_fin, 1, torch.where(room == n_fin, limit_code, 0))
     return n_fin, reason
+
+
+def stop_table(stop_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] bool from stop ids [B, E] (-1 padded; ids outside the vocabulary can never be committed and are
+    left out): one lookup per committed token finds the stops, whatever the number of stop ids."""
+    b = stop_ids.shape[0]
+    ids = torch.where((stop_ids >= 0) & (stop_ids < vocab_size), stop_ids, vocab_size)  # vocab_size: a spare column
+    table = torch.zeros((b, vocab_size + 1), dtype=torch.bool, device=stop_ids.device)
+    return table.scatter_(1, ids, True)[:, :vocab_size].contiguous()
 
 
 def row_limits(max_total: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:

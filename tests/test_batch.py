@@ -32,14 +32,33 @@ def test_counters_give_the_request_statistics():
     assert t["accepted_by"].tolist() == [[3, 0, 1], [0, 0, 3]]
 
 
-def test_counters_widen_for_deeper_blocks():
+def test_counters_widen_for_deeper_blocks_and_keep_their_counts():
     rows = rows_with(new_counters(1, torch.device("cpu")))
+    rows.count(torch.tensor([2]), torch.tensor([3]), torch.tensor([2]), 3)  # a stop cut 3 tokens at 2
     deep = STAT_WIDTH + 5
     rows.count(torch.tensor([deep]), torch.tensor([deep]), torch.tensor([deep]), deep)
     st = RequestStats()
-    finish_stats(st, int(rows.t["drafted"][0]), rows.t["hists"][0].tolist(), deep + 1, 1, {})
-    assert st.num_accepted_drafts == deep - 1 and st.accepted_per_depth == [1] * (deep - 1)
-    assert st.committed_histogram == [0] * deep + [1]
+    finish_stats(st, int(rows.t["drafted"][0]), rows.t["hists"][0].tolist(), deep + 3, 2, {})
+    assert st.num_accepted_drafts == 2 + deep - 1 and st.accepted_per_depth == [2, 2] + [1] * (deep - 3)
+    assert st.committed_histogram == [0, 0, 1] + [0] * (deep - 3) + [1]
+
+
+def test_rows_of_different_counter_widths_join_with_their_counts():
+    """A batch whose counters widened for a deep block takes new rows at the narrow width: the joined rows
+    keep every count at its (n_raw, n_fin) pair."""
+    from esp_worker.batch import _join
+
+    wide = rows_with(new_counters(1, torch.device("cpu")))
+    wide.count(torch.tensor([STAT_WIDTH + 1]), torch.tensor([STAT_WIDTH + 1]), None, STAT_WIDTH + 1)
+    narrow = rows_with(new_counters(1, torch.device("cpu")))
+    narrow.count(torch.tensor([2]), torch.tensor([3]), None, 3)
+    for a, b, r in ((wide, narrow, 1), (narrow, wide, 0)):
+        joined = _join("hists", a.t["hists"], b.t["hists"])
+        st = [RequestStats(), RequestStats()]
+        for i in range(2):
+            finish_stats(st[i], 0, joined[i].tolist(), 3, 1, {})
+        assert st[r].committed_histogram == [0, 0, 1] and st[r].num_accepted_drafts == 2
+        assert st[1 - r].committed_histogram == [0] * (STAT_WIDTH + 1) + [1]
 
 
 def test_root_only_tree_with_a_row_source_counts_nothing():

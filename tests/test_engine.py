@@ -36,6 +36,18 @@ def test_kv_keep_packs_accepted_slots_per_row():
     assert cache.layers[0].values[0, 0, :5, 0].tolist() == [100, 101, 102, 103, 105]
 
 
+def test_kv_keep_to_one_run_of_slots_and_for_one_row_is_the_general_move():
+    """keep(d, src) (rows of one length: the path lands at slots d ..) and a batch of one row (an index instead of
+    a gather) move exactly what keep(dst [B, P], src) moves, reading every source before writing."""
+    for rows, src in ((2, [[4, 6], [4, 8]]), (1, [[5, 4]])):
+        want, got = _slab(rows, 10, lambda r, s: 10 * r + s), _slab(rows, 10, lambda r, s: 10 * r + s)
+        want.keep(torch.tensor([[5, 6]] * rows), torch.tensor(src))
+        got.keep(5, torch.tensor(src))
+        for a, b in ((want.layers[0].keys, got.layers[0].keys), (want.layers[0].values, got.layers[0].values)):
+            assert torch.equal(a[:rows], b[:rows])
+        assert got.layers[0].keys[0, 0, 5:7, 0].tolist() == [float(x) for x in src[0]]
+
+
 def test_kv_block_written_in_place_per_row():
     cache = _slab(2, 8, lambda r, s: 0)
     cache.plan(0, 2, 6, torch.tensor([2, 4]))  # rows write their Q = 2 new slots at 2..3 and 4..5

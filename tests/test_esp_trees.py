@@ -44,7 +44,7 @@ def observed(d: ESPDrafter, root: int, rows):
         for t, p in r:
             logits[0, j, t] = math.log(p)
     view = RowsView(torch.tensor([[0, root]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState())
-    view.state.update(m=torch.zeros(1, D), m_len=torch.tensor([1]), has_probe=torch.zeros(1, dtype=torch.bool))
+    view.state.update(m=torch.zeros(1, 1, D), m_len=torch.tensor([1]), has_probe=torch.zeros(1, dtype=torch.bool))
     d.observe(view, PassResult(torch.tensor([[root]]), torch.tensor([1]), None, logits))  # logits: identity head
     return view.state.cand_lp, view.state.cand_ids
 
@@ -111,10 +111,10 @@ def test_ema_update_per_committed_token_in_order():
     for plain_first in (False, True):
         d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
         view = RowsView(hist, hist_len, torch.ones(2, dtype=torch.long), [0, 0], ESPState())
-        view.state.update(m=m0.clone(), m_len=torch.ones(2, dtype=torch.long), has_probe=torch.zeros(2, dtype=torch.bool))
+        view.state.update(m=m0.clone().unsqueeze(1), m_len=torch.ones(2, dtype=torch.long), has_probe=torch.zeros(2, dtype=torch.bool))
         if plain_first:  # a plain pass defers the update; the next mask pass applies it
             d.observe(view, PassResult(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), None, None))
-            assert torch.equal(view.state.m, m0)
+            assert torch.equal(view.state.m, m0.unsqueeze(1))
         # this pass's tokens as the engine passes them (hist[:, 1:4], valid up to [3, 1]): m was up to date before
         # it (without a plain pass first), so they are applied as they are
         d.observe(view, PassResult(hist[:, 1:], torch.tensor([3, 1]), None, mask_hidden))
@@ -133,7 +133,7 @@ def test_ema_replays_long_gaps_and_short_ones_after_them():
     d.embed = lambda ids: table.float()[ids]
     m0 = torch.tensor([[0.5, -1.0, 2.0, 0.0]])
     view = RowsView(hist, torch.tensor([1]), torch.ones(1, dtype=torch.long), [0], ESPState())
-    view.state.update(m=m0.clone(), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
+    view.state.update(m=m0.clone().unsqueeze(1), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
     ref = m0[0].double()
     seen = 1
     for length in (38, 41, 42, 59):  # gaps 37 (a table of 64), 3, 1, 17
@@ -160,7 +160,7 @@ def test_ema_owed_for_longer_than_its_window_or_table_replays_in_bounded_work(mo
         d.embed = lambda ids: table.float()[ids]
         m0 = torch.tensor([[0.5, -1.0, 2.0, 0.0], [1.0, 0.0, -2.0, 3.0]])
         state = ESPState()
-        state.update(m=m0.clone(), m_len=torch.tensor([1, 1]), has_probe=torch.zeros(2, dtype=torch.bool))
+        state.update(m=m0.clone().unsqueeze(1), m_len=torch.tensor([1, 1]), has_probe=torch.zeros(2, dtype=torch.bool))
         ref = [m0[r].double() for r in range(2)]
         seen = [1, 1]
         for step, length in enumerate(lengths):
@@ -179,9 +179,9 @@ def test_ema_owed_for_longer_than_its_window_or_table_replays_in_bounded_work(mo
 def test_ema_lambda_zero_freezes_mask():
     d = drafter(num_masks=1, block_complexity=10, ema_lambda=0.0)
     view = RowsView(torch.tensor([[1, 3, 0, 0]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState())
-    view.state.update(m=torch.ones((1, D)), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
+    view.state.update(m=torch.ones((1, 1, D)), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
     d.observe(view, PassResult(torch.tensor([[3]]), torch.tensor([1]), None, torch.zeros((1, 1, V))))
-    assert torch.equal(view.state.m, torch.ones((1, D)))
+    assert torch.equal(view.state.m, torch.ones((1, 1, D)))
 
 
 def test_mask_inits():

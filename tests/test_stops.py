@@ -1,12 +1,14 @@
 """apply_stops: where each row's committed tokens end, and why (stop id, length, context)."""
 import torch
 
-from esp_worker.stops import REASONS, apply_stops, row_limits
+from esp_worker.stops import REASONS, apply_stops, row_limits, stop_table
+
+V = 10  # vocabulary of these tests
 
 
 def stops(committed, n, stop_ids, hist_len, max_total, max_context=1000):
     limit, code = row_limits(torch.tensor(max_total), max_context)
-    n_fin, reason = apply_stops(torch.tensor(committed), torch.tensor(n), torch.tensor(stop_ids),
+    n_fin, reason = apply_stops(torch.tensor(committed), torch.tensor(n), stop_table(torch.tensor(stop_ids), V),
                                 torch.tensor(hist_len), limit, code)
     return n_fin.tolist(), [REASONS[r] for r in reason.tolist()]
 
@@ -48,7 +50,7 @@ def test_stop_ids_only_when_no_row_can_reach_its_limit():
         b, p = 4, int(torch.randint(1, 6, (1,), generator=g))
         committed = torch.randint(0, 6, (b, p), generator=g)
         n = torch.randint(1, p + 1, (b,), generator=g)
-        stop_ids = torch.randint(-1, 6, (b, 2), generator=g)
+        stop_ids = stop_table(torch.randint(-1, 6, (b, 2), generator=g), 6)
         hist_len = torch.randint(5, 20, (b,), generator=g)
         limit, code = row_limits(hist_len + p + 1 + torch.randint(0, 5, (b,), generator=g), 1000)
         full = apply_stops(committed, n, stop_ids, hist_len, limit, code)
@@ -56,5 +58,11 @@ def test_stop_ids_only_when_no_row_can_reach_its_limit():
         assert torch.equal(full[0], fast[0]) and torch.equal(full[1], fast[1])
     # at its limit the flag would be wrong: the full computation cuts by length
     limit, code = row_limits(torch.tensor([12]), 1000)
-    args = (torch.tensor([[5, 6, 7]]), torch.tensor([3]), torch.tensor([[-1]]), torch.tensor([10]), limit, code)
+    args = (torch.tensor([[5, 6, 7]]), torch.tensor([3]), stop_table(torch.tensor([[-1]]), V), torch.tensor([10]), limit, code)
     assert apply_stops(*args)[0].tolist() == [2] and apply_stops(*args, limit_far=True)[0].tolist() == [3]
+
+
+def test_stop_table_marks_each_rows_ids_and_drops_ids_outside_the_vocabulary():
+    table = stop_table(torch.tensor([[3, -1, 12], [0, 9, -1]]), V)
+    assert table.shape == (2, V) and table.dtype == torch.bool
+    assert table[0].nonzero().flatten().tolist() == [3] and table[1].nonzero().flatten().tolist() == [0, 9]

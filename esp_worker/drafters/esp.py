@@ -5,7 +5,7 @@ masks owned by the last accepted slot give, through the LM head, candidates for 
 (mask j stood at pos(last) + j, which is depth j under the new root). m starts from the prompt's embeddings
 and moves by EMA toward each committed token's embedding.
 
-State per row: `m` [B, D]; `cand_lp` [B, k, C] sorted log-probs and `cand_ids` [B, k, C] of each mask's top-C
+State per row: `m` [B, 1, D]; `cand_lp` [B, k, C] sorted log-probs and `cand_ids` [B, k, C] of each mask's top-C
 tokens; `has_probe` [B] bool (False until a probe exists, e.g. when prefill probing is off).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def ema_window(lam: float) -> int:
 
 @dataclass
 class ESPState(RowState):
-    m: Optional[torch.Tensor] = row_field()  # [B, D] running mask embedding (EMA of the history's embeddings)
+    m: Optional[torch.Tensor] = row_field()  # [B, 1, D] running mask embedding (EMA of the history's embeddings)
     m_len: Optional[torch.Tensor] = row_field()  # [B] history length m has seen (the EMA is applied lazily)
     cand_lp: Optional[torch.Tensor] = row_field(NEG)  # [B, k, C] the probe's candidates per mask, log-probs
     cand_ids: Optional[torch.Tensor] = row_field()  # [B, k, C] their token ids
@@ -106,7 +106,7 @@ class ESPDrafter(Drafter):
         else:  # offset
             m = (self.table_mu + self.offset * self.table_sigma).to(dev).expand(b, -1).clone()
         k, cn = self.num_masks, self.num_cand
-        view.state.m = m
+        view.state.m = m = m.unsqueeze(1)  # [B, 1, D]: one input of the block, per row
         view.state.m_len = plen.clone()  # history length m has seen (EMA applied lazily, see _catch_up)
         view.state.cand_lp = torch.full((b, k, cn), NEG, device=dev)
         view.state.cand_ids = torch.zeros((b, k, cn), dtype=torch.long, device=dev)
@@ -116,11 +116,11 @@ class ESPDrafter(Drafter):
         return self._mask_embeds(m, 1)
 
     def _mask_embeds(self, m: torch.Tensor, num_slots: int) -> torch.Tensor:
-        # m: [B, D] -> [B, num_slots * k, D] in the model dtype
+        # m: [B, 1, D] -> [B, num_slots * k, D] in the model dtype
         dtype = self.table_mu.dtype if self._model_dtype is None else self._model_dtype
         if m.dtype != dtype:
             m = m.to(dtype)
-        return m.unsqueeze(1).expand(-1, num_slots * self.num_masks, -1)
+        return m.expand(-1, num_slots * self.num_masks, -1)
 
     _model_dtype: Optional[torch.dtype] = None
 
@@ -197,7 +197,7 @@ class ESPDrafter(Drafter):
         window = ema_window(self.ema_lambda)
         if bound > window:  # rows owing more than the window: m restarts from the window's first token
             start = torch.maximum(st.m_len, view.hist_len - window)
-            st.m = torch.where((start > st.m_len)[:, None], 0.0, st.m)
+            st.m = torch.where((start > st.m_len)[:, None, None], 0.0, st.m)
             st.m_len, bound = start, window
         last = view.hist.shape[1] - 1
         while bound > 0:
@@ -213,21 +213,21 @@ class ESPDrafter(Drafter):
         st.m_len = view.hist_len
 
     def _ema_step(self, m: torch.Tensor, tokens: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
-        """m [B, D] after the first gap[b] <= G of tokens [B, G] (the rest ignored): one batched product of the
+        """m [B, 1, D] after the first gap[b] <= G of tokens [B, G] (the rest ignored): one batched product of the
         weights [decay, w_0 .. w_{G-1}] with [m, E[t_0] .. E[t_{G-1}]]."""
         g = tokens.shape[1]
         emb = self.embed(tokens)  # [B, G, D]
         if emb.dtype != m.dtype:
             emb = emb.to(m.dtype)
-        w = self._ema_columns(g, m.device).index_select(0, gap)  # [B, 1 + G]
-        return torch.bmm(w.unsqueeze(1), torch.cat([m.unsqueeze(1), emb], 1)).squeeze(1)
+        w = self._ema_columns(g, m.device).index_select(0, gap)  # [B, 1, 1 + G]
+        return torch.bmm(w, torch.cat([m, emb], 1))  # [B, 1, D]
 
     def _ema_columns(self, g: int, dev: torch.device) -> torch.Tensor:
-        """The table's first 1 + g columns (a view, cached per g until the table is rebuilt)."""
+        """The table's first 1 + g columns as [N+1, 1, 1+g] (a view, cached per g until the table is rebuilt)."""
         table = self._ema_table(g, dev)[0]
         cols = self._ema_cols.get(g)
         if cols is None:
-            cols = self._ema_cols[g] = table[:, : g + 1]
+            cols = self._ema_cols[g] = table[:, None, : g + 1]
         return cols
 
     _ema = None
