@@ -69,6 +69,8 @@ class Rows:
     done: list[int] = field(default_factory=list)  # host copy of reason
     hints: Optional[list[int]] = None  # host copy of the drafter's row_hints (None: it gives none)
     _view: Optional[RowsView] = field(default=None, repr=False)  # the last view (see `view`)
+    # (hist_len, last token [B]) of the last commit: the roots, for as long as hist_len is that tensor
+    _root: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -87,9 +89,15 @@ class Rows:
         t, v = self.t, self._view
         if (v is None or v.hist is not t["hist"] or v.hist_len is not t["hist_len"] or v.hints is not self.hints
                 or v.state is not self.state):
+            known = self._root[1] if self._root is not None and self._root[0] is t["hist_len"] else None
             v = self._view = RowsView(t["hist"], t["hist_len"], t["prompt_len"], [s.seed for s in self.seqs],
-                                      self.state, self.hints)
+                                      self.state, self.hints, known)
         return v
+
+    def set_roots(self, last_token: Optional[torch.Tensor]) -> None:
+        """After a commit: each row's last committed token [B] (None: unknown, read from the history). Only rows
+        that go on need theirs to be exact (a row cut short by a stop leaves the batch at the next read)."""
+        self._root = None if last_token is None else (self.t["hist_len"], last_token)
 
     def consumed(self) -> list[int]:
         """Uniforms each row has consumed: one per generated token (host mirror, no read)."""

@@ -266,7 +266,7 @@ class Engine:
         committed = tok[:, None]
         n = torch.ones(r, dtype=torch.long, device=dev)
         n_fin, reason = self._stops(rows, committed, n)
-        self._commit(rows, committed, n_fin, reason)
+        self._commit(rows, committed, n_fin, reason, tok)
         aux_hidden = hidden[:, 1:] if a else None
         mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
         self.drafter.observe(rows.view(), PassResult(committed, n_fin, aux_hidden, mask_hidden, prefill=True))
@@ -283,7 +283,7 @@ class Engine:
         res = self._verify(rows, block, slot_logits)
         n_fin, reason = self._stops(rows, res.committed, res.num_committed)
         self._keep(rows, block, res)
-        self._commit(rows, res.committed, n_fin, reason)
+        self._commit(rows, res.committed, n_fin, reason, res.last_token)
         view = rows.view()  # after the commit
         self._observe(view, block, res, hidden, slot_logits, n_fin)
         t_slots = block.tree.num_slots
@@ -400,7 +400,8 @@ class Engine:
             n_fin, reason = apply_stop_strings(self.tokenizer, stops, gen, committed, n_fin, reason)
         return n_fin, reason
 
-    def _commit(self, rows: Rows, committed: torch.Tensor, n_fin: torch.Tensor, reason: torch.Tensor) -> None:
+    def _commit(self, rows: Rows, committed: torch.Tensor, n_fin: torch.Tensor, reason: torch.Tensor,
+                last_token: Optional[torch.Tensor] = None) -> None:
         t = rows.t
         s = committed.shape[1]
         rows.ensure_capacity(s)  # room for s more tokens behind every row (host-known lengths)
@@ -412,6 +413,7 @@ class Engine:
             idx = t["hist_len"].unsqueeze(1) + steps(s, committed.device)  # [B, S]
             t["hist"].scatter_(1, idx, committed)
         t["hist_len"] = t["hist_len"] + n_fin
+        rows.set_roots(last_token)  # [B] committed[n - 1] where verification gave it (the next roots)
         rows.reason = reason  # every row in a pass is running: the rows that finished left at the last read
 
     def _retire(self, rows: Rows) -> Iterator[RequestOutput]:

@@ -8,7 +8,7 @@ pass = accepted drafts + bonus = exactly the tokens plain decoding would have pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -27,6 +27,9 @@ class VerifyResult:
     path_slots: torch.Tensor
     # [B] slot of the deepest accepted node (0 = nothing accepted)
     last_slot: torch.Tensor
+    # [B] the last committed token, committed[num_committed - 1] (the next root of a row that goes on); None =
+    # not computed here (the rows' view then reads it from the history)
+    last_token: Optional[torch.Tensor] = None
 
 
 def verify(
@@ -82,7 +85,7 @@ def verify_greedy(
     target = argmax_last(slot_logits)  # [B, T]
     if t == 1:  # plain decoding: the argmax at the root is the bonus
         return VerifyResult(committed=target, num_committed=ones((b,), torch.long, dev), path_slots=_slots(b, 1, dev),
-                            last_slot=_zeros(b, dev))
+                            last_slot=_zeros(b, dev), last_token=target.view(b))
     if tree.path_in_place:  # a chain: the accepted drafts are its longest correct prefix
         return _verify_chain(tree, target, max_depth)
     if ancestors.shape[1] != t or ancestors.shape[2] != t:
@@ -101,6 +104,7 @@ def verify_greedy(
         num_committed=depth.expand(b, t).gather(1, last[:, None]).squeeze(1) + 1,
         path_slots=path,
         last_slot=last,
+        last_token=target.gather(1, last[:, None]).squeeze(1),  # the bonus: the argmax at the deepest accepted node
     )
 
 
@@ -113,7 +117,8 @@ def _verify_chain(tree: DraftTree, target: torch.Tensor, max_depth: int) -> Veri
     accepted = correct.cumprod(1).sum(1)  # [B]
     s = min(t, max_depth + 1)  # committed width, as verify_greedy's
     return VerifyResult(committed=target[:, :s] if s < t else target, num_committed=accepted + 1,
-                        path_slots=_slots(b, s, target.device), last_slot=accepted)
+                        path_slots=_slots(b, s, target.device), last_slot=accepted,
+                        last_token=target.gather(1, accepted[:, None]).squeeze(1))
 
 
 def _verify_fan(tree: DraftTree, slot_logits: torch.Tensor) -> VerifyResult:
@@ -127,8 +132,9 @@ def _verify_fan(tree: DraftTree, slot_logits: torch.Tensor) -> VerifyResult:
     last = (correct * _fan_rank(t, dev)).argmax(1)  # [B] the first correct child (0: none, every weight is 0)
     # the accepted slot's logits: rows of the flattened [B * T, V] logits
     bonus = argmax_last(slot_logits.reshape(b * t, v).index_select(0, last + _row_starts(b, t, dev)))
+    # nothing accepted (last 0): the "bonus" is slot 0's argmax again, `first`, so the last token is always `bonus`
     return VerifyResult(committed=torch.stack([first, bonus], 1), num_committed=last.clamp(max=1) + 1,
-                        path_slots=torch.stack([_zeros(b, dev), last], 1), last_slot=last)
+                        path_slots=torch.stack([_zeros(b, dev), last], 1), last_slot=last, last_token=bonus)
 
 
 def _fan_rank(t: int, dev: torch.device) -> torch.Tensor:

@@ -85,3 +85,18 @@ def test_rows_view_is_reused_within_a_pass_and_rebuilt_after_a_commit_or_read():
     assert w is not v and w.root.tolist() == [8, 9] and rows.view() is w
     rows.hints = [0, -1]  # a host read brings new hints
     assert rows.view() is not w and rows.view().hints == [0, -1]
+
+
+def test_rows_view_takes_the_roots_of_the_last_commit_only_while_its_lengths_stand():
+    from esp_worker.drafters.state import RowState
+
+    t = {"hist": torch.tensor([[5, 6, 7, 0], [1, 2, 0, 0]]), "hist_len": torch.tensor([3, 2]),
+         "prompt_len": torch.tensor([2, 1])}
+    rows = Rows(seqs=[], t=t, state=RowState(), uniforms=None, cache=None)
+    known = torch.tensor([7, 2])
+    rows.set_roots(known)  # after a commit: verification's last tokens
+    assert rows.view().root is known
+    t["hist_len"] = torch.tensor([2, 2])  # the lengths changed without a commit that gave roots (rows moved)
+    assert rows.view().root.tolist() == [6, 2]
+    rows.set_roots(None)  # a commit without them (sampled verification): read from the history
+    assert rows.view().root.tolist() == [6, 2]

@@ -50,6 +50,7 @@ def test_greedy_vectorised_equals_walk_on_random_trees():
             k = int(walk.num_committed[r])
             assert walk.committed[r, :k].tolist() == vec.committed[r, :k].tolist()
             assert walk.path_slots[r, :k].tolist() == vec.path_slots[r, :k].tolist()
+            assert int(vec.last_token[r]) == int(walk.committed[r, k - 1])  # the next root
 
 
 def test_chain_and_depth_one_fast_paths_equal_the_walk():
@@ -84,3 +85,11 @@ def test_chain_and_depth_one_fast_paths_equal_the_walk():
                 k = int(walk.num_committed[r])
                 assert fast.committed[r, :k].tolist() == walk.committed[r, :k].tolist()
                 assert fast.path_slots[r, :k].tolist() == walk.path_slots[r, :k].tolist()
+                assert int(fast.last_token[r]) == int(walk.committed[r, k - 1]), shape  # the next root
+
+
+def test_plain_pass_gives_its_token_as_the_next_root():
+    logits = torch.randn(3, 1, 7, generator=torch.Generator().manual_seed(2))
+    tree = DraftTree(torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), -1), torch.ones(3, 1, dtype=torch.bool))
+    res = verify_greedy(tree, logits, torch.ones(1, 1, 1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long), 0)
+    assert res.last_token.tolist() == logits[:, 0].argmax(-1).tolist() == res.committed[:, 0].tolist()

@@ -77,10 +77,14 @@ class RowsView:
     state: RowState = field(default_factory=RowState)
     # host copy of the drafter's `row_hints` as of the last host read (after the last commit), or None
     hints: Optional[list[int]] = None
+    # [B] the last committed token where the engine knows it already (from verification), else None
+    known_root: Optional[torch.Tensor] = None
 
     @functools.cached_property
     def root(self) -> torch.Tensor:
         # [B] last committed token (computed once per view)
+        if self.known_root is not None:
+            return self.known_root
         return self.hist.gather(1, (self.hist_len - 1).unsqueeze(1)).squeeze(1)
 
 

@@ -327,7 +327,8 @@ class ESPDrafter(Drafter):
             if oks:
                 ok = ok & oks[-1][:, :1]  # children of an invalid parent are invalid
             oks.append(ok)
-            parent_tok = ids[:, 0]
+            if j + 1 < len(branches):
+                parent_tok = ids[:, 0]
         tokens = torch.cat([root.unsqueeze(1)] + toks, 1)
         valid = torch.cat([ones((b, 1), torch.bool, root.device)] + oks, 1)
         return DraftTree(tokens, self._parents_for(b, root.device, branches), valid, static_key=("esp", tuple(branches)))
