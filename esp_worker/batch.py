@@ -141,7 +141,7 @@ class Rows:
         if not self.seqs:
             self.seqs, self.t, self.state, self.reason = other.seqs, other.t, other.state, other.reason
             self.uniforms, self.lens, self.done, self.hints = other.uniforms, other.lens, other.done, other.hints
-            self.limits = other.limits
+            self.limits, self._root = other.limits, other._root  # the prefill's tokens are the roots
             return
         self.seqs = self.seqs + other.seqs
         self.lens, self.done, self.limits = self.lens + other.lens, self.done + other.done, self.limits + other.limits
@@ -216,8 +216,8 @@ def new_counters(b: int, device: torch.device, num_proposers: int = 0) -> dict[s
     """Statistics counters of b new rows: drafted [B], hists [B, W * W] int32 (passes that committed n_raw
     tokens before the stops and n_fin after them, at n_raw * W + n_fin), accepted_by [B, P] (accepted drafts
     per proposer) when P > 0."""
-    z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
-    out = {"drafted": z(b), "hists": z(b, STAT_WIDTH * STAT_WIDTH).int()}
+    z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+    out = {"drafted": z(b), "hists": z(b, STAT_WIDTH * STAT_WIDTH, dtype=torch.int32)}
     if num_proposers:
         out["accepted_by"] = z(b, num_proposers)
     return out

@@ -78,6 +78,8 @@ class Engine:
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
         self.vocab_size = int(self.runner.embed.weight.shape[0])
+        # token ids a pass can commit: the LM head's outputs (the stop table covers them all)
+        self.num_logits = max(self.vocab_size, int(getattr(self.runner.lm_head, "out_features", 0) or 0))
         # seconds spent in decode passes, and the part of it inside the model (forward + LM head)
         self.timing = {"decode_s": 0.0, "model_s": 0.0, "decode_passes": 0, "peak_cache_bytes": 0}
         self.batch_histogram: collections.Counter[int] = collections.Counter()  # rows in the batch -> decode passes
@@ -216,7 +218,7 @@ class Engine:
             "temperature": torch.tensor([float(x.temperature) for x in p], device=dev),
             "top_p": torch.tensor([float(x.top_p) for x in p], device=dev),
             "top_k": torch.tensor([int(x.top_k) for x in p], device=dev),
-            "stop_table": stop_table(stop_ids, self.vocab_size).to(dev),  # [B, V] bool
+            "stop_table": stop_table(stop_ids, self.num_logits).to(dev),  # [B, V] bool
             **new_counters(len(seqs), dev, len(self.drafter.proposers)),
         }
         uni = UniformStreams(dev)
@@ -335,8 +337,10 @@ class Engine:
         elif s_min == s_max and self.runner.sliding_window is None and tree.static_key is not None:
             bias = self._static_bias(lay.visible, s_max, b, self.runner.dtype)  # a view of a cached buffer
         else:
-            bias = attention_bias(lay.visible, rows.t["hist_len"] - 1 if cache_len is None else cache_len, pos, view_len,
-                                  self.runner.dtype, self.runner.sliding_window, uniform_len=s_max if s_min == s_max else None)
+            if cache_len is None and self.runner.sliding_window is not None:  # the window needs each key's position
+                cache_len = rows.t["hist_len"] - 1
+            bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window,
+                                  uniform_len=s_max if s_min == s_max else None)
         hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots))

@@ -5,7 +5,7 @@ the engine creates one per batch and moves its rows (`select` when rows leave, `
 without knowing the fields, and nothing but the drafter reads them. A field is None until the drafter's
 `start_rows` sets it; assigning a name that is not a field raises (a typo fails at once, not as a stale key).
 
-Example: ESP keeps `m` [B, D] (the running mask vector) and `has_probe` [B]; when rows 0 and 2 of three stay,
+Example: ESP keeps `m` [B, 1, D] (the running mask vector) and `has_probe` [B]; when rows 0 and 2 of three stay,
 `state.select(tensor([0, 2]))` keeps those rows of every set field.
 """
 from __future__ import annotations
