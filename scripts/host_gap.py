@@ -13,41 +13,20 @@ development tool: the numbers are this machine's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
-from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from esp_worker.config import EngineConfig, ModelConfig  # noqa: E402
-from esp_worker.engine import Engine  # noqa: E402
-from esp_worker.types import GenerationParams, Request  # noqa: E402
+from devrun import add_run_args, engine_and_requests
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    shared = Path(__file__).resolve().parents[2] / "shared"
-    ap.add_argument("--model", default=str(shared / "models" / "esp-tiny-llama"))
-    ap.add_argument("--data", default=str(shared / "data" / "tiny_prompts_dev.jsonl"))
-    ap.add_argument("--method", default="esp")
-    ap.add_argument("--bc", default="30", help="block complexity (an int or auto)")
-    ap.add_argument("--prompts", type=int, default=12)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    add_run_args(ap)
     ap.add_argument("--gaps", default="0,0.5,1,2,4,8,16", help="milliseconds between passes, comma-separated")
     ap.add_argument("--sleep", action="store_true", help="sleep through the gap instead of a loop")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    bc = args.bc if args.bc == "auto" else int(args.bc)
-    eng = Engine.from_config(ModelConfig(name_or_path=args.model),
-                             EngineConfig(method=args.method, block_complexity=bc, num_masks=1, tree="static",
-                                          max_batch_size=1))
-    rows = [json.loads(line) for line in open(args.data)][: args.prompts]
-    reqs = lambda: [Request(id=str(i), prompt=r["prompt"], params=GenerationParams(max_new_tokens=args.max_new_tokens))  # noqa: E731
-                    for i, r in enumerate(rows)]
+    eng, reqs = engine_and_requests(args)
+    rows = reqs()
     eng.generate(reqs())  # warm-up, with the model
 
     real, gap = eng.runner._forward, [0.0]

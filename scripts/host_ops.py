@@ -14,20 +14,12 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
 import os
-import sys
-from pathlib import Path
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from esp_worker import batch as batch_mod  # noqa: E402
-from esp_worker.config import EngineConfig, ModelConfig  # noqa: E402
-from esp_worker.engine import Engine  # noqa: E402
-from esp_worker.types import GenerationParams, Request  # noqa: E402
+from devrun import add_run_args, engine_and_requests
+from esp_worker import batch as batch_mod  # importable once devrun put the repository on the path
 
 PHASES = ("_propose", "_forward", "_verify", "_stops", "_keep", "_commit", "_observe", "_prefill", "_retire")
 NOT_HOST = ("model", "prefill", "retire")
@@ -35,25 +27,13 @@ NOT_HOST = ("model", "prefill", "retire")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    shared = Path(__file__).resolve().parents[2] / "shared"
-    ap.add_argument("--model", default=str(shared / "models" / "esp-tiny-llama"))
-    ap.add_argument("--data", default=str(shared / "data" / "tiny_prompts_dev.jsonl"))
-    ap.add_argument("--method", default="esp")
-    ap.add_argument("--bc", default="30", help="block complexity (an int or auto)")
-    ap.add_argument("--prompts", type=int, default=12)
+    add_run_args(ap)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ops", action="store_true", help="also list the operations of each phase, per pass")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    bc = args.bc if args.bc == "auto" else int(args.bc)
-    eng = Engine.from_config(ModelConfig(name_or_path=args.model),
-                             EngineConfig(method=args.method, block_complexity=bc, num_masks=1, tree="static",
-                                          max_batch_size=args.batch))
-    rows = [json.loads(line) for line in open(args.data)][: args.prompts]
-    reqs = lambda: [Request(id=str(i), prompt=r["prompt"], params=GenerationParams(max_new_tokens=args.max_new_tokens))  # noqa: E731
-                    for i, r in enumerate(rows)]
+    eng, reqs = engine_and_requests(args, args.batch)
+    rows = reqs()
     eng.generate(reqs())  # warm-up
 
     phase = ["other"]
