@@ -71,6 +71,7 @@ class Rows:
     _view: Optional[RowsView] = field(default=None, repr=False)  # the last view (see `view`)
     # (hist_len, last token [B]) of the last commit: the roots, for as long as hist_len is that tensor
     _root: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
+    _common: Optional[tuple[list[int], Optional[int]]] = field(default=None, repr=False)  # (lens, common_length)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -98,6 +99,15 @@ class Rows:
         """After a commit: each row's last committed token [B] (None: unknown, read from the history). Only rows
         that go on need theirs to be exact (a row cut short by a stop leaves the batch at the next read)."""
         self._root = None if last_token is None else (self.t["hist_len"], last_token)
+
+    def common_length(self) -> Optional[int]:
+        """The length every row has (host mirror), or None when lengths differ (batch 1: always one length).
+        Computed once per host read: `lens` is replaced, never changed in place."""
+        c = self._common
+        if c is None or c[0] is not self.lens:
+            lens = self.lens
+            c = self._common = (lens, lens[0] if lens and min(lens) == max(lens) else None)
+        return c[1]
 
     def consumed(self) -> list[int]:
         """Uniforms each row has consumed: one per generated token (host mirror, no read)."""

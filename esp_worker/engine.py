@@ -319,8 +319,9 @@ class Engine:
             aux = block.aux_embeds
             embeds = torch.cat([embeds, aux if aux.dtype == embeds.dtype else aux.to(embeds.dtype)], 1)
         b, q = embeds.shape[:2]
-        s_max, s_min = max(rows.lens) - 1, min(rows.lens) - 1  # cached slots per row (the root is not cached)
-        if s_min == s_max:  # rows of one length (batch 1 always): positions from the host-known length
+        common = rows.common_length()
+        s_max = (max(rows.lens) if common is None else common) - 1  # cached slots per row (the root is not cached)
+        if common is not None:  # rows of one length (batch 1 always): positions from the host-known length
             cache_len, pos = None, lay.rel_pos + s_max  # [B|1, Q]
             if pos.shape[0] != b:
                 pos = pos.expand(b, -1)
@@ -332,15 +333,15 @@ class Engine:
         view_len = s_max + q
         rows.cache.reserve(b, view_len)
         rows.cache.plan(0, b, view_len, s_max if cache_len is None else cache_len)  # rows of one length: a slice write
-        if q == 1 and s_min == s_max and self.runner.sliding_window is None:
+        if q == 1 and common is not None and self.runner.sliding_window is None:
             bias = None  # plain decoding, rows of one length: every slot of the view is visible (no mask)
-        elif s_min == s_max and self.runner.sliding_window is None and tree.static_key is not None:
+        elif common is not None and self.runner.sliding_window is None and tree.static_key is not None:
             bias = self._static_bias(lay.visible, s_max, b, self.runner.dtype)  # a view of a cached buffer
         else:
             if cache_len is None and self.runner.sliding_window is not None:  # the window needs each key's position
                 cache_len = rows.t["hist_len"] - 1
             bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window,
-                                  uniform_len=s_max if s_min == s_max else None)
+                                  uniform_len=None if common is None else s_max)
         hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots))
@@ -358,8 +359,8 @@ class Engine:
         p = res.path_slots.shape[1] - 1  # path steps after the root
         if block.tree.path_in_place or p < 1:
             return
-        length = rows.lens[0]
-        if min(rows.lens) == max(rows.lens):  # rows of one length: the path lands at slots length .. (host-known)
+        length = rows.common_length()
+        if length is not None:  # rows of one length: the path lands at slots length .. (host-known)
             rows.cache.keep(length, res.path_slots.narrow(1, 1, p) + (length - 1))
             return
         hist_len = rows.t["hist_len"].unsqueeze(1)  # [B, 1] before the commit: the root's slot + 1
@@ -411,8 +412,9 @@ class Engine:
         rows.ensure_capacity(s)  # room for s more tokens behind every row (host-known lengths)
         # all s slots are written: those past n_fin lie beyond the new length, where a row's slots are stale
         # anyway (every reader of `hist` stops at hist_len)
-        if min(rows.lens) == max(rows.lens):  # rows of one length (host-known): one slice
-            t["hist"].narrow(1, rows.lens[0], s).copy_(committed)
+        length = rows.common_length()
+        if length is not None:  # rows of one length (host-known): one slice
+            t["hist"].narrow(1, length, s).copy_(committed)
         else:
             idx = t["hist_len"].unsqueeze(1) + steps(s, committed.device)  # [B, S]
             t["hist"].scatter_(1, idx, committed)

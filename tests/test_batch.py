@@ -100,3 +100,13 @@ def test_rows_view_takes_the_roots_of_the_last_commit_only_while_its_lengths_sta
     assert rows.view().root.tolist() == [6, 2]
     rows.set_roots(None)  # a commit without them (sampled verification): read from the history
     assert rows.view().root.tolist() == [6, 2]
+
+
+def test_common_length_follows_the_host_lengths():
+    rows = rows_with({})
+    rows.lens = [5, 5, 5]
+    assert rows.common_length() == 5
+    rows.lens = [5, 6]  # a host read replaces the list
+    assert rows.common_length() is None
+    rows.lens = [7]
+    assert rows.common_length() == 7
