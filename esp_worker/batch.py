@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .consts import ones
+from .consts import ones, steps
 from .drafters import RowsView
 from .drafters.state import RowState, cat_rows
 from .kv_cache import KVCache
@@ -94,6 +94,13 @@ class Rows:
             v = self._view = RowsView(t["hist"], t["hist_len"], t["prompt_len"], [s.seed for s in self.seqs],
                                       self.state, self.hints, known)
         return v
+
+    def advance(self, hist_len: torch.Tensor, last_token: Optional[torch.Tensor], reason: torch.Tensor) -> None:
+        """After a commit: the rows' new lengths [B], last committed tokens [B] (`set_roots`) and finish reasons
+        [B] (every row in a pass is running: the rows that finished left at the last read)."""
+        self.t["hist_len"] = hist_len
+        self.set_roots(last_token)
+        self.reason = reason
 
     def set_roots(self, last_token: Optional[torch.Tensor]) -> None:
         """After a commit: each row's last committed token [B] (None: unknown, read from the history). Only rows
@@ -177,25 +184,45 @@ class Rows:
         source [B, T] (proposer of each tree slot, -1 = root; [B, 1]: of every draft of the row) and
         path_slots [B, S]: split the kept accepted drafts by proposer into accepted_by [B, P]."""
         t = self.t
-        hists = t["hists"]  # [B, W * W]: passes by (n_raw, n_fin), the accepted drafts kept follow from both
-        width = math.isqrt(hists.shape[1])
-        if max_committed + 1 > width:  # a deeper block than any before: widen (host-known size, no read)
-            hists = t["hists"] = widen_counts(hists, max(max_committed + 1, 2 * width))
-            width = math.isqrt(hists.shape[1])
-        if drafted is not None:
-            t["drafted"] += drafted
-        idx = n_fin.add(n_raw, alpha=width).unsqueeze(1)  # [B, 1] = n_raw * W + n_fin
-        hists.scatter_add_(1, idx, ones(idx.shape, hists.dtype, idx.device))
+        width = self.count_width(max_committed)  # first: it may replace t["hists"] by a wider one
+        count_pass(t["hists"], width, t["drafted"], n_fin, n_raw, drafted)
         if source is None or "accepted_by" not in t:
             return
         acc = torch.minimum(n_raw - 1, n_fin)  # [B] accepted drafts that were kept
         if source.shape[1] == 1:  # one proposer per row: all of its kept drafts (-1: a root-only tree, none kept)
             t["accepted_by"].scatter_add_(1, source.expand(len(acc), -1).clamp(min=0), acc[:, None])
             return
-        steps = torch.arange(path_slots.shape[1], device=acc.device)[None]
-        kept = ((steps >= 1) & (steps <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
+        step = torch.arange(path_slots.shape[1], device=acc.device)[None]
+        kept = ((step >= 1) & (step <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
         src = source.expand(len(acc), -1).gather(1, path_slots).clamp(min=0)  # [B, S]
         t["accepted_by"].scatter_add_(1, src, kept)
+
+    def count_width(self, max_committed: int) -> int:
+        """The pass counts' width W, first widened when a pass may commit max_committed tokens (host-known: a
+        deeper block than any before), so that every (n_raw, n_fin) pair of the pass has its place."""
+        hists = self.t["hists"]  # [B, W * W]: passes by (n_raw, n_fin), the accepted drafts kept follow from both
+        width = math.isqrt(hists.shape[1])
+        if max_committed + 1 > width:
+            hists = self.t["hists"] = widen_counts(hists, max(max_committed + 1, 2 * width))
+            width = math.isqrt(hists.shape[1])
+        return width
+
+
+def count_pass(hists: torch.Tensor, width: int, drafted_total: torch.Tensor, n_fin: torch.Tensor, n_raw: torch.Tensor,
+               drafted: Optional[torch.Tensor]) -> None:
+    """One pass into the counters, in place: hists [B, W * W] += 1 at n_raw * W + n_fin, drafted_total [B] +=
+    drafted [B] (None: no draft this pass). Tensor ops only (also inside the compiled settle, `settle.py`)."""
+    if drafted is not None:
+        drafted_total += drafted
+    idx = n_fin.add(n_raw, alpha=width).unsqueeze(1)  # [B, 1]
+    hists.scatter_add_(1, idx, ones(idx.shape, hists.dtype, idx.device))
+
+
+def write_history(hist: torch.Tensor, hist_len: torch.Tensor, committed: torch.Tensor) -> None:
+    """committed [B, S] into hist [B, H] at each row's slots hist_len .. hist_len + S - 1, in place (the slots
+    past a row's new length are stale anyway: every reader of `hist` stops at hist_len)."""
+    idx = hist_len.unsqueeze(1) + steps(committed.shape[1], committed.device)  # [B, S]
+    hist.scatter_(1, idx, committed)
 
 
 def _join(key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

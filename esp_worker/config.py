@@ -60,6 +60,9 @@ class EngineConfig:
     # on a CPU it runs slower than eager (README), on a GPU it is the place to start
     compile: bool = False
     compile_mode: str = ""  # torch.compile mode ("" = its default), e.g. max-autotune-no-cudagraphs
+    # CPU: a greedy pass's verification, stops, commit and counters as one AOTInductor kernel per block shape
+    # (esp_worker/settle.py); ~10-15 s to compile each, needs a C++ compiler
+    compile_host: bool = False
     # Batching
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward

@@ -14,7 +14,10 @@ _CACHE: dict[tuple, torch.Tensor] = {}
 
 
 def constant(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The tensor `make()` built once per `key` (key names the shape, dtype and device it depends on)."""
+    """The tensor `make()` built once per `key` (key names the shape, dtype and device it depends on). While
+    torch traces a function (`settle.py`) it is built anew: a traced tensor must not outlive the trace."""
+    if torch.compiler.is_compiling():
+        return make()
     t = _CACHE.get(key)
     if t is None:
         t = _CACHE[key] = make()

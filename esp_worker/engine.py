@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from . import kv_cache
-from .batch import PassCounter, Rows, Seq, finish_stats, new_counters
+from .batch import PassCounter, Rows, Seq, finish_stats, new_counters, write_history
 from .consts import steps
 from .config import EngineConfig, ModelConfig
 from .cost_model import CostCurve
@@ -30,6 +30,7 @@ from .inputs import StaticBlockBias, attention_bias
 from .model_io import LoadedModel, ModelRunner, load_model
 from .policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
+from .settle import Settler
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
 from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
@@ -64,6 +65,8 @@ class Engine:
         self.cfg = cfg
         self.loaded = loaded
         self.runner = ModelRunner(loaded, cfg.compile, cfg.compile_mode)
+        # engine.compile_host: a greedy pass's verification, stops, commit and counters as one kernel (settle.py)
+        self.settler = Settler(loaded.device) if cfg.compile_host else None
         self.auto = cfg.block_complexity == "auto"
         sized = dataclasses.replace(cfg, block_complexity=cfg.auto_max_block) if self.auto else cfg
         self.drafter: Drafter = make_drafter(sized, self.runner)
@@ -98,9 +101,10 @@ class Engine:
     # ---- public API --------------------------------------------------------------------------------
     @property
     def compile_s(self) -> float:
-        """Seconds spent compiling under engine.compile (0 without it)."""
+        """Seconds spent compiling under engine.compile and engine.compile_host (0 without them)."""
         direct = self.runner.direct
-        return direct.compiled.compile_s if direct is not None and direct.compiled is not None else 0.0
+        layers = direct.compiled.compile_s if direct is not None and direct.compiled is not None else 0.0
+        return layers + (self.settler.compile_s if self.settler is not None else 0.0)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """All outputs, in input order. Request ids must be unique within one call."""
@@ -282,15 +286,9 @@ class Engine:
         t_start, model_s0, len0 = time.perf_counter(), self.runner.model_s, sum(rows.lens)
         block = self._propose(rows)
         hidden, slot_logits = self._forward(rows, block)
-        res = self._verify(rows, block, slot_logits)
-        n_fin, reason = self._stops(rows, res.committed, res.num_committed)
-        self._keep(rows, block, res)
-        self._commit(rows, res.committed, n_fin, reason, res.last_token)
+        res, n_fin = self._settle(rows, block, slot_logits)  # verify, stops, keep, commit, count
         view = rows.view()  # after the commit
         self._observe(view, block, res, hidden, slot_logits, n_fin)
-        t_slots = block.tree.num_slots
-        drafted = block.tree.valid.narrow(1, 1, t_slots - 1).sum(-1) if t_slots > 1 else None  # [B]; None: root only
-        rows.count(n_fin, res.num_committed, drafted, block.max_depth + 1, block.source, res.path_slots)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
         hints = self.drafter.row_hints(view)
         # the policy decides the next pass now and starts its look (with the previous read's hints: a drafter
@@ -345,6 +343,21 @@ class Engine:
         hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots))
+
+    def _settle(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> tuple[VerifyResult, torch.Tensor]:
+        """Verification, stops, the KV moves, the commit and the counters: (the verification, n_fin [B]). Under
+        engine.compile_host all but the KV moves run as one compiled kernel where it covers the pass."""
+        done = self.settler(rows, block, slot_logits) if self.settler is not None else None
+        if done is not None:  # the history and the counters are written; the lengths are still the old ones
+            self._keep(rows, block, done.res)
+            rows.advance(done.hist_len, done.res.last_token, done.reason)
+            return done.res, done.n_fin
+        res = self._verify(rows, block, slot_logits)
+        n_fin, reason = self._stops(rows, res.committed, res.num_committed)
+        self._keep(rows, block, res)
+        self._commit(rows, res.committed, n_fin, reason, res.last_token)
+        rows.count(n_fin, res.num_committed, block.tree.num_drafted(), block.max_depth + 1, block.source, res.path_slots)
+        return res, n_fin
 
     def _verify(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> VerifyResult:
         if rows.sampling:
@@ -416,11 +429,8 @@ class Engine:
         if length is not None:  # rows of one length (host-known): one slice
             t["hist"].narrow(1, length, s).copy_(committed)
         else:
-            idx = t["hist_len"].unsqueeze(1) + steps(s, committed.device)  # [B, S]
-            t["hist"].scatter_(1, idx, committed)
-        t["hist_len"] = t["hist_len"] + n_fin
-        rows.set_roots(last_token)  # [B] committed[n - 1] where verification gave it (the next roots)
-        rows.reason = reason  # every row in a pass is running: the rows that finished left at the last read
+            write_history(t["hist"], t["hist_len"], committed)
+        rows.advance(t["hist_len"] + n_fin, last_token, reason)  # last_token: the next roots, where verification gave them
 
     def _retire(self, rows: Rows) -> Iterator[RequestOutput]:
         """Outputs of the rows that finished (known on the host since the last read_back); they leave the batch."""

@@ -23,10 +23,10 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     maximum, then the first maximum inside it. [30, 4096] logits: ~105 -> ~38 us on one thread, [16, 4096]
     57 -> 29 us. The grouped way takes 9 more tensor ops, ~5 us each in the decode loop (where they run with
     cold caches after the model), so it is used from _GROUPED_MIN elements on. Plain argmax on other devices,
-    for smaller inputs and for vocabularies that are not a multiple of 64.
+    for smaller inputs, for vocabularies that are not a multiple of 64, and in compiled code (one fused loop).
     """
     v = x.shape[-1]
-    if x.device.type != "cpu" or v % _GROUP or x.numel() < _GROUPED_MIN:
+    if x.device.type != "cpu" or v % _GROUP or torch.compiler.is_compiling() or x.numel() < _GROUPED_MIN:
         return x.argmax(-1)
     g = x.unflatten(-1, (v // _GROUP, _GROUP))  # [..., G, 64]
     group = g.amax(-1).argmax(-1, keepdim=True)  # [..., 1] first group holding the maximum

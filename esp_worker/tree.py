@@ -36,6 +36,11 @@ class DraftTree:
     def num_slots(self) -> int:
         return self.tokens.shape[1]
 
+    def num_drafted(self) -> Optional[torch.Tensor]:
+        """[B] valid draft nodes per row (None for a root-only tree: nothing drafted)."""
+        t = self.num_slots
+        return self.valid.narrow(1, 1, t - 1).sum(-1) if t > 1 else None
+
     @property
     def path_in_place(self) -> bool:
         """Root-only trees and chains: the accepted path is slots 0, 1, 2, ... (no KV slot ever moves)."""

@@ -1,0 +1,109 @@
+"""engine.compile_host=true (esp_worker/settle.py): a greedy pass's verification, stops, commit and counters
+as one AOTInductor kernel give exactly the eager engine's tokens, finish reasons and statistics."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from engine_helpers import PROMPTS, reference, tiny
+from esp_worker import Engine, EngineConfig, GenerationParams, Request
+from esp_worker.model_io import ModelLoadError
+from esp_worker.settle import Settler
+
+GREEDY = GenerationParams(max_new_tokens=64)
+
+
+def _run(lm, cfg: EngineConfig, params, prompts=PROMPTS):
+    eng = Engine(lm, cfg)
+    outs = eng.generate([Request(id=str(i), prompt=p, params=params(i) if callable(params) else params)
+                         for i, p in enumerate(prompts)])
+    return eng, outs
+
+
+def _same(a, b, what: str) -> None:
+    """Outputs equal token for token, in finish reason and in every statistic but time."""
+    for x, y in zip(a, b, strict=True):
+        assert x.error is None and y.error is None, (x.error, y.error)
+        assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason, what
+        sx, sy = dataclasses.asdict(x.stats), dataclasses.asdict(y.stats)
+        sx.pop("time_s"), sy.pop("time_s")
+        assert sx == sy, f"{what}: statistics differ"
+
+
+SETTINGS = [  # (method, block complexity, masks, tree, batch): one kernel each
+    ("ar", 1, 1, "static", 4),  # plain passes, one slot
+    ("esp", 30, 1, "static", 1),  # one level of 14 nodes (the fan path)
+    ("esp", 24, 2, "dynamic", 3),  # per-row trees two deep (per-row layouts)
+    ("pld", 10, 1, "static", 2),  # chains
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_settle_matches_eager_and_generate(arch):
+    lm = tiny(arch)
+    ref = reference(arch, "sdpa")
+    settings = SETTINGS if arch == "llama" else SETTINGS[:2]
+    for method, bc, k, tree, batch in settings:
+        cfg = EngineConfig(method=method, block_complexity=bc, num_masks=k, tree=tree, max_batch_size=batch)
+        _, eager = _run(lm, cfg, GREEDY)
+        eng, comp = _run(lm, dataclasses.replace(cfg, compile_host=True), GREEDY)
+        what = f"{method} BC {bc} k {k} {tree} batch {batch} {arch}"
+        assert eng.settler.passes == eng.timing["decode_passes"] > 0, f"{what}: not every pass ran the kernel"
+        assert eng.compile_s > 0
+        _same(eager, comp, what)
+        assert [tuple(o.token_ids) for o in comp] == list(ref), f"{what}: diverged from generate"
+
+
+def test_compiled_settle_cuts_at_stop_ids_and_limits():
+    """Per-request lengths and a stop id that the model emits: the kernel's cuts are the eager engine's, with
+    rows of several lengths in one batch (one kernel serves every batch size)."""
+    lm = tiny("llama")
+    stop = reference("llama", "sdpa")[0][5]  # a token the first prompt's continuation emits
+    params = lambda i: GenerationParams(max_new_tokens=(7, 64, 13, 30)[i], stop_token_ids=(stop,))  # noqa: E731
+    cfg = EngineConfig(method="esp", block_complexity=30, num_masks=1, max_batch_size=3)
+    _, eager = _run(lm, cfg, params)
+    eng, comp = _run(lm, dataclasses.replace(cfg, compile_host=True), params)
+    assert eng.settler.passes == eng.timing["decode_passes"]
+    _same(eager, comp, "stops and limits")
+    assert {o.finish_reason for o in comp} >= {"stop", "length"}
+
+
+def test_passes_the_kernel_does_not_cover_run_eagerly():
+    """Sampled rows and stop strings are settled eagerly (no kernel is compiled for them), with the same
+    output as without compile_host."""
+    lm = tiny("llama")
+    cfg = EngineConfig(method="esp", block_complexity=30, num_masks=1, max_batch_size=2)
+    for params in (GenerationParams(max_new_tokens=24, temperature=1.0, seed=3),
+                   GenerationParams(max_new_tokens=24, stop_strings=("the",))):
+        _, eager = _run(lm, cfg, params)
+        eng, comp = _run(lm, dataclasses.replace(cfg, compile_host=True), params)
+        assert eng.settler.passes == 0 and eng.compile_s == 0
+        _same(eager, comp, "uncovered passes")
+
+
+def test_compile_host_is_for_cpu_runs():
+    with pytest.raises(ModelLoadError, match="engine.compile_host=false"):
+        Settler(torch.device("cuda"))
+
+
+def test_compiled_settle_on_the_trained_model():
+    """The trained esp-tiny-llama accepts drafts (random models accept nothing): ESP BC 30 at batch 1 and pld at
+    batch 4 on dev prompts, compiled and eager, agree in tokens and statistics, with drafts accepted."""
+    from conftest_jobs import SHARED_DATA, TINY_PROMPTS, shared
+    from esp_worker import ModelConfig
+    from esp_worker.model_io import load_model
+
+    model_dir = shared(SHARED_DATA.parent / "models" / "esp-tiny-llama")
+    prompts = [json.loads(line)["prompt"] for line in shared(TINY_PROMPTS).read_text().splitlines()[:6]]
+    torch.set_num_threads(1)
+    lm = load_model(ModelConfig(name_or_path=str(model_dir)))
+    for cfg in (EngineConfig(method="esp", block_complexity=30, num_masks=1, max_batch_size=1),
+                EngineConfig(method="pld", block_complexity=10, max_batch_size=4)):
+        _, eager = _run(lm, cfg, GenerationParams(max_new_tokens=48), prompts)
+        eng, comp = _run(lm, dataclasses.replace(cfg, compile_host=True), GenerationParams(max_new_tokens=48), prompts)
+        assert eng.settler.passes == eng.timing["decode_passes"]
+        _same(eager, comp, f"trained {cfg.method}")
+        assert sum(o.stats.num_accepted_drafts for o in comp) > 0
