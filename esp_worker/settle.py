@@ -129,7 +129,8 @@ class Settler:
         length = torch.export.Dim("length", min=2)
         try:
             with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-X
+                warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations inside export
+                warnings.simplefilter("ignore", DeprecationWarning)
                 spec, examples = [], []
                 for name, a in zip(_ARGS, args):
                     rows = name in _BATCH or (per_row and name in ("ancestors", "depth"))
