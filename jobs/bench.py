@@ -51,9 +51,14 @@ class Setting:
     tree: str  # "" unless esp
     expansion: str = "top1"  # esp dynamic trees
     heads_path: str = ""  # cp_heads and hybrid+heads: directory of the trained heads
+    compile_host: bool = False  # engine.compile_host for this setting ("METHOD:BC:compile_host")
 
     @property
     def label(self) -> str:
+        return self._label + (" compile_host" if self.compile_host else "")
+
+    @property
+    def _label(self) -> str:
         if self.method in ("ar", "hf"):
             return {"ar": "ar", "hf": "hf generate"}[self.method]
         if self.method == "esp":
@@ -86,19 +91,21 @@ def grid(bench: DictConfig) -> list[Setting]:
 
     Example: methods [ar, pld, esp], BCs [10, 30], num_masks [1], trees [static] ->
     ar, pld BC10, pld BC30, esp k1 static BC10, esp k1 static BC30.
-    With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto.
+    With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto; an entry
+    METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so).
     """
     out = [Setting("ar", 1, 0, "")] + ([Setting("hf", 1, 0, "")] if bench.hf_baseline else [])
     if bench.get("settings"):  # explicit "method:BC" list instead of the grid
         for spec in bench.settings:
-            m, _, bc = str(spec).partition(":")
-            bc = bc if bc == "auto" else int(bc)
+            m, _, rest = str(spec).partition(":")
+            bc, _, opt = rest.partition(":")
+            bc, ch = (bc if bc == "auto" else int(bc)), opt == "compile_host"
             if m in ("cp_heads", HYBRID_HEADS):
-                out.extend(Setting(m.partition("+")[0], bc, 0, "", heads_path=h) for h in bench.heads_paths)
+                out.extend(Setting(m.partition("+")[0], bc, 0, "", heads_path=h, compile_host=ch) for h in bench.heads_paths)
             elif m == "esp":
-                out.append(Setting(m, bc, bench.num_masks[0], bench.trees[0], bench.expansions[0]))
+                out.append(Setting(m, bc, bench.num_masks[0], bench.trees[0], bench.expansions[0], compile_host=ch))
             else:
-                out.append(Setting(m, bc, 0, ""))
+                out.append(Setting(m, bc, 0, "", compile_host=ch))
         return out
     for m in bench.methods:
         if m == "ar":
@@ -186,6 +193,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         block_complexity=s.block_complexity if s.block_complexity == "auto" else max(s.block_complexity, 2),
         # hybrid takes heads only from its own setting (hybrid+heads), so that its label tells
         heads_path=s.heads_path or (base.heads_path if s.method == "cp_heads" else ""),
+        compile_host=base.compile_host or s.compile_host,
     )
     engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
     if warmup:
@@ -198,7 +206,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         outs = engine.generate(reqs)
         seconds[cat] = time.perf_counter() - t0
         outputs.update({o.id: o for o in outs})
-    # compile time (engine.compile), warm-up included: a job pays it once per actor
+    # compile time (engine.compile, engine.compile_host), warm-up included: a job pays it once per actor
     return {"outputs": outputs, "seconds": seconds, "timing": {**engine.timing, "compile_s": engine.compile_s}}
 
 

@@ -44,6 +44,7 @@ class BenchSection:
     # explicit settings instead of the grid, "method:BC" (BC an integer >= 2 or auto; esp takes the first of
     # num_masks, trees and expansions; cp_heads one per heads path), e.g. [pld:30,esp:auto,hybrid:auto]; ar
     # (and hf) still run first. Fewer settings per round-robin round pair each with ar more closely in time.
+    # "method:BC:compile_host" (and "ar:1:compile_host") runs that setting with engine.compile_host=true.
     settings: list[str] = field(default_factory=list)
     # settings to run once more under torch.profiler after the timed runs, "method:BC" as in `settings` (or ar,
     # hf): op tables per setting and batch size in profile-<label>-b<batch>.txt (jobs/bench_profile.py)
@@ -89,7 +90,13 @@ def validate_bench(cfg: DictConfig) -> None:
     need(len(b.cost_cache_lens) > 0 and all(c >= 1 for c in b.cost_cache_lens), "bench.cost_cache_lens must be >= 1")
     need(b.tolerance > 0, "bench.tolerance must be > 0")
     for spec in b.settings:
-        method, _, bc = str(spec).partition(":")
+        method, _, rest = str(spec).partition(":")
+        bc, _, opt = rest.partition(":")
+        need(opt in ("", "compile_host"), f"bench.settings: {spec!r}: the only option after METHOD:BC is :compile_host")
+        if method == "ar":  # ar itself always runs first; an entry can only add it under engine.compile_host
+            need(bc == "1" and opt == "compile_host", f"bench.settings: {spec!r}: ar always runs; the one ar entry is "
+                 "ar:1:compile_host")
+            continue
         heads = method == HYBRID_HEADS
         method = "hybrid" if heads else method
         need(method in METHODS and method != "ar" and bc != "" and (bc == "auto" or (bc.isdigit() and int(bc) >= 2)),

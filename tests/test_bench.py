@@ -80,14 +80,33 @@ def test_explicit_settings_replace_the_grid():
     from jobs.bench import grid
     from jobs.bench_config import load_bench_config
 
-    cfg = load_bench_config(None, ["bench.settings=[pld:30,esp:auto,hybrid:auto]", "bench.num_masks=[2,1]",
-                                   "bench.trees=[dynamic]", "bench.expansions=[frontier]"])
-    assert [s.label for s in grid(cfg.bench)] == ["ar", "hf generate", "pld BC30", "esp k2 dynamic-frontier BCauto",
-                                                  "hybrid BCauto"]
+    cfg = load_bench_config(None, ["bench.settings=[pld:30,esp:auto,hybrid:auto,esp:30:compile_host,ar:1:compile_host]",
+                                   "bench.num_masks=[2,1]", "bench.trees=[dynamic]", "bench.expansions=[frontier]"])
+    settings = grid(cfg.bench)
+    assert [s.label for s in settings] == ["ar", "hf generate", "pld BC30", "esp k2 dynamic-frontier BCauto",
+                                           "hybrid BCauto", "esp k2 dynamic-frontier BC30 compile_host",
+                                           "ar compile_host"]
+    assert [s.compile_host for s in settings] == [False] * 5 + [True] * 2
+
+
+def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path):
+    """bench.settings with :compile_host: the setting runs under engine.compile_host (its compile time is
+    reported) beside the eager one, and matches ar token for token."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n"
+                            for i, w in enumerate(["the cat sat on the mat, the cat", "def f(x):\n    return"])))
+    out = tmp_path / "out"
+    code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=12", "bench.hf_baseline=false",
+                 "bench.settings=[ar:1:compile_host]", "bench.warmup=0", "bench.cost_curve=false"])
+    assert code == 0
+    records = [r for r in json.loads((out / "bench.json").read_text()) if r["category"] == "all"]
+    assert [r["setting"] for r in records] == ["ar", "ar compile_host"]
+    assert records[1]["exact_match_rate"] == 1.0 and records[1]["compile_s"] > 0 and not records[0]["compile_s"]
 
 
 @pytest.mark.parametrize("spec,words", [
-    ("pld", "METHOD:BC"), ("ar:10", "METHOD:BC"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
+    ("pld", "METHOD:BC"), ("ar:10", "ar:1:compile_host"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
+    ("pld:10:fast", ":compile_host"),
     ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"),
 ])
 def test_bench_rejects_bad_settings(capsys, spec, words):
