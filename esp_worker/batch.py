@@ -186,16 +186,8 @@ class Rows:
         t = self.t
         width = self.count_width(max_committed)  # first: it may replace t["hists"] by a wider one
         count_pass(t["hists"], width, t["drafted"], n_fin, n_raw, drafted)
-        if source is None or "accepted_by" not in t:
-            return
-        acc = torch.minimum(n_raw - 1, n_fin)  # [B] accepted drafts that were kept
-        if source.shape[1] == 1:  # one proposer per row: all of its kept drafts (-1: a root-only tree, none kept)
-            t["accepted_by"].scatter_add_(1, source.expand(len(acc), -1).clamp(min=0), acc[:, None])
-            return
-        step = torch.arange(path_slots.shape[1], device=acc.device)[None]
-        kept = ((step >= 1) & (step <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
-        src = source.expand(len(acc), -1).gather(1, path_slots).clamp(min=0)  # [B, S]
-        t["accepted_by"].scatter_add_(1, src, kept)
+        if source is not None and "accepted_by" in t:
+            count_by_proposer(t["accepted_by"], source, path_slots, n_raw, n_fin)
 
     def count_width(self, max_committed: int) -> int:
         """The pass counts' width W, first widened when a pass may commit max_committed tokens (host-known: a
@@ -216,6 +208,20 @@ def count_pass(hists: torch.Tensor, width: int, drafted_total: torch.Tensor, n_f
         drafted_total += drafted
     idx = n_fin.add(n_raw, alpha=width).unsqueeze(1)  # [B, 1]
     hists.scatter_add_(1, idx, ones(idx.shape, hists.dtype, idx.device))
+
+
+def count_by_proposer(accepted_by: torch.Tensor, source: torch.Tensor, path_slots: torch.Tensor, n_raw: torch.Tensor,
+                      n_fin: torch.Tensor) -> None:
+    """accepted_by [B, P] += the accepted drafts each proposer had kept this pass, in place. source [B|1, T]
+    (proposer of each tree slot, -1 = root; [B|1, 1]: of every draft of the row), path_slots [B, S]."""
+    acc = torch.minimum(n_raw - 1, n_fin)  # [B] accepted drafts that were kept
+    if source.shape[1] == 1:  # one proposer per row: all of its kept drafts (-1: a root-only tree, none kept)
+        accepted_by.scatter_add_(1, source.expand(acc.shape[0], -1).clamp(min=0), acc[:, None])
+        return
+    step = torch.arange(path_slots.shape[1], device=acc.device)[None]
+    kept = ((step >= 1) & (step <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
+    src = source.expand(acc.shape[0], -1).gather(1, path_slots).clamp(min=0)  # [B, S]
+    accepted_by.scatter_add_(1, src, kept)
 
 
 def write_history(hist: torch.Tensor, hist_len: torch.Tensor, committed: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from .batch import Rows, count_pass, write_history
+from .batch import Rows, count_by_proposer, count_pass, write_history
 from .drafters import Block
 from .model_io import ModelLoadError
 from .stops import apply_stops
@@ -34,20 +34,22 @@ from .verify import VerifyResult, verify_greedy
 
 log = logging.getLogger(__name__)
 
-# settle's inputs, in order; `_BATCH` have rows on dim 0; `hist` grows on dim 1
+# settle's inputs, in order (the last two only with per-proposer counts); `_SHARED` may be [1, ..] (one for
+# every row) or [B, ..], the others have rows on dim 0; `hist` grows on dim 1
 _ARGS = ("tokens", "parents", "valid", "ancestors", "depth", "slot_logits", "stop_table", "hist_len", "limit",
-         "limit_code", "hist", "hists", "drafted")
-_BATCH = frozenset(_ARGS) - {"ancestors", "depth"}  # the block layout's are [1, ..] (shared) or [B, ..] (per row)
-_MUTATED = ("hist", "hists", "drafted")
+         "limit_code", "hist", "hists", "drafted", "source", "accepted_by")
+_SHARED = ("ancestors", "depth", "source")
 
 
 def settle(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor,
            depth: torch.Tensor, slot_logits: torch.Tensor, stop_table: torch.Tensor, hist_len: torch.Tensor,
            limit: torch.Tensor, limit_code: torch.Tensor, hist: torch.Tensor, hists: torch.Tensor,
-           drafted: torch.Tensor, *, static_key: Optional[tuple], max_depth: int, width: int) -> tuple[torch.Tensor, ...]:
+           drafted: torch.Tensor, source: Optional[torch.Tensor] = None, accepted_by: Optional[torch.Tensor] = None,
+           *, static_key: Optional[tuple], max_depth: int, width: int) -> tuple[torch.Tensor, ...]:
     """Verify (greedy), stop, write the history and count, for a tree [B, T] and its slot logits [B, T, V].
 
-    hist [B, H], hists [B, W * W] and drafted [B] are updated in place (H >= hist_len + max_depth + 1).
+    hist [B, H], hists [B, W * W], drafted [B] and accepted_by [B, P] (with source, `Rows.count`) are updated
+    in place (H >= hist_len + max_depth + 1).
     Returns (committed [B, S], num_committed [B], path_slots [B, S], last_slot [B], last_token [B], n_fin [B],
     reason [B], hist_len + n_fin [B])."""
     tree = DraftTree(tokens, parents, valid, static_key=static_key)
@@ -55,6 +57,8 @@ def settle(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, anc
     n_fin, reason = apply_stops(res.committed, res.num_committed, stop_table, hist_len, limit, limit_code)
     write_history(hist, hist_len, res.committed)
     count_pass(hists, width, drafted, n_fin, res.num_committed, tree.num_drafted())
+    if source is not None:
+        count_by_proposer(accepted_by, source, res.path_slots, res.num_committed, n_fin)
     return (res.committed, res.num_committed, res.path_slots, res.last_slot, res.last_token, n_fin, reason,
             hist_len + n_fin)
 
@@ -97,11 +101,12 @@ class Settler:
         self._dir = tempfile.TemporaryDirectory(prefix="esp-settle-")
         self.compile_s = 0.0
         self.passes = 0  # decode passes settled by a kernel
+        self._last: Optional[tuple] = None  # (layout, parents, (width, depth), kernel) of the last static-tree pass
 
     def __call__(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> Optional[Settled]:
         """The pass settled by the kernel of its shape, or None when the kernel does not cover it (the caller
         runs the phases eagerly)."""
-        if rows.sampling or rows.has_stop_strings or "accepted_by" in rows.t:
+        if rows.sampling or rows.has_stop_strings:
             return None
         s = block.max_depth + 1  # a bound on the tokens a row commits (host-known)
         rows.ensure_capacity(s)
@@ -109,21 +114,38 @@ class Settler:
         tree, lay, t = block.tree, block.layout, rows.t
         args = [tree.tokens, tree.parents, tree.valid, lay.visible, lay.depth, slot_logits, t["stop_table"],
                 t["hist_len"], t["limit"], t["limit_code"], t["hist"], t["hists"], t["drafted"]]
+        if block.source is not None and "accepted_by" in t:  # per-proposer counts (hybrid)
+            args += [block.source, t["accepted_by"]]
+        last = self._last
+        if (last is not None and last[0] is lay and last[1] is tree.parents and last[2] == (width, block.max_depth)
+                and len(args) == 13 and tree.tokens.is_contiguous() and tree.valid.is_contiguous()):
+            kernel = last[3]  # a static tree's pass like the last: its shared layout and parents, fresh tokens
+        else:
+            kernel = self._kernel(args, tree, lay, block.max_depth, width)
+            if kernel is None:
+                return None
+            # the engine's own row tensors are dense; a static tree's layout and parents are built once
+            self._last = (lay, tree.parents, (width, block.max_depth), kernel) if tree.static_key is not None else None
+        out = kernel.boxed_run(args)  # takes the list and empties it
+        self.passes += 1
+        return Settled(out)
+
+    def _kernel(self, args: list[torch.Tensor], tree: DraftTree, lay: Any, max_depth: int, width: int) -> Optional[Any]:
+        """The kernel for this pass's shapes (compiled on first use), or None when there is none."""
         if not all(a.is_contiguous() for a in args):
             return None  # the kernel reads dense rows (never so for the engine's own buffers)
-        per_row = lay.visible.shape[0] != 1
-        key = (tree.num_slots, tree.static_key, block.max_depth, width, tuple(lay.visible.shape[1:]),
-               per_row, lay.depth.shape[0] != 1, slot_logits.shape[2])
+        # every size but the batch's and the history's: a kernel does not check its inputs' shapes (as eager ops
+        # do). _SHARED tensors are [1, ..] or [B, ..]; at batch 1 either counts as shared
+        per_row = tuple(a.shape[0] != 1 for a in args[3:5] + args[13:14])
+        key = (tree.num_slots, tree.static_key, max_depth, width, per_row, args[5].shape[2],
+               *(tuple(a.shape[1:]) for a in (lay.visible, lay.depth, args[6], *args[13:])))
         kernel = self._kernels.get(key, False)
         if kernel is False:
-            kernel = self._kernels[key] = self._compile(key, args, tree.static_key, block.max_depth, width, per_row)
-        if kernel is None:
-            return None
-        self.passes += 1
-        return Settled(kernel.boxed_run(args))  # boxed_run takes the list and empties it
+            kernel = self._kernels[key] = self._compile(key, args, tree.static_key, max_depth, width, per_row)
+        return kernel
 
     def _compile(self, key: tuple, args: list[torch.Tensor], static_key: Optional[tuple], max_depth: int, width: int,
-                 per_row: bool) -> Optional[Any]:
+                 per_row: tuple[bool, ...]) -> Optional[Any]:
         t0 = time.perf_counter()
         batch = torch.export.Dim("batch", min=1)
         length = torch.export.Dim("length", min=2)
@@ -133,7 +155,7 @@ class Settler:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 spec, examples = [], []
                 for name, a in zip(_ARGS, args):
-                    rows = name in _BATCH or (per_row and name in ("ancestors", "depth"))
+                    rows = name not in _SHARED or per_row[_SHARED.index(name)]
                     dims = {0: batch} if rows else {}
                     if name == "hist":
                         dims[1] = length

@@ -38,6 +38,7 @@ SETTINGS = [  # (method, block complexity, masks, tree, batch): one kernel each
     ("esp", 30, 1, "static", 1),  # one level of 14 nodes (the fan path)
     ("esp", 24, 2, "dynamic", 3),  # per-row trees two deep (per-row layouts)
     ("pld", 10, 1, "static", 2),  # chains
+    ("hybrid", 30, 1, "static", 2),  # per-row trees from several proposers, counted per proposer
 ]
 
 
@@ -90,8 +91,9 @@ def test_compile_host_is_for_cpu_runs():
 
 
 def test_compiled_settle_on_the_trained_model():
-    """The trained esp-tiny-llama accepts drafts (random models accept nothing): ESP BC 30 at batch 1 and pld at
-    batch 4 on dev prompts, compiled and eager, agree in tokens and statistics, with drafts accepted."""
+    """The trained esp-tiny-llama accepts drafts (random models accept nothing): ESP BC 30 at batch 1, pld at
+    batch 4 and the hybrid at batch 2 on dev prompts, compiled and eager, agree in tokens and statistics (the
+    hybrid's accepted drafts per proposer too), with drafts accepted."""
     from conftest_jobs import SHARED_DATA, TINY_PROMPTS, shared
     from esp_worker import ModelConfig
     from esp_worker.model_io import load_model
@@ -101,7 +103,8 @@ def test_compiled_settle_on_the_trained_model():
     torch.set_num_threads(1)
     lm = load_model(ModelConfig(name_or_path=str(model_dir)))
     for cfg in (EngineConfig(method="esp", block_complexity=30, num_masks=1, max_batch_size=1),
-                EngineConfig(method="pld", block_complexity=10, max_batch_size=4)):
+                EngineConfig(method="pld", block_complexity=10, max_batch_size=4),
+                EngineConfig(method="hybrid", block_complexity=30, max_batch_size=2)):
         _, eager = _run(lm, cfg, GenerationParams(max_new_tokens=48), prompts)
         eng, comp = _run(lm, dataclasses.replace(cfg, compile_host=True), GenerationParams(max_new_tokens=48), prompts)
         assert eng.settler.passes == eng.timing["decode_passes"]
