@@ -4,35 +4,28 @@ After the block's forward a greedy pass verifies the tree, cuts each row at its 
 committed tokens to the history and counts the pass: ~30 tensor operations on a few elements each, ~40% of
 the host time of an ESP pass at batch 1 on a CPU (each eager operation costs 5-10 us of dispatch there, with
 caches cold after the model). `settle` is that work as one function of tensors, made of the engine's own
-helpers (`verify_greedy`, `apply_stops`, `write_history`, `count_pass`); `Settler` exports it and compiles it
-with AOTInductor once per block shape (the batch and the history's length are dynamic, so a job compiles a
-kernel per block size, not per step), and calls the kernel directly: the packaged model's own Python wrapper
-(pytree flattening) costs more than the operations it replaces.
+helpers (`verify_greedy`, `apply_stops`, `write_history`, `count_pass`, `count_by_proposer`); `Settler`
+compiles it with AOTInductor (`aot.py`) once per block shape (the batch and the history's length are
+dynamic, so a job compiles a kernel per block size, not per step).
 
-The kernel covers greedy rows without stop strings and without per-proposer counts (hybrid); other passes,
-and any shape whose compilation fails (logged once), run the phases eagerly. Compiled kernels compute the
+The kernel covers greedy rows without stop strings; sampled rows, stop strings and any shape whose
+compilation fails (logged once) run the phases eagerly. Compiled kernels compute the
 same integers as eager ones (argmax, comparisons, indexing: no float rounding), so output is unchanged.
 Compile time (~10-15 s per kernel) is counted in `compile_s`. A C++ compiler is needed, as for
 `torch.compile` on a CPU.
 """
 from __future__ import annotations
 
-import logging
-import tempfile
-import time
-import warnings
 from typing import Any, Optional
 
 import torch
 
+from .aot import AotKernels, require_compiler
 from .batch import Rows, count_by_proposer, count_pass, write_history
 from .drafters import Block
-from .model_io import ModelLoadError
 from .stops import apply_stops
 from .tree import DraftTree
 from .verify import VerifyResult, verify_greedy
-
-log = logging.getLogger(__name__)
 
 # settle's inputs, in order (the last two only with per-proposer counts); `_SHARED` may be [1, ..] (one for
 # every row) or [B, ..], the others have rows on dim 0; `hist` grows on dim 1
@@ -85,23 +78,17 @@ class Settled:
 
 
 class Settler:
-    """AOTInductor kernels of `settle`, one per (block shape, depth, counts width); see the module docstring."""
+    """Kernels of `settle`, one per (block shape, depth, counts width); see the module docstring."""
 
     def __init__(self, device: torch.device):
-        if device.type != "cpu":
-            raise ModelLoadError("engine.compile_host compiles the host work of a CPU run (on a GPU it is queued "
-                                 "behind the model's kernels); set engine.compile_host=false")
-        try:
-            from torch._inductor.cpp_builder import get_cpp_compiler
-            get_cpp_compiler()
-        except Exception as e:  # noqa: BLE001 - any failure means no usable compiler
-            raise ModelLoadError(f"engine.compile_host needs a C++ compiler ({type(e).__name__}: {e}); install g++ "
-                                 f"or set engine.compile_host=false") from None
-        self._kernels: dict[tuple, Any] = {}  # key -> the package loader (None: compiling it failed)
-        self._dir = tempfile.TemporaryDirectory(prefix="esp-settle-")
-        self.compile_s = 0.0
+        require_compiler(device)
+        self.kernels = AotKernels("settle")
         self.passes = 0  # decode passes settled by a kernel
         self._last: Optional[tuple] = None  # (layout, parents, (width, depth), kernel) of the last static-tree pass
+
+    @property
+    def compile_s(self) -> float:
+        return self.kernels.compile_s
 
     def __call__(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> Optional[Settled]:
         """The pass settled by the kernel of its shape, or None when the kernel does not cover it (the caller
@@ -134,42 +121,10 @@ class Settler:
         """The kernel for this pass's shapes (compiled on first use), or None when there is none."""
         if not all(a.is_contiguous() for a in args):
             return None  # the kernel reads dense rows (never so for the engine's own buffers)
-        # every size but the batch's and the history's: a kernel does not check its inputs' shapes (as eager ops
-        # do). _SHARED tensors are [1, ..] or [B, ..]; at batch 1 either counts as shared
-        per_row = tuple(a.shape[0] != 1 for a in args[3:5] + args[13:14])
-        key = (tree.num_slots, tree.static_key, max_depth, width, per_row, args[5].shape[2],
+        # _SHARED tensors are [1, ..] (one for every row) or [B, ..]; at batch 1 either counts as shared
+        per_row = {name: a.shape[0] != 1 for name, a in zip(_ARGS, args) if name in _SHARED}
+        key = (tree.num_slots, tree.static_key, max_depth, width, tuple(per_row.values()), args[5].shape[2],
                *(tuple(a.shape[1:]) for a in (lay.visible, lay.depth, args[6], *args[13:])))
-        kernel = self._kernels.get(key, False)
-        if kernel is False:
-            kernel = self._kernels[key] = self._compile(key, args, tree.static_key, max_depth, width, per_row)
-        return kernel
-
-    def _compile(self, key: tuple, args: list[torch.Tensor], static_key: Optional[tuple], max_depth: int, width: int,
-                 per_row: tuple[bool, ...]) -> Optional[Any]:
-        t0 = time.perf_counter()
-        batch = torch.export.Dim("batch", min=1)
-        length = torch.export.Dim("length", min=2)
-        try:
-            with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations inside export
-                warnings.simplefilter("ignore", DeprecationWarning)
-                spec, examples = [], []
-                for name, a in zip(_ARGS, args):
-                    rows = name not in _SHARED or per_row[_SHARED.index(name)]
-                    dims = {0: batch} if rows else {}
-                    if name == "hist":
-                        dims[1] = length
-                    spec.append(dims or None)
-                    # a batch of 2 to trace (a batch of 1 is specialised); clones: tracing leaves the rows alone
-                    examples.append(a[:1].expand(2, *a.shape[1:]).clone() if rows else a.clone())
-                program = torch.export.export(_Settle(static_key, max_depth, width), tuple(examples),
-                                              dynamic_shapes=(tuple(spec),))
-                path = torch._inductor.aoti_compile_and_package(
-                    program, package_path=f"{self._dir.name}/settle-{len(self._kernels)}.pt2")
-                kernel = torch._inductor.aoti_load_package(path).loader
-        except Exception as e:  # noqa: BLE001 - an optimisation: the pass runs eagerly instead
-            log.warning("engine.compile_host: no kernel for block shape %s (%s: %s); these passes run eagerly",
-                        key, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            kernel = None
-        self.compile_s += time.perf_counter() - t0
-        return kernel
+        dynamic = [{0: "batch", 1: "length"} if name == "hist" else {0: "batch"} if per_row.get(name, True) else {}
+                   for name, _ in zip(_ARGS, args)]
+        return self.kernels.get(key, lambda: _Settle(tree.static_key, max_depth, width), args, dynamic)

@@ -1,0 +1,79 @@
+"""AOTInductor kernels of small functions of tensors, for `engine.compile_host` (CPU).
+
+`AotKernels` exports a function (an `nn.Module` over positional tensors) with the dims it is told are dynamic
+(the batch, a growing length), compiles it once per key with AOTInductor and hands back the package's loader,
+whose `boxed_run` is called directly: the packaged model's Python wrapper (pytree flattening on every call)
+costs more than the dozen operations a kernel replaces. A kernel does not check its inputs' shapes, so a key
+must name every size that is not dynamic. A function that fails to compile gets no kernel (logged once); the
+caller then runs it eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from .model_io import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+def require_compiler(device: torch.device) -> None:
+    """engine.compile_host runs on a CPU and needs a C++ compiler: else a one-line error saying so."""
+    if device.type != "cpu":
+        raise ModelLoadError("engine.compile_host compiles the host work of a CPU run (on a GPU it is queued "
+                             "behind the model's kernels); set engine.compile_host=false")
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - any failure means no usable compiler
+        raise ModelLoadError(f"engine.compile_host needs a C++ compiler ({type(e).__name__}: {e}); install g++ "
+                             f"or set engine.compile_host=false") from None
+
+
+class AotKernels:
+    """Kernels of one function, one per key (see the module docstring)."""
+
+    def __init__(self, what: str):
+        self.what = what  # for messages
+        self._kernels: dict[tuple, Any] = {}  # key -> the package loader (None: compiling it failed)
+        self._dir = tempfile.TemporaryDirectory(prefix="esp-aot-")
+        self.compile_s = 0.0
+
+    def get(self, key: tuple, make: Callable[[], torch.nn.Module], args: list[torch.Tensor],
+            dynamic: list[dict[int, str]]) -> Optional[Any]:
+        """The kernel of `key`, compiled on first use from `make()` traced on `args` (dense tensors) with
+        dynamic[i] naming the dynamic dims of args[i] ({0: "batch"}: traced at a batch of 2, as a batch of 1
+        is specialised); None when it does not compile."""
+        kernel = self._kernels.get(key, False)
+        if kernel is False:
+            kernel = self._kernels[key] = self._compile(key, make, args, dynamic)
+        return kernel
+
+    def _compile(self, key: tuple, make: Callable[[], torch.nn.Module], args: list[torch.Tensor],
+                 dynamic: list[dict[int, str]]) -> Optional[Any]:
+        t0 = time.perf_counter()
+        dims = {name: torch.export.Dim(name, min=1 if name == "batch" else 2)
+                for d in dynamic for name in d.values()}
+        try:
+            with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations inside export
+                warnings.simplefilter("ignore", DeprecationWarning)
+                # clones: tracing leaves the caller's tensors alone
+                examples = [a[:1].expand(2, *a.shape[1:]).clone() if d.get(0) == "batch" else a.clone()
+                            for a, d in zip(args, dynamic)]
+                spec = tuple({i: dims[n] for i, n in d.items()} or None for d in dynamic)
+                program = torch.export.export(make(), tuple(examples), dynamic_shapes=(spec,))
+                path = torch._inductor.aoti_compile_and_package(
+                    program, package_path=f"{self._dir.name}/{self.what}-{len(self._kernels)}.pt2")
+                kernel = torch._inductor.aoti_load_package(path).loader
+        except Exception as e:  # noqa: BLE001 - an optimisation: the work runs eagerly instead
+            log.warning("engine.compile_host: no %s kernel for %s (%s: %s); it runs eagerly", self.what, key,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            kernel = None
+        self.compile_s += time.perf_counter() - t0
+        return kernel
