@@ -4,8 +4,10 @@
 (the batch, a growing length), compiles it once per key with AOTInductor and hands back the package's loader,
 whose `boxed_run` is called directly: the packaged model's Python wrapper (pytree flattening on every call)
 costs more than the dozen operations a kernel replaces. A kernel does not check its inputs' shapes, so a key
-must name every size that is not dynamic. A function that fails to compile gets no kernel (logged once); the
-caller then runs it eagerly.
+must name every size that is not dynamic. A key is compiled once it has been asked for `COMPILE_AFTER`
+times (~7 s each on this CPU): a fixed block size compiles after a few passes, while the many block sizes a
+`block_complexity=auto` job tries once or twice never cost a compile. A function that fails to compile gets no
+kernel (logged once). Without a kernel the caller runs the function eagerly.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import torch
 from .model_io import ModelLoadError
 
 log = logging.getLogger(__name__)
+
+COMPILE_AFTER = 32  # calls of a key before it is compiled
 
 
 def require_compiler(device: torch.device) -> None:
@@ -41,16 +45,20 @@ class AotKernels:
     def __init__(self, what: str):
         self.what = what  # for messages
         self._kernels: dict[tuple, Any] = {}  # key -> the package loader (None: compiling it failed)
+        self._asked: dict[tuple, int] = {}  # key -> calls so far, until it is compiled
         self._dir = tempfile.TemporaryDirectory(prefix="esp-aot-")
         self.compile_s = 0.0
 
     def get(self, key: tuple, make: Callable[[], torch.nn.Module], args: list[torch.Tensor],
             dynamic: list[dict[int, str]]) -> Optional[Any]:
-        """The kernel of `key`, compiled on first use from `make()` traced on `args` (dense tensors) with
-        dynamic[i] naming the dynamic dims of args[i] ({0: "batch"}: traced at a batch of 2, as a batch of 1
-        is specialised); None when it does not compile."""
+        """The kernel of `key`, compiled at its COMPILE_AFTER-th call from `make()` traced on `args` (dense
+        tensors) with dynamic[i] naming the dynamic dims of args[i] ({0: "batch"}: traced at a batch of 2, as a
+        batch of 1 is specialised); None before that and when it does not compile."""
         kernel = self._kernels.get(key, False)
         if kernel is False:
+            n = self._asked[key] = self._asked.get(key, 0) + 1
+            if n < COMPILE_AFTER:
+                return None
             kernel = self._kernels[key] = self._compile(key, make, args, dynamic)
         return kernel
 

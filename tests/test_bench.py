@@ -89,9 +89,12 @@ def test_explicit_settings_replace_the_grid():
     assert [s.compile_host for s in settings] == [False] * 5 + [True] * 2
 
 
-def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path):
+def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch):
     """bench.settings with :compile_host: the setting runs under engine.compile_host (its compile time is
     reported) beside the eager one, and matches ar token for token."""
+    from esp_worker import aot
+
+    monkeypatch.setattr(aot, "COMPILE_AFTER", 1)  # compile at the first pass (a short run)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n"
                             for i, w in enumerate(["the cat sat on the mat, the cat", "def f(x):\n    return"])))

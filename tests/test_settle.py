@@ -9,9 +9,15 @@ import pytest
 import torch
 
 from engine_helpers import PROMPTS, reference, tiny
-from esp_worker import Engine, EngineConfig, GenerationParams, Request
+from esp_worker import Engine, EngineConfig, GenerationParams, Request, aot
 from esp_worker.model_io import ModelLoadError
 from esp_worker.settle import Settler
+
+
+@pytest.fixture
+def compile_at_once(monkeypatch):
+    """Kernels compiled at a shape's first pass, so that every pass of a run goes through them."""
+    monkeypatch.setattr(aot, "COMPILE_AFTER", 1)
 
 GREEDY = GenerationParams(max_new_tokens=64)
 
@@ -43,7 +49,7 @@ SETTINGS = [  # (method, block complexity, masks, tree, batch): one kernel each
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_compiled_settle_matches_eager_and_generate(arch):
+def test_compiled_settle_matches_eager_and_generate(arch, compile_at_once):
     lm = tiny(arch)
     ref = reference(arch, "sdpa")
     settings = SETTINGS if arch == "llama" else SETTINGS[:2]
@@ -58,7 +64,7 @@ def test_compiled_settle_matches_eager_and_generate(arch):
         assert [tuple(o.token_ids) for o in comp] == list(ref), f"{what}: diverged from generate"
 
 
-def test_compiled_settle_cuts_at_stop_ids_and_limits():
+def test_compiled_settle_cuts_at_stop_ids_and_limits(compile_at_once):
     """Per-request lengths and a stop id that the model emits: the kernel's cuts are the eager engine's, with
     rows of several lengths in one batch (one kernel serves every batch size)."""
     lm = tiny("llama")
@@ -72,7 +78,7 @@ def test_compiled_settle_cuts_at_stop_ids_and_limits():
     assert {o.finish_reason for o in comp} >= {"stop", "length"}
 
 
-def test_passes_the_kernel_does_not_cover_run_eagerly():
+def test_passes_the_kernel_does_not_cover_run_eagerly(compile_at_once):
     """Sampled rows and stop strings are settled eagerly (no kernel is compiled for them), with the same
     output as without compile_host."""
     lm = tiny("llama")
@@ -85,12 +91,25 @@ def test_passes_the_kernel_does_not_cover_run_eagerly():
         _same(eager, comp, "uncovered passes")
 
 
+def test_a_shape_is_compiled_after_it_recurs():
+    """By default a block shape gets its kernel at its COMPILE_AFTER-th pass: the passes before run eagerly,
+    the rest through the kernel; a shape that does not recur (here: the prompts' first passes) costs nothing."""
+    lm = tiny("llama")
+    cfg = EngineConfig(method="esp", block_complexity=30, num_masks=1, max_batch_size=1, compile_host=True)
+    eng, outs = _run(lm, cfg, GREEDY)
+    assert eng.timing["decode_passes"] > aot.COMPILE_AFTER
+    assert eng.settler.passes == eng.timing["decode_passes"] - (aot.COMPILE_AFTER - 1)
+    assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
+    eng, _ = _run(lm, cfg, GenerationParams(max_new_tokens=8), PROMPTS[:2])  # 14 passes: never compiled
+    assert eng.settler.passes == 0 and eng.compile_s == 0
+
+
 def test_compile_host_is_for_cpu_runs():
     with pytest.raises(ModelLoadError, match="engine.compile_host=false"):
         Settler(torch.device("cuda"))
 
 
-def test_compiled_settle_on_the_trained_model():
+def test_compiled_settle_on_the_trained_model(compile_at_once):
     """The trained esp-tiny-llama accepts drafts (random models accept nothing): ESP BC 30 at batch 1, pld at
     batch 4 and the hybrid at batch 2 on dev prompts, compiled and eager, agree in tokens and statistics (the
     hybrid's accepted drafts per proposer too), with drafts accepted."""
