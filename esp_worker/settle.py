@@ -5,13 +5,14 @@ committed tokens to the history and counts the pass: ~30 tensor operations on a 
 the host time of an ESP pass at batch 1 on a CPU (each eager operation costs 5-10 us of dispatch there, with
 caches cold after the model). `settle` is that work as one function of tensors, made of the engine's own
 helpers (`verify_greedy`, `apply_stops`, `write_history`, `count_pass`, `count_by_proposer`); `Settler`
-compiles it with AOTInductor (`aot.py`) once per block shape (the batch and the history's length are
-dynamic, so a job compiles a kernel per block size, not per step).
+compiles it with AOTInductor (`aot.py`) once per block shape that recurs (the batch and the history's length
+are dynamic, so a job compiles a kernel per block size, not per step). The KV moves stay eager: `kv_cache.py`
+is the only code that touches the cache.
 
-The kernel covers greedy rows without stop strings; sampled rows, stop strings and any shape whose
-compilation fails (logged once) run the phases eagerly. Compiled kernels compute the
-same integers as eager ones (argmax, comparisons, indexing: no float rounding), so output is unchanged.
-Compile time (~10-15 s per kernel) is counted in `compile_s`. A C++ compiler is needed, as for
+The kernel covers greedy rows without stop strings; sampled rows, stop strings, a shape's first passes and
+any shape whose compilation fails (logged once) run the phases eagerly. Compiled kernels compute the same
+integers as eager ones (argmax, comparisons, indexing: no float rounding), so output is unchanged. Compile
+time (~6-10 s per kernel on this CPU) is counted in `compile_s`. A C++ compiler is needed, as for
 `torch.compile` on a CPU.
 """
 from __future__ import annotations
