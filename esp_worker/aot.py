@@ -2,8 +2,8 @@
 
 `AotKernels` exports a function (an `nn.Module` over positional tensors) with the dims it is told are dynamic
 (the batch, a growing length), compiles it once per key with AOTInductor and hands back the package's loader,
-whose `boxed_run` is called directly: the packaged model's Python wrapper (pytree flattening on every call)
-costs more than the dozen operations a kernel replaces. A kernel does not check its inputs' shapes, so a key
+whose `boxed_run` is called directly, skipping the packaged model's Python wrapper (it re-reads the pytree
+spec and flattens the arguments on every call). A kernel does not check its inputs' shapes, so a key
 must name every size that is not dynamic. A key is compiled once it has been asked for `COMPILE_AFTER`
 times (~7 s each on this CPU): a fixed block size compiles after a few passes, while the many block sizes a
 `block_complexity=auto` job tries once or twice never cost a compile. A function that fails to compile gets no
