@@ -61,7 +61,7 @@ class EngineConfig:
     compile: bool = False
     compile_mode: str = ""  # torch.compile mode ("" = its default), e.g. max-autotune-no-cudagraphs
     # CPU: a greedy pass's verification, stops, commit and counters as one AOTInductor kernel per block shape
-    # (esp_worker/settle.py); ~10-15 s to compile each, needs a C++ compiler
+    # that recurs (esp_worker/settle.py); ~6-10 s to compile each, needs a C++ compiler
     compile_host: bool = False
     # Batching
     max_batch_size: int = 8
