@@ -39,6 +39,17 @@ def require_compiler(device: torch.device) -> None:
                              f"or set engine.compile_host=false") from None
 
 
+def _example(a: torch.Tensor, dims: dict[int, str]) -> torch.Tensor:
+    """A copy of `a` to trace (tracing leaves the caller's tensors alone), each dynamic dim of size 1 made 2
+    (a size of 1 is specialised) and a batch always 2 rows (its first, repeated)."""
+    for dim, name in dims.items():
+        if name == "batch" or a.shape[dim] < 2:
+            size = list(a.shape)
+            size[dim] = 2
+            a = a.narrow(dim, 0, 1).expand(size)
+    return a.clone(memory_format=torch.contiguous_format)
+
+
 class AotKernels:
     """Kernels of one function, one per key (see the module docstring)."""
 
@@ -65,15 +76,13 @@ class AotKernels:
     def _compile(self, key: tuple, make: Callable[[], torch.nn.Module], args: list[torch.Tensor],
                  dynamic: list[dict[int, str]]) -> Optional[Any]:
         t0 = time.perf_counter()
-        dims = {name: torch.export.Dim(name, min=1 if name == "batch" else 2)
+        dims = {name: torch.export.Dim(name, min=2 if name in ("length", "slots") else 1)
                 for d in dynamic for name in d.values()}
         try:
             with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations inside export
                 warnings.simplefilter("ignore", DeprecationWarning)
-                # clones: tracing leaves the caller's tensors alone
-                examples = [a[:1].expand(2, *a.shape[1:]).clone() if d.get(0) == "batch" else a.clone()
-                            for a, d in zip(args, dynamic)]
+                examples = [_example(a, d) for a, d in zip(args, dynamic)]
                 spec = tuple({i: dims[n] for i, n in d.items()} or None for d in dynamic)
                 program = torch.export.export(make(), tuple(examples), dynamic_shapes=(spec,))
                 path = torch._inductor.aoti_compile_and_package(

@@ -349,7 +349,8 @@ class Engine:
         engine.compile_host all but the KV moves run as one compiled kernel where it covers the pass."""
         done = self.settler(rows, block, slot_logits) if self.settler is not None else None
         if done is not None:  # the history and the counters are written; the lengths are still the old ones
-            self._keep(rows, block, done.res)
+            if not done.kept:
+                self._keep(rows, block, done.res)
             rows.advance(done.hist_len, done.res.last_token, done.reason)
             return done.res, done.n_fin
         res = self._verify(rows, block, slot_logits)

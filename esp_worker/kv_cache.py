@@ -24,7 +24,18 @@ from typing import Optional, Sequence, Union
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .consts import steps
 from .grad import inference
+
+
+def move_slots(t: torch.Tensor, rd: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`KVCache.keep` in one cache tensor t (rows at dim rd, slots at rd + 2): row b < B's slots src[b] go to
+    slots dst[b] (both [B, P]), in place, every source read before any write (the right side is read whole
+    first); rows from B on are untouched. One index and one index_put (also inside engine.compile_host's
+    kernel, `settle.py`, where the index_put writes the slab in place)."""
+    rows = steps(src.shape[0], src.device).unsqueeze(1)  # [B, 1]
+    lead = (slice(None),) * rd
+    t[lead + (rows, slice(None), dst)] = t[lead + (rows, slice(None), src)]
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -185,6 +196,9 @@ class KVCache(Cache):
         """
         b, p = src.shape
         for t, rd, _, _ in self._tensors():
+            if b > 1 and not isinstance(dst, int):
+                move_slots(t, rd, dst, src)
+                continue
             if t.shape[rd] != b:
                 t = t.narrow(rd, 0, b)  # slab [L, 2, B, H, C, D] / own buffer [B, H, C, D]
             shape = (1,) * rd + (b, 1, p, 1)  # the indices broadcast over layers, heads and head dims
@@ -198,6 +212,11 @@ class KVCache(Cache):
                 t.narrow(rd + 2, dst, p).copy_(moved)
             else:
                 t.scatter_(rd + 2, dst.view(shape).expand(size), moved)
+
+    def move_target(self) -> Optional[torch.Tensor]:
+        """The one tensor a `keep` touches, the slab [L, 2, R, H, C, D], when every layer lives in it (for
+        engine.compile_host's kernel, which moves the kept slots with `move_slots`); None otherwise."""
+        return self.slab if self.slab is not None and len(self._tensors()) == 1 else None
 
     @inference
     def select_rows(self, keep: Sequence[int]) -> None:

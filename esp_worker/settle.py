@@ -6,8 +6,9 @@ the host time of an ESP pass at batch 1 on a CPU (each eager operation costs 5-1
 caches cold after the model). `settle` is that work as one function of tensors, made of the engine's own
 helpers (`verify_greedy`, `apply_stops`, `write_history`, `count_pass`, `count_by_proposer`); `Settler`
 compiles it with AOTInductor (`aot.py`) once per block shape that recurs (the batch and the history's length
-are dynamic, so a job compiles a kernel per block size, not per step). The KV moves stay eager: `kv_cache.py`
-is the only code that touches the cache.
+are dynamic, so a job compiles a kernel per block size, not per step). When every layer's keys and values live
+in the cache's slab, the kernel also moves the kept slots (`kv_cache.move_slots`, the eager `keep`'s own
+move).
 
 The kernel covers greedy rows without stop strings; sampled rows, stop strings, a shape's first passes and
 any shape whose compilation fails (logged once) run the phases eagerly. Compiled kernels compute the same
@@ -23,15 +24,18 @@ import torch
 
 from .aot import AotKernels, require_compiler
 from .batch import Rows, count_by_proposer, count_pass, write_history
+from .consts import steps
 from .drafters import Block
+from .kv_cache import move_slots
 from .stops import apply_stops
 from .tree import DraftTree
 from .verify import VerifyResult, verify_greedy
 
-# settle's inputs, in order (the last two only with per-proposer counts); `_SHARED` may be [1, ..] (one for
-# every row) or [B, ..], the others have rows on dim 0; `hist` grows on dim 1
+# settle's inputs, in order (source and accepted_by only with per-proposer counts, kv only when the kernel
+# moves the kept slots); `_SHARED` may be [1, ..] (one for every row) or [B, ..], the others but kv have rows
+# on dim 0; `hist` grows on dim 1; kv is the slab [L, 2, R, H, C, D] (R rows, C slots of capacity)
 _ARGS = ("tokens", "parents", "valid", "ancestors", "depth", "slot_logits", "stop_table", "hist_len", "limit",
-         "limit_code", "hist", "hists", "drafted", "source", "accepted_by")
+         "limit_code", "hist", "hists", "drafted", "source", "accepted_by", "kv")
 _SHARED = ("ancestors", "depth", "source")
 
 
@@ -39,16 +43,24 @@ def settle(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, anc
            depth: torch.Tensor, slot_logits: torch.Tensor, stop_table: torch.Tensor, hist_len: torch.Tensor,
            limit: torch.Tensor, limit_code: torch.Tensor, hist: torch.Tensor, hists: torch.Tensor,
            drafted: torch.Tensor, source: Optional[torch.Tensor] = None, accepted_by: Optional[torch.Tensor] = None,
-           *, static_key: Optional[tuple], max_depth: int, width: int) -> tuple[torch.Tensor, ...]:
-    """Verify (greedy), stop, write the history and count, for a tree [B, T] and its slot logits [B, T, V].
+           kv: Optional[torch.Tensor] = None, *, static_key: Optional[tuple], max_depth: int,
+           width: int) -> tuple[torch.Tensor, ...]:
+    """Verify (greedy), stop, move the kept KV slots, write the history and count, for a tree [B, T] and its
+    slot logits [B, T, V].
 
-    hist [B, H], hists [B, W * W], drafted [B] and accepted_by [B, P] (with source, `Rows.count`) are updated
-    in place (H >= hist_len + max_depth + 1).
+    hist [B, H], hists [B, W * W], drafted [B], accepted_by [B, P] (with source, `Rows.count`) and the KV slab
+    (with kv: the block was written at slots hist_len - 1 .., `Engine._keep`) are updated in place
+    (H >= hist_len + max_depth + 1).
     Returns (committed [B, S], num_committed [B], path_slots [B, S], last_slot [B], last_token [B], n_fin [B],
     reason [B], hist_len + n_fin [B])."""
     tree = DraftTree(tokens, parents, valid, static_key=static_key)
     res = verify_greedy(tree, slot_logits, ancestors, depth, max_depth)
     n_fin, reason = apply_stops(res.committed, res.num_committed, stop_table, hist_len, limit, limit_code)
+    p = res.path_slots.shape[1] - 1  # path steps after the root
+    if kv is not None and p > 0:  # the accepted nodes move right behind each row's root
+        torch._check(tokens.shape[0] <= kv.shape[2])  # the batch's rows are the slab's first
+        dst = hist_len.unsqueeze(1) + steps(p, hist_len.device)  # [B, P]
+        move_slots(kv, 2, dst, res.path_slots.narrow(1, 1, p) + (hist_len.unsqueeze(1) - 1))
     write_history(hist, hist_len, res.committed)
     count_pass(hists, width, drafted, n_fin, res.num_committed, tree.num_drafted())
     if source is not None:
@@ -60,22 +72,24 @@ def settle(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, anc
 class _Settle(torch.nn.Module):
     """settle with its host-known arguments fixed: what torch.export traces."""
 
-    def __init__(self, static_key: Optional[tuple], max_depth: int, width: int):
+    def __init__(self, names: tuple[str, ...], static_key: Optional[tuple], max_depth: int, width: int):
         super().__init__()
-        self.static_key, self.max_depth, self.width = static_key, max_depth, width
+        self.names, self.static_key, self.max_depth, self.width = names, static_key, max_depth, width
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return settle(*args, static_key=self.static_key, max_depth=self.max_depth, width=self.width)
+        return settle(**dict(zip(self.names, args)), static_key=self.static_key, max_depth=self.max_depth,
+                      width=self.width)
 
 
 class Settled:
     """A compiled settle's outputs: the verification, each row's tokens kept and finish reason, new lengths."""
 
-    __slots__ = ("res", "n_fin", "reason", "hist_len")
+    __slots__ = ("res", "n_fin", "reason", "hist_len", "kept")
 
-    def __init__(self, out: list[torch.Tensor]):
+    def __init__(self, out: list[torch.Tensor], kept: bool):
         committed, num, path, last_slot, last_token, self.n_fin, self.reason, self.hist_len = out
         self.res = VerifyResult(committed, num, path, last_slot, last_token)
+        self.kept = kept  # the kept KV slots are moved too
 
 
 class Settler:
@@ -102,30 +116,40 @@ class Settler:
         tree, lay, t = block.tree, block.layout, rows.t
         args = [tree.tokens, tree.parents, tree.valid, lay.visible, lay.depth, slot_logits, t["stop_table"],
                 t["hist_len"], t["limit"], t["limit_code"], t["hist"], t["hists"], t["drafted"]]
+        names = _ARGS[:13]
         if block.source is not None and "accepted_by" in t:  # per-proposer counts (hybrid)
             args += [block.source, t["accepted_by"]]
+            names = _ARGS[:15]
+        kv = None if tree.path_in_place else rows.cache.move_target()
+        if kv is not None:
+            args.append(kv)
+            names += ("kv",)
         last = self._last
         if (last is not None and last[0] is lay and last[1] is tree.parents and last[2] == (width, block.max_depth)
-                and len(args) == 13 and tree.tokens.is_contiguous() and tree.valid.is_contiguous()):
-            kernel = last[3]  # a static tree's pass like the last: its shared layout and parents, fresh tokens
+                and last[3] == names and tree.tokens.is_contiguous() and tree.valid.is_contiguous()):
+            kernel = last[4]  # a static tree's pass like the last: its shared layout and parents, fresh tokens
         else:
-            kernel = self._kernel(args, tree, lay, block.max_depth, width)
+            kernel = self._kernel(args, names, tree, lay, block.max_depth, width)
             if kernel is None:
                 return None
             # the engine's own row tensors are dense; a static tree's layout and parents are built once
-            self._last = (lay, tree.parents, (width, block.max_depth), kernel) if tree.static_key is not None else None
+            self._last = ((lay, tree.parents, (width, block.max_depth), names, kernel)
+                          if tree.static_key is not None else None)
         out = kernel.boxed_run(args)  # takes the list and empties it
         self.passes += 1
-        return Settled(out)
+        return Settled(out, kv is not None)
 
-    def _kernel(self, args: list[torch.Tensor], tree: DraftTree, lay: Any, max_depth: int, width: int) -> Optional[Any]:
+    def _kernel(self, args: list[torch.Tensor], names: tuple[str, ...], tree: DraftTree, lay: Any, max_depth: int,
+                width: int) -> Optional[Any]:
         """The kernel for this pass's shapes (compiled on first use), or None when there is none."""
         if not all(a.is_contiguous() for a in args):
             return None  # the kernel reads dense rows (never so for the engine's own buffers)
         # _SHARED tensors are [1, ..] (one for every row) or [B, ..]; at batch 1 either counts as shared
-        per_row = {name: a.shape[0] != 1 for name, a in zip(_ARGS, args) if name in _SHARED}
-        key = (tree.num_slots, tree.static_key, max_depth, width, tuple(per_row.values()), args[5].shape[2],
-               *(tuple(a.shape[1:]) for a in (lay.visible, lay.depth, args[6], *args[13:])))
-        dynamic = [{0: "batch", 1: "length"} if name == "hist" else {0: "batch"} if per_row.get(name, True) else {}
-                   for name, _ in zip(_ARGS, args)]
-        return self.kernels.get(key, lambda: _Settle(tree.static_key, max_depth, width), args, dynamic)
+        per_row = {name: a.shape[0] != 1 for name, a in zip(names, args) if name in _SHARED}
+        kv = args[-1] if names[-1] == "kv" else None
+        key = (names, tree.num_slots, tree.static_key, max_depth, width, tuple(per_row.values()), args[5].shape[2],
+               *(tuple(a.shape[1:]) for a in (lay.visible, lay.depth, args[6], *args[13:len(args) - (kv is not None)])),
+               None if kv is None else (kv.shape[:2], kv.shape[3], kv.shape[5], kv.dtype))
+        dynamic = [{0: "batch", 1: "length"} if name == "hist" else {2: "rows", 4: "slots"} if name == "kv"
+                   else {0: "batch"} if per_row.get(name, True) else {} for name in names]
+        return self.kernels.get(key, lambda: _Settle(names, tree.static_key, max_depth, width), args, dynamic)
