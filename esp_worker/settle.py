@@ -99,7 +99,8 @@ class Settler:
         require_compiler(device)
         self.kernels = AotKernels("settle")
         self.passes = 0  # decode passes settled by a kernel
-        self._last: Optional[tuple] = None  # (layout, parents, (width, depth), kernel) of the last static-tree pass
+        # (layout, parents, (width, depth), input names, kernel) of the last static-tree pass
+        self._last: Optional[tuple] = None
 
     @property
     def compile_s(self) -> float:
