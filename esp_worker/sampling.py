@@ -123,7 +123,7 @@ class UniformStreams:
             if g is not None:  # greedy rows in a sampling batch only need a valid pointer
                 fresh = upload(torch.rand(UNIFORM_CHUNK, generator=g), self.device)
                 self.buf[i] = torch.cat([self.buf[i, p:], fresh])[:UNIFORM_CHUNK]
-            self.ptr[i] = 0
+            self.ptr[i].zero_()  # not `= 0`: a Python scalar stored by index is a host-to-device copy
             self.base[i] += p
 
     def take(self, active: torch.Tensor) -> torch.Tensor:

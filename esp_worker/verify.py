@@ -140,9 +140,8 @@ def _verify_fan(tree: DraftTree, slot_logits: torch.Tensor) -> VerifyResult:
 def _fan_rank(t: int, dev: torch.device) -> torch.Tensor:
     """[T] 0, T-1, T-2, .., 1: weights under which the first correct child (slot >= 1) is the largest."""
     def make() -> torch.Tensor:
-        rank = t - torch.arange(t, device=dev)
-        rank[0] = 0
-        return rank
+        steps = torch.arange(t, device=dev)
+        return torch.where(steps > 0, t - steps, 0)  # no `rank[0] = 0`: a scalar stored by index uploads it
     return constant(("fan_rank", t, dev), make)
 
 

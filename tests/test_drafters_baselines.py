@@ -281,16 +281,27 @@ def test_pld_rates_equal_the_recurrence():
     assert torch.allclose(d.rates(), want, rtol=1e-5)
 
 
-def test_prompt_lookup_mass_follows_its_counters():
-    """draft_mass reuses the chain rates until the counters change (in place, as observe does, or replaced):
-    always the value computed from the current counters."""
+@pytest.mark.parametrize("inference", [False, True])
+def test_prompt_lookup_mass_follows_its_counters(inference):
+    """draft_mass reuses the chain rates until the counters change (in place by observe, or replaced): always
+    the value computed from the current counters. Also when the counters are inference tensors, as they are
+    once start_rows moved them to a GPU under inference mode (they have no version counter: asking for one
+    raised on an H200)."""
     from esp_worker.drafters.pld import PromptLookupDrafter
 
     d = PromptLookupDrafter(max_ngram=3, min_ngram=1, depth=4)
+    d.mass_wanted = True
     view = RowsView(torch.tensor([[5, 6, 7, 8, 5, 6]]), torch.tensor([6]), torch.tensor([1]), [0])
     fresh = lambda: d.rates().cumprod(1)[:1]  # noqa: E731  (the row's own chain [7, 8, 5, 6]: 4 valid nodes)
-    assert torch.allclose(d.draft_mass(view), fresh())
-    d.reached += 3.0  # in place
-    assert torch.allclose(d.draft_mass(view), fresh())
-    d.accepted = torch.full((2, 4), 2.0)  # replaced
-    assert torch.allclose(d.draft_mass(view), fresh())
+    with torch.inference_mode(inference):
+        if inference:
+            d.reached, d.accepted = d.reached.clone(), d.accepted.clone()
+            assert d.reached.is_inference()
+        assert torch.allclose(d.draft_mass(view), fresh())
+        before = fresh()
+        block = d.propose(view, 4)
+        d.observe(view, PassResult(torch.zeros((1, 5), dtype=torch.long), torch.tensor([3]), None, None, block=block))
+        assert not torch.allclose(fresh(), before)  # observe changed the counters in place
+        assert torch.allclose(d.draft_mass(view), fresh())
+        d.accepted = torch.full((2, 4), 2.0)  # replaced
+        assert torch.allclose(d.draft_mass(view), fresh())

@@ -160,6 +160,8 @@ class HybridDrafter(ESPDrafter):
 
     def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
         self.calibration.to(view.hist.device)  # here, not inside a pass (a host-to-GPU copy synchronises)
+        if self.chain is not None:
+            self.chain.start_rows(view)
         self.store.start_rows(view)
         if self.heads is not None:
             self.heads.start_rows(view)

@@ -42,6 +42,14 @@ class PromptLookupDrafter(Drafter):
         self.accepted = torch.zeros(2, depth)
         self._used: Optional[torch.Tensor] = None  # [B] the last proposed chains' rows that came from the corpus
 
+    def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
+        """The acceptance counters go where the rows live, here at the prefill: inside a pass a copy from host
+        memory to a GPU would wait for the stream."""
+        dev = view.hist.device
+        if self.reached.device != dev:
+            self.reached, self.accepted = self.reached.to(dev), self.accepted.to(dev)
+        return None
+
     def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
         depth = self.depth if num_nodes is None else max(0, min(num_nodes, self.depth))
         if depth == 0:  # a plain pass (block_complexity=auto): no lookup
@@ -105,15 +113,17 @@ class PromptLookupDrafter(Drafter):
         """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i) of the chain's
         source (the row's own history or the corpus)."""
         _, valid, used = self._chain(view, self.depth)
-        # the rates change only when the counters do (observe): cached on the counters themselves (held, so
-        # that a new tensor cannot pass for them) and their version counters (bumped by in-place updates)
-        key = (self.reached._version, self.accepted._version, valid.device)
+        # the rates change only when the counters do (observe counts its updates; tensors made under inference
+        # mode, as the counters are once moved to a GPU, have no version counter to ask)
+        key = (self._updates, valid.device)
         c = self._chain_rates
         if c is None or c[0] is not self.reached or c[1] is not self.accepted or c[2] != key:
             c = self._chain_rates = (self.reached, self.accepted, key, self.rates().to(valid.device).cumprod(1))
         return valid.float() * c[3].index_select(0, used.long())  # [B, depth]
 
-    _chain_rates: Optional[tuple] = None  # (reached, accepted, their versions and device, cumprod of `rates()`)
+    # (reached, accepted (held: a new tensor cannot pass for them), (updates, device), cumprod of `rates()`)
+    _chain_rates: Optional[tuple] = None
+    _updates = 0  # observe's updates of the counters so far
 
     def rates(self) -> torch.Tensor:
         """[2, depth] P(node d accepted | node d-1 accepted) per source: decayed counts with a prior of one
@@ -140,8 +150,6 @@ class PromptLookupDrafter(Drafter):
         d = valid.shape[1]
         if d == 0:
             return
-        if self.reached.device != valid.device:  # the counters live where the rows do: no device read
-            self.reached, self.accepted = self.reached.to(valid.device), self.accepted.to(valid.device)
         steps = torch.arange(d, device=valid.device)[None]
         reached = valid * (steps <= accepted[:, None])  # [B, d] node offered and its parent accepted
         took = valid * (steps < accepted[:, None])  # [B, d] node accepted
@@ -151,6 +159,7 @@ class PromptLookupDrafter(Drafter):
         self.accepted *= 0.99
         self.reached[:, :d].index_add_(0, src, reached)
         self.accepted[:, :d].index_add_(0, src, took)
+        self._updates += 1
 
     def find_continuation(self, hist: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """[B] index of the first token after the best match, or -1 (see common.find_continuation)."""
