@@ -286,11 +286,14 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         # median time is kept. Round r starts r settings further on, so no setting always runs right after
         # the same one or at the same place in a round (a position's bias spreads over every setting)
         runs: dict[Setting, list[dict[str, Any]]] = {s: [] for s in settings}
-        for r in range(b.repeats):
+        for r in range(-b.warmup_rounds, b.repeats):  # r < 0: an untimed warm-up round
             for s in rotated(settings, r):
                 t0 = time.perf_counter()
                 with quiet_heap():
                     run = run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve)
+                if r < 0:
+                    log.info("%-24s batch %d warm-up round (%.1fs)", s.label, batch, time.perf_counter() - t0)
+                    continue
                 # only the first repeat's outputs are read (median_run): later ones would only grow the heap
                 runs[s].append(run if r == 0 else {**run, "outputs": {}})
                 log.info("%-24s batch %d repeat %d/%d (%.1fs)", s.label, batch, r + 1, b.repeats, time.perf_counter() - t0)

@@ -32,6 +32,10 @@ class BenchSection:
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # engine.max_batch_size per run
     warmup: int = 2  # prompts generated (untimed) by each setting before its timed run
     repeats: int = 1  # timed runs per setting, round-robin over the settings; the median time is reported
+    # untimed rounds (every setting, every prompt) before the timed ones, per batch size: on a GPU the first
+    # round of a run's shapes cost 2-5x the next ones on an H200 (the first settings most), which one warm-up
+    # prompt does not cover
+    warmup_rounds: int = 0
     torch_threads: int = 1  # pinned for the whole bench (0 = leave torch's default)
     cost_curve: bool = True  # measure this hardware's pass cost and predict each method's speedup
     cost_cache_lens: list[int] = field(default_factory=lambda: [64, 512])
@@ -85,6 +89,7 @@ def validate_bench(cfg: DictConfig) -> None:
     need(len(b.batch_sizes) > 0 and all(x >= 1 for x in b.batch_sizes), "bench.batch_sizes must be >= 1")
     need(b.warmup >= 0, "bench.warmup must be >= 0")
     need(b.repeats >= 1, "bench.repeats must be >= 1")
+    need(b.warmup_rounds >= 0, "bench.warmup_rounds must be >= 0")
     need(b.torch_threads >= 0, "bench.torch_threads must be >= 0")
     need(b.cost_max_block >= 1 and b.cost_repeats >= 1, "bench.cost_max_block and bench.cost_repeats must be >= 1")
     need(len(b.cost_cache_lens) > 0 and all(c >= 1 for c in b.cost_cache_lens), "bench.cost_cache_lens must be >= 1")

@@ -33,6 +33,7 @@ bench() {  # bench LABEL overrides...: jobs.bench on the session's model and dev
   local label=$1; shift
   python3 -m jobs.bench model.name_or_path=$SHAPE model.device=$DEV model.dtype=$DTYPE generation.ignore_eos=true \
     generation.max_new_tokens=$NEW bench.num_masks=[1] bench.trees=[static] bench.repeats=3 bench.warmup=1 \
+    bench.warmup_rounds=${WARMUP_ROUNDS:-1} \
     output.dir="$work/$label" "$@"
 }
 pytest_q() { python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE "$@"; }

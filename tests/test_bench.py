@@ -194,6 +194,30 @@ def test_auto_settings_are_compared_with_the_fastest_fixed_setting_of_their_batc
     assert _paired_cell({"x": 1.0}, "x") == "1.00"
 
 
+def test_warmup_rounds_run_every_setting_untimed_first(tmp_path, monkeypatch):
+    """bench.warmup_rounds=1: one untimed round of every setting over every prompt before the timed repeats."""
+    import jobs.bench as bench
+
+    calls = []
+    run_setting = bench.run_setting
+
+    def counted(loaded, base, s, *a, **kw):
+        calls.append(s.label)
+        return run_setting(loaded, base, s, *a, **kw)
+
+    monkeypatch.setattr(bench, "run_setting", counted)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n" for i, w in enumerate(["a b a b", "c d c"])))
+    out = tmp_path / "out"
+    code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=4", "bench.settings=[pld:10]",
+                 "bench.warmup=0", "bench.cost_curve=false", "bench.hf_baseline=false", "bench.repeats=2",
+                 "bench.warmup_rounds=1"])
+    assert code == 0
+    assert calls == ["pld BC10", "ar", "ar", "pld BC10", "pld BC10", "ar"]  # rounds -1, 0, 1 (rotated)
+    records = json.loads((out / "bench.json").read_text())
+    assert all(len(r["time_s_rounds"]) == 2 for r in records)  # only the timed rounds are reported
+
+
 def test_rounds_start_one_setting_further_on():
     from jobs.bench import rotated
 
