@@ -111,6 +111,7 @@ class KVCache(Cache):
         self.capacity = (0, 0)  # (rows R, slots C) of every buffer
         self.plan_ = _Plan()
         self.slab: Optional[torch.Tensor] = None  # [L, 2, R, H, C, D] keys and values of every slab layer
+        self._listed: Optional[list] = None  # `_tensors()`, until a buffer is made or replaced
 
     # ---- buffers -----------------------------------------------------------------------------------
     def attach(self, layer: _SlabLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -128,16 +129,21 @@ class KVCache(Cache):
         else:
             layer.keys = key_states.new_zeros((r, h, c, d))
             layer.values = value_states.new_zeros((r, h, c, value_states.shape[-1]))
+        self._listed = None
 
     def _tensors(self) -> list[tuple[torch.Tensor, int, Optional[_SlabLayer], str]]:
-        """(tensor, its row dim, owning layer or None for the slab, attribute): the slab, then own buffers."""
-        out = [(self.slab, 2, None, "")] if self.slab is not None else []
-        for layer in self.layers:
-            if layer.is_initialized and not layer.in_slab:
-                out += [(layer.keys, 0, layer, "keys"), (layer.values, 0, layer, "values")]
-        return out
+        """(tensor, its row dim, owning layer or None for the slab, attribute): the slab, then own buffers
+        (listed once per set of buffers: the compiled settle and the peak-memory count ask every pass)."""
+        if self._listed is None:
+            out = [(self.slab, 2, None, "")] if self.slab is not None else []
+            for layer in self.layers:
+                if layer.is_initialized and not layer.in_slab:
+                    out += [(layer.keys, 0, layer, "keys"), (layer.values, 0, layer, "values")]
+            self._listed = out
+        return self._listed
 
     def _set(self, layer: Optional[_SlabLayer], name: str, t: torch.Tensor) -> None:
+        self._listed = None
         if layer is not None:
             setattr(layer, name, t)
             return
