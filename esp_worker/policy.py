@@ -215,6 +215,13 @@ class BlockPolicy:
         self._prepared = [decision, view.hist_len, cum, _NO_MASS if decision[0] == "look" and cum is None else None]
         return cum
 
+    def next_is_plain(self) -> bool:
+        """Known now, at the end of a pass: the next pass decodes plainly (its decision was prepared, or a back-off
+        wait is running), so it looks nothing up and the drafter's row hints for it would go unused."""
+        if self._prepared is not None:
+            return self._prepared[0][0] == "plain"
+        return self._wait > 0
+
     def receive(self, cum: list[float]) -> None:
         """The host copy of the mass `prepare` returned (read with the pass's lengths)."""
         if self._prepared is not None:

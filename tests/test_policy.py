@@ -416,3 +416,50 @@ def test_engine_stops_drafting_when_its_drafting_forwards_are_slow(monkeypatch):
     fast, slow = drafting_share(False), drafting_share(True)
     assert fast > 0.3, fast  # on a free block prompt lookup's chains pay on this model's text
     assert slow < 0.15, (slow, fast)
+
+
+def test_next_is_plain_during_a_back_off_and_after_a_prepared_plain_decision():
+    p = policy(STEEP)
+    assert not p.next_is_plain()  # nothing decided, no wait: the next pass may look
+    p._wait = 2  # a back-off: the next pass decodes plainly whatever happens
+    assert p.next_is_plain()
+    p._wait = 0
+    p._prepared = [("plain",), None, None, None]
+    assert p.next_is_plain()
+    p._prepared = [("look", False), None, None, None]
+    assert not p.next_is_plain()
+    p._prepared = [("probe",), None, None, None]
+    assert not p.next_is_plain()  # a probe pass is no lookup either, but only a plain one is promised
+
+
+@pytest.mark.parametrize("prepare", [False, True])
+def test_hybrid_auto_skips_its_row_hints_before_plain_passes(monkeypatch, prepare):
+    """On a model that accepts nothing auto decodes plainly and backs off; the hybrid's row hints (its
+    own-match search over every row's history, needed only by the next lookup) are not computed before a
+    pass known to be plain, and the output is still plain decoding's."""
+    from esp_worker import engine as engine_module
+    from esp_worker.drafters.hybrid import HybridDrafter
+
+    monkeypatch.setattr(engine_module, "PREPARE_LOOKS", prepare)
+    calls = [0]
+    hints = HybridDrafter.row_hints
+
+    def counted(self, view):
+        calls[0] += 1
+        return hints(self, view)
+
+    monkeypatch.setattr(HybridDrafter, "row_hints", counted)
+    lm = tiny("llama")
+    eng = Engine(lm, EngineConfig(method="hybrid", block_complexity="auto", max_batch_size=2), cost_curve=STEEP)
+    from engine_helpers import PROMPTS
+    from esp_worker import Request
+
+    params = GenerationParams(max_new_tokens=160)
+    outs = eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS[:2])])
+    passes = eng.timing["decode_passes"]
+    assert passes > 150
+    # the proposer sets take turns looking early on (~30 passes), then each plain look doubles the wait
+    assert calls[0] < passes / 2, (calls[0], passes)
+    plain = Engine(lm, EngineConfig(method="ar", max_batch_size=2)).generate(
+        [Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS[:2])])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
