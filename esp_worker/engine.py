@@ -14,7 +14,7 @@ import itertools
 import operator
 import time
 import zlib
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -286,9 +286,9 @@ class Engine:
         t_start, model_s0, len0 = time.perf_counter(), self.runner.model_s, sum(rows.lens)
         block = self._propose(rows)
         hidden, slot_logits = self._forward(rows, block)
-        res, n_fin = self._settle(rows, block, slot_logits)  # verify, stops, keep, commit, count
+        res, n_fin, ema_m = self._settle(rows, block, slot_logits)  # verify, stops, keep, commit, count
         view = rows.view()  # after the commit
-        self._observe(view, block, res, hidden, slot_logits, n_fin)
+        self._observe(view, block, res, hidden, slot_logits, n_fin, ema_m)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
         # the policy decides the next pass now and starts its look (with the previous read's hints: a drafter
         # whose lookup they change redoes it at propose, so the drafts are those of the fresh hints)
@@ -346,21 +346,26 @@ class Engine:
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots))
 
-    def _settle(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> tuple[VerifyResult, torch.Tensor]:
-        """Verification, stops, the KV moves, the commit and the counters: (the verification, n_fin [B]). Under
-        engine.compile_host all but the KV moves run as one compiled kernel where it covers the pass."""
-        done = self.settler(rows, block, slot_logits) if self.settler is not None else None
+    def _settle(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> tuple[VerifyResult, torch.Tensor, Any]:
+        """Verification, stops, the KV moves, the commit and the counters: (the verification, n_fin [B], the
+        drafter's EMA after the pass or None). Under engine.compile_host they run as one compiled kernel where
+        it covers the pass, with the drafter's EMA over the committed tokens when it asks (`settle_ema`)."""
+        done = None
+        if self.settler is not None:
+            weight = self.runner.embed_weight
+            ema = self.drafter.settle_ema(rows.view(), block) if weight is not None else None
+            done = self.settler(rows, block, slot_logits, None if ema is None else (ema[0], weight, ema[1]))
         if done is not None:  # the history and the counters are written; the lengths are still the old ones
             if not done.kept:
                 self._keep(rows, block, done.res)
             rows.advance(done.hist_len, done.res.last_token, done.reason)
-            return done.res, done.n_fin
+            return done.res, done.n_fin, done.ema_m
         res = self._verify(rows, block, slot_logits)
         n_fin, reason = self._stops(rows, res.committed, res.num_committed)
         self._keep(rows, block, res)
         self._commit(rows, res.committed, n_fin, reason, res.last_token)
         rows.count(n_fin, res.num_committed, block.tree.num_drafted(), block.max_depth + 1, block.source, res.path_slots)
-        return res, n_fin
+        return res, n_fin, None
 
     def _verify(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> VerifyResult:
         if rows.sampling:
@@ -384,7 +389,7 @@ class Engine:
         src = res.path_slots.narrow(1, 1, p) + (hist_len - 1)  # the block wrote tree slot i at hist_len - 1 + i
         rows.cache.keep(dst, src)
 
-    def _observe(self, view: RowsView, block: Block, res: VerifyResult, hidden, slot_logits, n_fin) -> None:
+    def _observe(self, view: RowsView, block: Block, res: VerifyResult, hidden, slot_logits, n_fin, ema_m=None) -> None:
         t_slots, k = block.tree.num_slots, self.drafter.num_masks
         mask_hidden = None
         mask_ok = None
@@ -396,7 +401,7 @@ class Engine:
                 owner = owner.clamp(min=0)
             mask_hidden = gather_slots(hidden, mask_indices(owner, t_slots, k))  # [B, k, D]
         result = PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block,
-                            mask_ok=mask_ok)
+                            mask_ok=mask_ok, ema_m=ema_m)
         self.drafter.observe(view, result)
 
     # ---- helpers -----------------------------------------------------------------------------------

@@ -318,6 +318,11 @@ class ModelRunner:
         if self.timed and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @property
+    def embed_weight(self) -> Optional[torch.Tensor]:
+        """[V, D] the input embedding's weight when `embed_ids` is exactly a lookup in it (else None)."""
+        return self.embed.weight if self._embed_fn is not None else None
+
     @inference
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [..., ] -> [..., D]

@@ -26,33 +26,38 @@ from .aot import AotKernels, require_compiler
 from .batch import Rows, count_by_proposer, count_pass, write_history
 from .consts import steps
 from .drafters import Block
+from .drafters.common import ema_apply
 from .kv_cache import move_slots
 from .stops import apply_stops
 from .tree import DraftTree
 from .verify import VerifyResult, verify_greedy
 
-# settle's inputs, in order (source and accepted_by only with per-proposer counts, kv only when the kernel
-# moves the kept slots); `_SHARED` may be [1, ..] (one for every row) or [B, ..], the others but kv have rows
-# on dim 0; `hist` grows on dim 1; kv is the slab [L, 2, R, H, C, D] (R rows, C slots of capacity)
+# settle's inputs, in order (source and accepted_by only with per-proposer counts, the ema_* only when the
+# drafter's EMA is computed with the pass, kv only when the kernel moves the kept slots); `_SHARED` may be
+# [1, ..] (one for every row) or [B, ..], `_FIXED` have no rows, the others but kv have rows on dim 0; `hist`
+# grows on dim 1; kv is the slab [L, 2, R, H, C, D] (R rows, C slots of capacity)
 _ARGS = ("tokens", "parents", "valid", "ancestors", "depth", "slot_logits", "stop_table", "hist_len", "limit",
-         "limit_code", "hist", "hists", "drafted", "source", "accepted_by", "kv")
+         "limit_code", "hist", "hists", "drafted", "source", "accepted_by", "ema_m", "embed_weight", "ema_cols", "kv")
 _SHARED = ("ancestors", "depth", "source")
+_FIXED = ("embed_weight", "ema_cols")
 
 
 def settle(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor,
            depth: torch.Tensor, slot_logits: torch.Tensor, stop_table: torch.Tensor, hist_len: torch.Tensor,
            limit: torch.Tensor, limit_code: torch.Tensor, hist: torch.Tensor, hists: torch.Tensor,
            drafted: torch.Tensor, source: Optional[torch.Tensor] = None, accepted_by: Optional[torch.Tensor] = None,
-           kv: Optional[torch.Tensor] = None, *, static_key: Optional[tuple], max_depth: int,
-           width: int) -> tuple[torch.Tensor, ...]:
+           ema_m: Optional[torch.Tensor] = None, embed_weight: Optional[torch.Tensor] = None,
+           ema_cols: Optional[torch.Tensor] = None, kv: Optional[torch.Tensor] = None, *, static_key: Optional[tuple],
+           max_depth: int, width: int) -> tuple[torch.Tensor, ...]:
     """Verify (greedy), stop, move the kept KV slots, write the history and count, for a tree [B, T] and its
     slot logits [B, T, V].
 
     hist [B, H], hists [B, W * W], drafted [B], accepted_by [B, P] (with source, `Rows.count`) and the KV slab
     (with kv: the block was written at slots hist_len - 1 .., `Engine._keep`) are updated in place
-    (H >= hist_len + max_depth + 1).
+    (H >= hist_len + max_depth + 1). With ema_m [B, 1, D] (and the plain embedding's weight [V, D], the EMA's
+    weight columns [N+1, 1, 1+S]): also the EMA after each row's kept tokens (`Drafter.settle_ema`).
     Returns (committed [B, S], num_committed [B], path_slots [B, S], last_slot [B], last_token [B], n_fin [B],
-    reason [B], hist_len + n_fin [B])."""
+    reason [B], hist_len + n_fin [B] (, the new EMA [B, 1, D]))."""
     tree = DraftTree(tokens, parents, valid, static_key=static_key)
     res = verify_greedy(tree, slot_logits, ancestors, depth, max_depth)
     n_fin, reason = apply_stops(res.committed, res.num_committed, stop_table, hist_len, limit, limit_code)
@@ -65,8 +70,12 @@ def settle(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, anc
     count_pass(hists, width, drafted, n_fin, res.num_committed, tree.num_drafted())
     if source is not None:
         count_by_proposer(accepted_by, source, res.path_slots, res.num_committed, n_fin)
-    return (res.committed, res.num_committed, res.path_slots, res.last_slot, res.last_token, n_fin, reason,
-            hist_len + n_fin)
+    out = (res.committed, res.num_committed, res.path_slots, res.last_slot, res.last_token, n_fin, reason,
+           hist_len + n_fin)
+    if ema_m is not None:  # what the drafter's observe computes from (committed, n_fin), eagerly otherwise
+        emb = torch.nn.functional.embedding(res.committed, embed_weight)  # [B, S, D]
+        out += (ema_apply(ema_m, emb, ema_cols, n_fin),)
+    return out
 
 
 class _Settle(torch.nn.Module):
@@ -84,12 +93,13 @@ class _Settle(torch.nn.Module):
 class Settled:
     """A compiled settle's outputs: the verification, each row's tokens kept and finish reason, new lengths."""
 
-    __slots__ = ("res", "n_fin", "reason", "hist_len", "kept")
+    __slots__ = ("res", "n_fin", "reason", "hist_len", "kept", "ema_m")
 
     def __init__(self, out: list[torch.Tensor], kept: bool):
-        committed, num, path, last_slot, last_token, self.n_fin, self.reason, self.hist_len = out
+        committed, num, path, last_slot, last_token, self.n_fin, self.reason, self.hist_len = out[:8]
         self.res = VerifyResult(committed, num, path, last_slot, last_token)
         self.kept = kept  # the kept KV slots are moved too
+        self.ema_m = out[8] if len(out) > 8 else None  # the drafter's EMA after the pass (settle_ema)
 
 
 class Settler:
@@ -99,16 +109,20 @@ class Settler:
         require_compiler(device)
         self.kernels = AotKernels("settle")
         self.passes = 0  # decode passes settled by a kernel
-        # (layout, parents, (width, depth), input names, kernel) of the last static-tree pass
+        self.ema_passes = 0  # of which the kernel also computed the drafter's EMA
+        # (layout, parents, (width, depth), input names, kernel, shapes of the _FIXED inputs) of the last
+        # static-tree pass
         self._last: Optional[tuple] = None
 
     @property
     def compile_s(self) -> float:
         return self.kernels.compile_s
 
-    def __call__(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> Optional[Settled]:
+    def __call__(self, rows: Rows, block: Block, slot_logits: torch.Tensor,
+                 ema: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> Optional[Settled]:
         """The pass settled by the kernel of its shape, or None when the kernel does not cover it (the caller
-        runs the phases eagerly)."""
+        runs the phases eagerly). ema: (state [B, 1, D], plain embedding weight [V, D], weight columns) of the
+        drafter's EMA to compute with the pass (`Drafter.settle_ema`), or None."""
         if rows.sampling or rows.has_stop_strings:
             return None
         s = block.max_depth + 1  # a bound on the tokens a row commits (host-known)
@@ -121,23 +135,28 @@ class Settler:
         if block.source is not None and "accepted_by" in t:  # per-proposer counts (hybrid)
             args += [block.source, t["accepted_by"]]
             names = _ARGS[:15]
+        if ema is not None:
+            args += list(ema)
+            names += _ARGS[15:18]
         kv = None if tree.path_in_place else rows.cache.move_target()
         if kv is not None:
             args.append(kv)
             names += ("kv",)
         last = self._last
+        fixed = tuple(a.shape for name, a in zip(names, args) if name in _FIXED)  # part of a kernel's key
         if (last is not None and last[0] is lay and last[1] is tree.parents and last[2] == (width, block.max_depth)
-                and last[3] == names and tree.tokens.is_contiguous() and tree.valid.is_contiguous()):
+                and last[3] == names and last[5] == fixed and tree.tokens.is_contiguous() and tree.valid.is_contiguous()):
             kernel = last[4]  # a static tree's pass like the last: its shared layout and parents, fresh tokens
         else:
             kernel = self._kernel(args, names, tree, lay, block.max_depth, width)
             if kernel is None:
                 return None
             # the engine's own row tensors are dense; a static tree's layout and parents are built once
-            self._last = ((lay, tree.parents, (width, block.max_depth), names, kernel)
+            self._last = ((lay, tree.parents, (width, block.max_depth), names, kernel, fixed)
                           if tree.static_key is not None else None)
         out = kernel.boxed_run(args)  # takes the list and empties it
         self.passes += 1
+        self.ema_passes += ema is not None
         return Settled(out, kv is not None)
 
     def _kernel(self, args: list[torch.Tensor], names: tuple[str, ...], tree: DraftTree, lay: Any, max_depth: int,
@@ -150,7 +169,8 @@ class Settler:
         kv = args[-1] if names[-1] == "kv" else None
         key = (names, tree.num_slots, tree.static_key, max_depth, width, tuple(per_row.values()), args[5].shape[2],
                *(tuple(a.shape[1:]) for a in (lay.visible, lay.depth, args[6], *args[13:len(args) - (kv is not None)])),
+               *(tuple(a.shape) + (a.dtype,) for name, a in zip(names, args) if name in _FIXED),
                None if kv is None else (kv.shape[:2], kv.shape[3], kv.shape[5], kv.dtype))
         dynamic = [{0: "batch", 1: "length"} if name == "hist" else {2: "rows", 4: "slots"} if name == "kv"
-                   else {0: "batch"} if per_row.get(name, True) else {} for name in names]
+                   else {} if name in _FIXED else {0: "batch"} if per_row.get(name, True) else {} for name in names]
         return self.kernels.get(key, lambda: _Settle(names, tree.static_key, max_depth, width), args, dynamic)

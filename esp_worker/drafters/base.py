@@ -59,6 +59,9 @@ class PassResult:
     prefill: bool = False
     # [B] False where the last accepted slot owned no masks (mask_hidden is then meaningless); None = all True
     mask_ok: Optional[torch.Tensor] = None
+    # [B, 1, D] ESP's mask EMA after this pass's committed tokens, when engine.compile_host's kernel computed it
+    # (`ESPDrafter.settle_ema`); None = the drafter computes it
+    ema_m: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -164,6 +167,11 @@ class Drafter(ABC):
 
     def observe(self, view: RowsView, result: PassResult) -> None:
         """Learn from a pass (or the prefill); view.hist already holds the committed tokens. Default: nothing."""
+
+    def settle_ema(self, view: RowsView, block: Block) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(state [B, 1, D], weight columns) of an EMA over this pass's committed tokens that engine.compile_host's
+        kernel may compute with the pass (`common.ema_apply`, handed back as PassResult.ema_m). Default: none."""
+        return None
 
     def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
         """[B] long: what the drafter wants to know on the host at the next propose (view.hints), computed

@@ -4,6 +4,7 @@
 - `topk_excluding`: the best k of sorted candidates, skipping one token (ESP's pruning, STAND's branches).
 - `find_continuation`: the longest, latest n-gram match of the context's suffix (PLD, STAND, hybrid).
 - `pool_depth`: depth of each entry of a candidate pool from its parent indices.
+- `ema_apply`: ESP's mask-embedding EMA over a row's next tokens (eager, and in the compiled settle).
 The tree-selection helper (`best_nodes`) lives in esp_worker.tree next to the tree types.
 """
 from __future__ import annotations
@@ -14,6 +15,14 @@ from typing import Optional
 import torch
 
 NEG = float("-inf")
+
+
+def ema_apply(m: torch.Tensor, emb: torch.Tensor, cols: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
+    """m [B, 1, D] after the first gap[b] <= G of the embeddings emb [B, G, D] (the rest ignored): one batched
+    product of each row's weights cols[gap] = [decay, w_0 .. w_{G-1}] ([N+1, 1, 1+G] table) with [m, emb]."""
+    if emb.dtype != m.dtype:
+        emb = emb.to(m.dtype)
+    return torch.bmm(cols.index_select(0, gap), torch.cat([m, emb], 1))  # [B, 1, D]
 
 
 def topk_excluding(lp: torch.Tensor, ids: torch.Tensor, exclude: Optional[torch.Tensor], k: int):

@@ -20,7 +20,7 @@ from ..consts import ones
 from ..sampling import upload
 from ..tree import DraftTree, best_nodes, static_branches, static_parents
 from .base import Block, Drafter, PassResult, RowsView
-from .common import NEG, topk_excluding  # noqa: F401  (topk_excluding re-exported for callers of esp)
+from .common import NEG, ema_apply, topk_excluding  # noqa: F401  (topk_excluding re-exported for callers of esp)
 from .state import RowState, row_field
 
 
@@ -155,7 +155,7 @@ class ESPDrafter(Drafter):
                 self._catch_up(view, self._lag + committed)
                 self._lag = 0
             else:  # m was up to date before this pass: it owes exactly the tokens just committed
-                self._catch_up(view, committed, fresh=(result.committed, result.num_committed))
+                self._catch_up(view, committed, fresh=(result.committed, result.num_committed, result.ema_m))
         elif not result.prefill:
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
             # until masks are fed again (_catch_up replays the committed tokens from the history). After a plain
@@ -174,12 +174,13 @@ class ESPDrafter(Drafter):
     # mask the tree with has_probe. Conservative: False until a decode pass probed every row
     _all_probed = False
 
-    def _catch_up(self, view: RowsView, bound: int, fresh: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+    def _catch_up(self, view: RowsView, bound: int, fresh: Optional[tuple] = None) -> None:
         """Apply the EMA for every token committed since m was last updated, in order:
         m_n = (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) E[e_i] over the n tokens e_i = hist[m_len:hist_len].
         `bound` >= every row's n is known on the host, so the width of the gather needs no device read.
-        `fresh` = (committed [B, S], n [B]): this pass's tokens, when they are exactly what every row owes (m was
-        up to date before the pass); they are used as they are, with no gather from the history.
+        `fresh` = (committed [B, S], n [B], m after them or None): this pass's tokens, when they are exactly what
+        every row owes (m was up to date before the pass); they are used as they are, with no gather from the
+        history, and a new m the compiled settle computed (`settle_ema`) is taken as it is.
 
         The host bound only grows between mask passes and outlives the rows it was counted for (a batch-1 job
         drafting from n-grams for many requests owed ~2,500 tokens, and a weight table of that size squared
@@ -191,7 +192,8 @@ class ESPDrafter(Drafter):
             st.m_len = view.hist_len
             return
         if fresh is not None:
-            st.m, st.m_len = self._ema_step(st.m, *fresh), view.hist_len
+            committed, n, done = fresh
+            st.m, st.m_len = (done if done is not None else self._ema_step(st.m, committed, n)), view.hist_len
             return
         bound = min(bound, view.hist.shape[1])  # no row owes more than its history
         window = ema_window(self.ema_lambda)
@@ -215,19 +217,23 @@ class ESPDrafter(Drafter):
     def _ema_step(self, m: torch.Tensor, tokens: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
         """m [B, 1, D] after the first gap[b] <= G of tokens [B, G] (the rest ignored): one batched product of the
         weights [decay, w_0 .. w_{G-1}] with [m, E[t_0] .. E[t_{G-1}]]."""
-        g = tokens.shape[1]
-        emb = self.embed(tokens)  # [B, G, D]
-        if emb.dtype != m.dtype:
-            emb = emb.to(m.dtype)
-        w = self._ema_columns(g, m.device).index_select(0, gap)  # [B, 1, 1 + G]
-        return torch.bmm(w, torch.cat([m, emb], 1))  # [B, 1, D]
+        return ema_apply(m, self.embed(tokens), self._ema_columns(tokens.shape[1], m.device), gap)
+
+    def settle_ema(self, view: RowsView, block: Block) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(m [B, 1, D], weight columns [N+1, 1, 1+S]) when this pass's `observe` will apply the EMA to exactly the
+        tokens the pass commits (its masks were fed and m owed nothing before it), so that engine.compile_host's
+        kernel can compute the new m with the pass (`ema_apply`); None otherwise."""
+        if self.ema_lambda <= 0 or self._lag or block.aux_embeds is None or not self.num_masks:
+            return None
+        m = view.state.m
+        return m, self._ema_columns(block.max_depth + 1, m.device)
 
     def _ema_columns(self, g: int, dev: torch.device) -> torch.Tensor:
-        """The table's first 1 + g columns as [N+1, 1, 1+g] (a view, cached per g until the table is rebuilt)."""
+        """The table's first 1 + g columns as [N+1, 1, 1+g] (cached per g until the table is rebuilt)."""
         table = self._ema_table(g, dev)[0]
         cols = self._ema_cols.get(g)
         if cols is None:
-            cols = self._ema_cols[g] = table[:, None, : g + 1]
+            cols = self._ema_cols[g] = table[:, None, : g + 1].contiguous()  # dense: compile_host's kernel reads it
         return cols
 
     _ema = None
