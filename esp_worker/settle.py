@@ -8,7 +8,9 @@ helpers (`verify_greedy`, `apply_stops`, `write_history`, `count_pass`, `count_b
 compiles it with AOTInductor (`aot.py`) once per block shape that recurs (the batch and the history's length
 are dynamic, so a job compiles a kernel per block size, not per step). When every layer's keys and values live
 in the cache's slab, the kernel also moves the kept slots (`kv_cache.move_slots`, the eager `keep`'s own
-move).
+move), and when the drafter's next `observe` would fold exactly the committed tokens into its mask EMA
+(`Drafter.settle_ema`: ESP and the hybrid after a pass that fed masks) it computes that too
+(`drafters.common.ema_apply`, the eager step's own function).
 
 The kernel covers greedy rows without stop strings; sampled rows, stop strings, a shape's first passes and
 any shape whose compilation fails (logged once) run the phases eagerly. Compiled kernels compute the same
