@@ -14,7 +14,7 @@ import itertools
 import operator
 import time
 import zlib
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -346,7 +346,8 @@ class Engine:
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots))
 
-    def _settle(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> tuple[VerifyResult, torch.Tensor, Any]:
+    def _settle(self, rows: Rows, block: Block, slot_logits: torch.Tensor
+                ) -> tuple[VerifyResult, torch.Tensor, Optional[torch.Tensor]]:
         """Verification, stops, the KV moves, the commit and the counters: (the verification, n_fin [B], the
         drafter's EMA after the pass or None). Under engine.compile_host they run as one compiled kernel where
         it covers the pass, with the drafter's EMA over the committed tokens when it asks (`settle_ema`)."""
@@ -389,7 +390,8 @@ class Engine:
         src = res.path_slots.narrow(1, 1, p) + (hist_len - 1)  # the block wrote tree slot i at hist_len - 1 + i
         rows.cache.keep(dst, src)
 
-    def _observe(self, view: RowsView, block: Block, res: VerifyResult, hidden, slot_logits, n_fin, ema_m=None) -> None:
+    def _observe(self, view: RowsView, block: Block, res: VerifyResult, hidden, slot_logits, n_fin,
+                 ema_m: Optional[torch.Tensor] = None) -> None:
         t_slots, k = block.tree.num_slots, self.drafter.num_masks
         mask_hidden = None
         mask_ok = None
