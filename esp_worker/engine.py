@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from . import kv_cache
+from .aot import AotKernels
 from .batch import PassCounter, Rows, Seq, finish_stats, new_counters, write_history
 from .consts import steps
 from .config import EngineConfig, ModelConfig
@@ -30,7 +31,7 @@ from .inputs import StaticBlockBias, attention_bias
 from .model_io import LoadedModel, ModelRunner, load_model
 from .policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
-from .settle import Settler
+from .settle import Settled, Settler
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
 from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
@@ -76,6 +77,10 @@ class Engine:
             self.policy = BlockPolicy(curve, self.drafter.block_tokens, self.drafter.max_nodes, cfg.auto_max_block,
                                       probe_interval=cfg.auto_probe_interval)
         self.drafter.mass_wanted = self.policy is not None
+        # engine.compile_host: the drafter's per-pass work as kernels too (ESP: probe to next block, esp.py)
+        self.drafter_kernels = AotKernels("drafter") if cfg.compile_host and self.runner.embed_weight is not None else None
+        if self.drafter_kernels is not None:
+            self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
         self.device = loaded.device
         self.prepare_looks = PREPARE_LOOKS if PREPARE_LOOKS is not None else self.device.type != "cpu"
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
@@ -104,7 +109,8 @@ class Engine:
         """Seconds spent compiling under engine.compile and engine.compile_host (0 without them)."""
         direct = self.runner.direct
         layers = direct.compiled.compile_s if direct is not None and direct.compiled is not None else 0.0
-        return layers + (self.settler.compile_s if self.settler is not None else 0.0)
+        host = [k.compile_s for k in (self.settler, self.drafter_kernels) if k is not None]
+        return layers + sum(host)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """All outputs, in input order. Request ids must be unique within one call."""
@@ -286,9 +292,9 @@ class Engine:
         t_start, model_s0, len0 = time.perf_counter(), self.runner.model_s, sum(rows.lens)
         block = self._propose(rows)
         hidden, slot_logits = self._forward(rows, block)
-        res, n_fin, ema_m = self._settle(rows, block, slot_logits)  # verify, stops, keep, commit, count
+        res, n_fin, done = self._settle(rows, block, hidden, slot_logits)  # verify, stops, keep, commit, count
         view = rows.view()  # after the commit
-        self._observe(view, block, res, hidden, slot_logits, n_fin, ema_m)
+        self._observe(view, block, res, hidden, slot_logits, n_fin, done)
         self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
         # the policy decides the next pass now and starts its look (with the previous read's hints: a drafter
         # whose lookup they change redoes it at propose, so the drafts are those of the fresh hints)
@@ -314,8 +320,10 @@ class Engine:
     def _forward(self, rows: Rows, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [B, Q, D] of the block and logits [B, T, V] at its tree slots; writes the block's KV."""
         tree, lay = block.tree, block.layout
-        embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
-        if block.aux_embeds is not None:
+        embeds = block.embeds  # [B, Q, D] when the drafter prepared them (engine.compile_host)
+        if embeds is None:
+            embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
+        if block.aux_embeds is not None and block.embeds is None:
             aux = block.aux_embeds
             embeds = torch.cat([embeds, aux if aux.dtype == embeds.dtype else aux.to(embeds.dtype)], 1)
         b, q = embeds.shape[:2]
@@ -346,21 +354,25 @@ class Engine:
         self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
         return hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots))
 
-    def _settle(self, rows: Rows, block: Block, slot_logits: torch.Tensor
-                ) -> tuple[VerifyResult, torch.Tensor, Optional[torch.Tensor]]:
+    def _settle(self, rows: Rows, block: Block, hidden: torch.Tensor, slot_logits: torch.Tensor
+                ) -> tuple[VerifyResult, torch.Tensor, Optional[Settled]]:
         """Verification, stops, the KV moves, the commit and the counters: (the verification, n_fin [B], the
-        drafter's EMA after the pass or None). Under engine.compile_host they run as one compiled kernel where
-        it covers the pass, with the drafter's EMA over the committed tokens when it asks (`settle_ema`)."""
+        compiled kernel's result or None). Under engine.compile_host they run as one compiled kernel where it
+        covers the pass, with the drafter's EMA over the committed tokens when it asks (`settle_ema`) and the
+        hidden states of the masks its probe reads (every slot owns masks: ESP)."""
         done = None
         if self.settler is not None:
             weight = self.runner.embed_weight
             ema = self.drafter.settle_ema(rows.view(), block) if weight is not None else None
-            done = self.settler(rows, block, slot_logits, None if ema is None else (ema[0], weight, ema[1]))
+            k = self.drafter.num_masks
+            masks = k and block.aux_embeds is not None and block.mask_owner is None
+            done = self.settler(rows, block, slot_logits, None if ema is None else (ema[0], weight, ema[1]),
+                                hidden if masks else None, k)
         if done is not None:  # the history and the counters are written; the lengths are still the old ones
             if not done.kept:
                 self._keep(rows, block, done.res)
             rows.advance(done.hist_len, done.res.last_token, done.reason)
-            return done.res, done.n_fin, done.ema_m
+            return done.res, done.n_fin, done
         res = self._verify(rows, block, slot_logits)
         n_fin, reason = self._stops(rows, res.committed, res.num_committed)
         self._keep(rows, block, res)
@@ -391,11 +403,11 @@ class Engine:
         rows.cache.keep(dst, src)
 
     def _observe(self, view: RowsView, block: Block, res: VerifyResult, hidden, slot_logits, n_fin,
-                 ema_m: Optional[torch.Tensor] = None) -> None:
+                 done: Optional[Settled] = None) -> None:
         t_slots, k = block.tree.num_slots, self.drafter.num_masks
-        mask_hidden = None
+        mask_hidden = None if done is None else done.mask_hidden  # [B, k, D] when the kernel gathered them
         mask_ok = None
-        if k and block.aux_embeds is not None:
+        if k and block.aux_embeds is not None and mask_hidden is None:
             owner = res.last_slot
             if block.mask_owner is not None:  # masks on some slots only (hybrid)
                 owner = block.mask_owner.expand(len(owner), -1).gather(1, owner[:, None]).squeeze(1)
@@ -403,7 +415,7 @@ class Engine:
                 owner = owner.clamp(min=0)
             mask_hidden = gather_slots(hidden, mask_indices(owner, t_slots, k))  # [B, k, D]
         result = PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block,
-                            mask_ok=mask_ok, ema_m=ema_m)
+                            mask_ok=mask_ok, ema_m=None if done is None else done.ema_m)
         self.drafter.observe(view, result)
 
     # ---- helpers -----------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ def _same(a, b, what: str) -> None:
 SETTINGS = [  # (method, block complexity, masks, tree, batch): one kernel each
     ("ar", 1, 1, "static", 4),  # plain passes, one slot
     ("esp", 30, 1, "static", 1),  # one level of 14 nodes (the fan path)
+    ("esp", 30, 2, "static", 2),  # a static tree two deep [7, 2]: the probe's kernel prepares its blocks
     ("esp", 24, 2, "dynamic", 3),  # per-row trees two deep (per-row layouts)
     ("pld", 10, 1, "static", 2),  # chains
     ("hybrid", 30, 1, "static", 2),  # per-row trees from several proposers, counted per proposer
@@ -52,7 +53,7 @@ SETTINGS = [  # (method, block complexity, masks, tree, batch): one kernel each
 def test_compiled_settle_matches_eager_and_generate(arch, compile_at_once):
     lm = tiny(arch)
     ref = reference(arch, "sdpa")
-    settings = SETTINGS if arch == "llama" else SETTINGS[:2]
+    settings = SETTINGS if arch == "llama" else SETTINGS[:3]
     for method, bc, k, tree, batch in settings:
         cfg = EngineConfig(method=method, block_complexity=bc, num_masks=k, tree=tree, max_batch_size=batch)
         _, eager = _run(lm, cfg, GREEDY)
@@ -60,6 +61,10 @@ def test_compiled_settle_matches_eager_and_generate(arch, compile_at_once):
         what = f"{method} BC {bc} k {k} {tree} batch {batch} {arch}"
         assert eng.settler.passes == eng.timing["decode_passes"] > 0, f"{what}: not every pass ran the kernel"
         assert eng.compile_s > 0
+        if method == "esp" and tree == "static":  # the pass after each prefill proposes eagerly, then prepared blocks
+            assert eng.drafter.prepared_blocks > eng.timing["decode_passes"] // 2, what
+            if batch == 1:
+                assert eng.drafter.prepared_blocks == eng.timing["decode_passes"] - len(PROMPTS), what
         _same(eager, comp, what)
         assert [tuple(o.token_ids) for o in comp] == list(ref), f"{what}: diverged from generate"
 
@@ -79,15 +84,15 @@ def test_compiled_settle_cuts_at_stop_ids_and_limits(compile_at_once):
 
 
 def test_passes_the_kernel_does_not_cover_run_eagerly(compile_at_once):
-    """Sampled rows and stop strings are settled eagerly (no kernel is compiled for them), with the same
-    output as without compile_host."""
+    """Sampled rows and stop strings are settled eagerly (no settle kernel is compiled for them), with the same
+    output as without compile_host (the probe's kernel still prepares ESP's blocks: drafting does not sample)."""
     lm = tiny("llama")
     cfg = EngineConfig(method="esp", block_complexity=30, num_masks=1, max_batch_size=2)
     for params in (GenerationParams(max_new_tokens=24, temperature=1.0, seed=3),
                    GenerationParams(max_new_tokens=24, stop_strings=("the",))):
         _, eager = _run(lm, cfg, params)
         eng, comp = _run(lm, dataclasses.replace(cfg, compile_host=True), params)
-        assert eng.settler.passes == 0 and eng.compile_s == 0
+        assert eng.settler.passes == 0 and eng.settler.compile_s == 0
         _same(eager, comp, "uncovered passes")
 
 
@@ -129,5 +134,35 @@ def test_compiled_settle_on_the_trained_model(compile_at_once):
         assert eng.settler.passes == eng.timing["decode_passes"]
         if cfg.method != "pld":  # ESP's mask EMA over the committed tokens was computed by the kernel (settle_ema)
             assert eng.settler.ema_passes > eng.settler.passes // 2, (eng.settler.ema_passes, eng.settler.passes)
+        if cfg.method == "esp":  # and ESP's blocks were prepared by the probe's kernel
+            assert eng.drafter.prepared_blocks == eng.timing["decode_passes"] - len(prompts)
         _same(eager, comp, f"trained {cfg.method}")
         assert sum(o.stats.num_accepted_drafts for o in comp) > 0
+
+
+def test_probe_candidates_rank_by_logits_and_exclude_the_root():
+    """The probe's candidates: each mask's best tokens by logit with their log-probabilities, mask 1 never holding
+    the root's own token (pruning), padded with NEG past a small vocabulary; the kernel's function builds the
+    static tree and the block's embeddings from them exactly as the eager drafter does."""
+    from esp_worker.drafters.common import NEG
+    from esp_worker.drafters.esp import probe_block, probe_candidates, static_tree_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 2, 50)
+    root = logits[:, 0].argmax(-1)  # the best token at mask 1 is the root's own: pruned
+    lp, ids = probe_candidates(logits.clone(), root, 6, prune=True)
+    full = torch.log_softmax(logits, -1)
+    assert (ids[:, 0] != root[:, None]).all()
+    assert torch.equal(ids[:, 1], full[:, 1].topk(6).indices)  # mask 2: no pruning
+    assert torch.allclose(lp, full.gather(2, ids), atol=1e-6)
+    assert (lp.diff(dim=-1) <= 0).all()
+    small_lp, small_ids = probe_candidates(torch.randn(3, 1, 4), root % 4, 6, prune=False)
+    assert small_lp.shape == (3, 1, 6) and (small_lp[..., 4:] == NEG).all() and (small_ids[..., 4:] == 0).all()
+
+    weight, m = torch.randn(50, 8), torch.randn(3, 1, 8)
+    c_lp, c_ids, tokens, valid, embeds = probe_block(logits.clone(), root, m, weight, num_cand=6, prune=True,
+                                                     branches=[3, 2], num_masks=2)
+    assert torch.equal(c_lp, lp) and torch.equal(c_ids, ids)
+    t_ref, v_ref = static_tree_tokens(root, lp, ids, [3, 2], prune=True)
+    assert torch.equal(tokens, t_ref) and torch.equal(valid, v_ref) and tokens.shape == (3, 6)
+    assert torch.equal(embeds, torch.cat([weight[tokens], m.expand(-1, 12, -1)], 1))

@@ -9,12 +9,15 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from ..tree import BlockLayout, DraftTree, block_layout
 from .state import RowState
+
+if TYPE_CHECKING:
+    from ..aot import AotKernels
 
 
 @dataclass
@@ -33,6 +36,9 @@ class Block:
     # [B, 1]: one proposer per row supplied every draft (a chain); None = one proposer (accepted drafts are
     # not split by proposer)
     source: Optional[torch.Tensor] = None
+    # [B, Q, D] every input's embedding (the tree tokens', then aux_embeds) when the drafter computed them with
+    # its last probe (engine.compile_host); None = the engine embeds the tree tokens
+    embeds: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -172,6 +178,10 @@ class Drafter(ABC):
         """(state [B, 1, D], weight columns) of an EMA over this pass's committed tokens that engine.compile_host's
         kernel may compute with the pass (`common.ema_apply`, handed back as PassResult.ema_m). Default: none."""
         return None
+
+    def use_compiled(self, kernels: "AotKernels", embed_weight: torch.Tensor) -> None:
+        """engine.compile_host: the drafter may run its per-pass work as kernels of `kernels` (aot.py), with the
+        plain input embedding's weight [V, D] (`ModelRunner.embed_weight`). Default: it runs eagerly."""
 
     def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
         """[B] long: what the drafter wants to know on the host at the next propose (view.hints), computed

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..aot import AotKernels
 from ..consts import ones
 from ..sampling import upload
 from ..tree import DraftTree, best_nodes, static_branches, static_parents
@@ -131,16 +132,6 @@ class ESPDrafter(Drafter):
         st = view.state
         committed = result.committed.shape[1]  # host bound on the tokens this pass committed per row
         if result.mask_hidden is not None:
-            lp = torch.log_softmax(self.logits(result.mask_hidden), dim=-1)  # [B, k, V]
-            if self.prune:  # mask 1's candidates hang under the next root: never the root's own token
-                lp.select(1, 0).scatter_(1, view.root.unsqueeze(1), NEG)
-            cn = self.num_cand
-            top = lp.topk(min(cn, lp.shape[-1]), dim=-1)
-            if top.values.shape[-1] < cn:  # a vocabulary smaller than the candidates kept
-                st.cand_lp = torch.nn.functional.pad(top.values, (0, cn - top.values.shape[-1]), value=NEG)
-                st.cand_ids = torch.nn.functional.pad(top.indices, (0, cn - top.indices.shape[-1]))
-            else:
-                st.cand_lp, st.cand_ids = top.values, top.indices
             if result.mask_ok is not None:
                 st.has_probe = result.mask_ok.clone()
             elif not (self._all_probed and not result.prefill):  # else every row holds a probe already
@@ -149,6 +140,7 @@ class ESPDrafter(Drafter):
             self._probe_partial = result.mask_ok is not None  # only then may rows be left without a probe
             if not result.prefill:  # a prefill probes only the rows that join
                 self._all_probed = result.mask_ok is None
+            # the EMA first: a block prepared with the probe carries the new m in its masks
             if result.prefill:
                 self._catch_up(view, committed)
             elif self._lag:
@@ -156,6 +148,8 @@ class ESPDrafter(Drafter):
                 self._lag = 0
             else:  # m was up to date before this pass: it owes exactly the tokens just committed
                 self._catch_up(view, committed, fresh=(result.committed, result.num_committed, result.ema_m))
+            # the next pass can use a block prepared now when every row is probed and m owes nothing
+            self._probe(view, self.logits(result.mask_hidden), prepare=self._all_probed and not result.prefill)
         elif not result.prefill:
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
             # until masks are fed again (_catch_up replays the committed tokens from the history). After a plain
@@ -168,6 +162,37 @@ class ESPDrafter(Drafter):
         else:  # a prefill without masks: the rows that join have no probe
             self._all_probed = False
             self._catch_up(view, committed)
+
+    def _probe(self, view: RowsView, logits: torch.Tensor, prepare: bool) -> None:
+        """The candidates of the probe's logits [B, k, V] (`probe_candidates`). Under engine.compile_host, when
+        `prepare` and the configured tree is static, one kernel (`probe_block`) also builds the next pass's tree
+        and input embeddings, which `propose` takes as they are while the roots, candidates and m are unchanged."""
+        st = view.state
+        branches = self._branches_for(self.num_nodes) if prepare and self._kernels is not None else None
+        if branches is not None:
+            args = [logits, view.root, st.m, self._embed_weight]
+            kernel = self._kernels.get(
+                (tuple(logits.shape[1:]), logits.dtype, tuple(st.m.shape[1:]), st.m.dtype, tuple(branches)),
+                lambda: _ProbeBlock(self.num_cand, self.prune, branches, self.num_masks), args,
+                [{0: "batch"}, {0: "batch"}, {0: "batch"}, {}]) if all(a.is_contiguous() for a in args) else None
+            if kernel is not None:
+                st.cand_lp, st.cand_ids, tokens, valid, embeds = kernel.boxed_run(args)  # takes the list
+                self._ready = (view.root, st.cand_lp, st.m, branches, tokens, valid, embeds)
+                self.kernel_probes += 1
+                return
+        st.cand_lp, st.cand_ids = probe_candidates(logits, view.root, self.num_cand, self.prune)
+
+    # engine.compile_host (`use_compiled`): the kernels and the embedding weight; the block prepared with the last
+    # probe (roots, candidates, m it was built from, branches, tokens, valid, embeds); probes run by the kernel and
+    # prepared blocks proposed
+    _kernels: Optional[AotKernels] = None
+    _embed_weight: Optional[torch.Tensor] = None
+    _ready: Optional[tuple] = None
+    kernel_probes = 0
+    prepared_blocks = 0
+
+    def use_compiled(self, kernels: AotKernels, embed_weight: torch.Tensor) -> None:
+        self._kernels, self._embed_weight = kernels, embed_weight
 
     _lag = 0  # host bound on max(hist_len - m_len) over the batch rows: tokens the EMA still owes
     # host flag: every row of the batch holds a fresh probe (its last pass fed it masks); then `propose` need not
@@ -281,15 +306,23 @@ class ESPDrafter(Drafter):
         n = self.num_nodes if num_nodes is None else num_nodes
         if n < 0:
             return self.block(DraftTree.root_only(view.root), None, max_depth=0)
+        branches = self._branches_for(n)
+        ready = self._ready
+        if (ready is not None and self._all_probed and not self._lag and ready[0] is view.root
+                and ready[1] is st.cand_lp and ready[2] is st.m and ready[3] == branches):
+            # the block the last probe's kernel prepared (`_probe`): its tree and every input embedding
+            tokens, valid, embeds = ready[4:]
+            b, t = tokens.shape
+            tree = DraftTree(tokens, self._parents_for(b, tokens.device, branches), valid, static_key=("esp", tuple(branches)))
+            block = self.block(tree, embeds.narrow(1, t, t * self.num_masks), max_depth=len(branches))
+            block.embeds = embeds
+            self.prepared_blocks += 1
+            return block
         # depth: the tree's depth (static shapes) or a bound on it (a dynamic tree is never deeper than k),
         # known on the host so that no pass reads it from the device
         if n == 0:
             tree, depth = DraftTree.root_only(view.root), 0
-        elif self.num_masks == 1:
-            # one mask: Algorithm 1 keeps the n most probable depth-1 candidates, which is the static tree [n]
-            tree, depth = self._static_tree(view.root, st.cand_lp, st.cand_ids, [n]), 1
-        elif self.tree_mode == "static":
-            branches = self.branches if n == self.num_nodes else static_branches((self.num_masks + 1) * (n + 1), self.num_masks)
+        elif branches is not None:
             tree, depth = self._static_tree(view.root, st.cand_lp, st.cand_ids, branches), len(branches)
         else:
             tree, depth = self._dynamic_tree(view.root, st.cand_lp, st.cand_ids, n), min(self.num_masks, n)
@@ -300,6 +333,17 @@ class ESPDrafter(Drafter):
             self._lag = 0
         aux = self._mask_embeds(st.m, tree.num_slots)
         return self.block(tree, aux, max_depth=depth)
+
+    def _branches_for(self, n: int) -> Optional[list[int]]:
+        """The static tree of n >= 1 draft nodes ([K_1 .. K_d] nodes per depth), or None for a dynamic tree. One
+        mask: Algorithm 1 keeps the n most probable depth-1 candidates, which is the static tree [n]."""
+        if n < 1:
+            return None
+        if self.num_masks == 1:
+            return [n]
+        if self.tree_mode == "static":
+            return self.branches if n == self.num_nodes else static_branches((self.num_masks + 1) * (n + 1), self.num_masks)
+        return None
 
     def draft_mass(self, view: RowsView) -> torch.Tensor:
         """[B, max_nodes] probe probability of each node of the largest tree, best first (0 without a probe).
@@ -320,24 +364,9 @@ class ESPDrafter(Drafter):
         return self._parents[key]
 
     def _static_tree(self, root, cand_lp, cand_ids, branches: list[int]) -> DraftTree:
-        """Top-1 expansion with fixed branches [K_1..K_d]: depth j+1 hangs under the first depth-j node."""
-        b = root.shape[0]
-        parent_tok = root
-        toks, oks = [], []
-        for j, kj in enumerate(branches):
-            # depth 1 never holds the root (observe excluded it); deeper, the parent's token is skipped here
-            excl = parent_tok if self.prune and j else None
-            lp, ids = topk_excluding(cand_lp.select(1, j), cand_ids.select(1, j), excl, kj)
-            toks.append(ids)
-            ok = lp > NEG
-            if oks:
-                ok = ok & oks[-1][:, :1]  # children of an invalid parent are invalid
-            oks.append(ok)
-            if j + 1 < len(branches):
-                parent_tok = ids[:, 0]
-        tokens = torch.cat([root.unsqueeze(1)] + toks, 1)
-        valid = torch.cat([ones((b, 1), torch.bool, root.device)] + oks, 1)
-        return DraftTree(tokens, self._parents_for(b, root.device, branches), valid, static_key=("esp", tuple(branches)))
+        tokens, valid = static_tree_tokens(root, cand_lp, cand_ids, branches, self.prune)
+        return DraftTree(tokens, self._parents_for(root.shape[0], root.device, branches), valid,
+                         static_key=("esp", tuple(branches)))
 
     def _pool(self, root, cand_lp, cand_ids):
         """Algorithm 1's candidate pool for the full budget: (score [B, P] cumulative log-prob, token [B, P],
@@ -399,6 +428,69 @@ class ESPDrafter(Drafter):
         if self.num_masks == 1:
             tree.static_key = ("esp-k1", num_nodes)
         return tree
+
+
+def probe_candidates(logits: torch.Tensor, root: torch.Tensor, num_cand: int, prune: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A probe's candidates: (log-probs [B, k, C], token ids [B, k, C]) of each mask's top C tokens, best first,
+    from its logits [B, k, V] (float32; mask 1's entry of the root token [B] is overwritten when pruning: mask
+    1's candidates hang under the next root, never the root's own token). Ranked by the logits themselves, so
+    the order does not depend on the normaliser's rounding; a vocabulary smaller than C pads with NEG."""
+    lse = torch.logsumexp(logits, -1, keepdim=True)  # [B, k, 1]
+    if prune:
+        logits.select(1, 0).scatter_(1, root.unsqueeze(1), NEG)
+    top = logits.topk(min(num_cand, logits.shape[-1]), dim=-1)
+    lp, ids = top.values - lse, top.indices
+    if lp.shape[-1] < num_cand:
+        lp = torch.nn.functional.pad(lp, (0, num_cand - lp.shape[-1]), value=NEG)
+        ids = torch.nn.functional.pad(ids, (0, num_cand - ids.shape[-1]))
+    return lp, ids
+
+
+def static_tree_tokens(root: torch.Tensor, cand_lp: torch.Tensor, cand_ids: torch.Tensor, branches: list[int],
+                       prune: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 expansion with fixed branches [K_1..K_d]: depth j+1 hangs under the first depth-j node. (tokens,
+    valid) [B, T] of the tree whose slot 0 is the root [B] (parents: `tree.static_parents(branches)`)."""
+    b = root.shape[0]
+    parent_tok = root
+    toks, oks = [], []
+    for j, kj in enumerate(branches):
+        # depth 1 never holds the root (the probe excluded it); deeper, the parent's token is skipped here
+        excl = parent_tok if prune and j else None
+        lp, ids = topk_excluding(cand_lp.select(1, j), cand_ids.select(1, j), excl, kj)
+        toks.append(ids)
+        ok = lp > NEG
+        if oks:
+            ok = ok & oks[-1][:, :1]  # children of an invalid parent are invalid
+        oks.append(ok)
+        if j + 1 < len(branches):
+            parent_tok = ids[:, 0]
+    tokens = torch.cat([root.unsqueeze(1)] + toks, 1)
+    valid = torch.cat([ones((b, 1), torch.bool, root.device)] + oks, 1)
+    return tokens, valid
+
+
+def probe_block(logits: torch.Tensor, root: torch.Tensor, m: torch.Tensor, embed_weight: torch.Tensor, *,
+                num_cand: int, prune: bool, branches: list[int], num_masks: int) -> tuple[torch.Tensor, ...]:
+    """engine.compile_host's kernel after a probe: the candidates (`probe_candidates`), the next pass's static tree
+    (`static_tree_tokens`) and its input embeddings [B, T * (1 + k), D]: the tree tokens' rows of embed_weight
+    [V, D], then m [B, 1, D] for each of the T * k masks (`ESPDrafter._mask_embeds`)."""
+    cand_lp, cand_ids = probe_candidates(logits, root, num_cand, prune)
+    tokens, valid = static_tree_tokens(root, cand_lp, cand_ids, branches, prune)
+    masks = m.to(embed_weight.dtype).expand(-1, tokens.shape[1] * num_masks, -1)
+    embeds = torch.cat([torch.nn.functional.embedding(tokens, embed_weight), masks], 1)
+    return cand_lp, cand_ids, tokens, valid, embeds
+
+
+class _ProbeBlock(torch.nn.Module):
+    """probe_block with its host-known arguments fixed: what torch.export traces."""
+
+    def __init__(self, num_cand: int, prune: bool, branches: list[int], num_masks: int):
+        super().__init__()
+        self.kw = dict(num_cand=num_cand, prune=prune, branches=list(branches), num_masks=num_masks)
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # logits, root, m, embed_weight
+        return probe_block(*args, **self.kw)
 
 
 def _gen(seed: int) -> torch.Generator:

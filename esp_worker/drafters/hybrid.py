@@ -155,6 +155,9 @@ class HybridDrafter(ESPDrafter):
         if self.corpus is not None:
             self.corpus.add(token_ids)
 
+    def use_compiled(self, kernels, embed_weight: torch.Tensor) -> None:
+        """Eager: the hybrid proposes merged trees, never ESP's prepared static block (`ESPDrafter._probe`)."""
+
     def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
         return self.chain.row_hints(view)  # with a corpus: whether any row needs it next pass
 
