@@ -10,7 +10,10 @@ are dynamic, so a job compiles a kernel per block size, not per step). When ever
 in the cache's slab, the kernel also moves the kept slots (`kv_cache.move_slots`, the eager `keep`'s own
 move), and when the drafter's next `observe` would fold exactly the committed tokens into its mask EMA
 (`Drafter.settle_ema`: ESP and the hybrid after a pass that fed masks) it computes that too
-(`drafters.common.ema_apply`, the eager step's own function).
+(`drafters.common.ema_apply`, the eager step's own function). When every tree slot owns masks (ESP) it also
+gathers the hidden states of the masks the last accepted slot owns, which the drafter's probe reads
+(`Engine._observe`'s own `mask_indices` / `gather_slots`). The probe's own work after its LM head is the
+drafter's second kernel (`drafters/esp.py`, `probe_block`).
 
 The kernel covers greedy rows without stop strings; sampled rows, stop strings, a shape's first passes and
 any shape whose compilation fails (logged once) run the phases eagerly. Compiled kernels compute the same

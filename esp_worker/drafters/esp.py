@@ -7,6 +7,12 @@ and moves by EMA toward each committed token's embedding.
 
 State per row: `m` [B, 1, D]; `cand_lp` [B, k, C] sorted log-probs and `cand_ids` [B, k, C] of each mask's top-C
 tokens; `has_probe` [B] bool (False until a probe exists, e.g. when prefill probing is off).
+
+Under engine.compile_host (CPU) the work after the probe's LM head, when every row was probed and the tree is
+static, is one AOTInductor kernel (`probe_block`, made of the eager functions `probe_candidates` and
+`static_tree_tokens`): the candidates, the next pass's tree and all of its input embeddings, which `propose`
+takes as they are while the roots, candidates and m are the ones they were built from. Integers and copies
+only past the normaliser, so the drafts are the eager ones.
 """
 from __future__ import annotations
 
