@@ -161,7 +161,8 @@ def test_probe_candidates_rank_by_logits_and_exclude_the_root():
 
     weight, m = torch.randn(50, 8), torch.randn(3, 1, 8)
     c_lp, c_ids, tokens, valid, embeds = probe_block(logits.clone(), root, m, weight, num_cand=6, prune=True,
-                                                     branches=[3, 2], num_masks=2)
+                                                     branches=[3, 2], num_masks=2,
+                                                     mask_dtype=torch.float32)
     assert torch.equal(c_lp, lp) and torch.equal(c_ids, ids)
     t_ref, v_ref = static_tree_tokens(root, lp, ids, [3, 2], prune=True)
     assert torch.equal(tokens, t_ref) and torch.equal(valid, v_ref) and tokens.shape == (3, 6)

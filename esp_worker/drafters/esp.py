@@ -124,10 +124,11 @@ class ESPDrafter(Drafter):
 
     def _mask_embeds(self, m: torch.Tensor, num_slots: int) -> torch.Tensor:
         # m: [B, 1, D] -> [B, num_slots * k, D] in the model dtype
-        dtype = self.table_mu.dtype if self._model_dtype is None else self._model_dtype
-        if m.dtype != dtype:
-            m = m.to(dtype)
-        return m.expand(-1, num_slots * self.num_masks, -1)
+        return mask_inputs(m, num_slots * self.num_masks, self._mask_dtype)
+
+    @property
+    def _mask_dtype(self) -> torch.dtype:
+        return self.table_mu.dtype if self._model_dtype is None else self._model_dtype
 
     _model_dtype: Optional[torch.dtype] = None
 
@@ -177,9 +178,10 @@ class ESPDrafter(Drafter):
         branches = self._branches_for(self.num_nodes) if prepare and self._kernels is not None else None
         if branches is not None:
             args = [logits, view.root, st.m, self._embed_weight]
+            dtype = self._mask_dtype
             kernel = self._kernels.get(
-                (tuple(logits.shape[1:]), logits.dtype, tuple(st.m.shape[1:]), st.m.dtype, tuple(branches)),
-                lambda: _ProbeBlock(self.num_cand, self.prune, branches, self.num_masks), args,
+                (tuple(logits.shape[1:]), logits.dtype, tuple(st.m.shape[1:]), st.m.dtype, dtype, tuple(branches)),
+                lambda: _ProbeBlock(self.num_cand, self.prune, branches, self.num_masks, dtype), args,
                 [{0: "batch"}, {0: "batch"}, {0: "batch"}, {}]) if all(a.is_contiguous() for a in args) else None
             if kernel is not None:
                 st.cand_lp, st.cand_ids, tokens, valid, embeds = kernel.boxed_run(args)  # takes the list
@@ -476,14 +478,22 @@ def static_tree_tokens(root: torch.Tensor, cand_lp: torch.Tensor, cand_ids: torc
     return tokens, valid
 
 
+def mask_inputs(m: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask inputs of a block: m [B, 1, D] in `dtype` (the model's) as [B, count, D] (a view)."""
+    if m.dtype != dtype:
+        m = m.to(dtype)
+    return m.expand(-1, count, -1)
+
+
 def probe_block(logits: torch.Tensor, root: torch.Tensor, m: torch.Tensor, embed_weight: torch.Tensor, *,
-                num_cand: int, prune: bool, branches: list[int], num_masks: int) -> tuple[torch.Tensor, ...]:
+                num_cand: int, prune: bool, branches: list[int], num_masks: int, mask_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, ...]:
     """engine.compile_host's kernel after a probe: the candidates (`probe_candidates`), the next pass's static tree
     (`static_tree_tokens`) and its input embeddings [B, T * (1 + k), D]: the tree tokens' rows of embed_weight
-    [V, D], then m [B, 1, D] for each of the T * k masks (`ESPDrafter._mask_embeds`)."""
+    [V, D], then the T * k mask inputs (`mask_inputs`), as the engine joins them (`Engine._forward`)."""
     cand_lp, cand_ids = probe_candidates(logits, root, num_cand, prune)
     tokens, valid = static_tree_tokens(root, cand_lp, cand_ids, branches, prune)
-    masks = m.to(embed_weight.dtype).expand(-1, tokens.shape[1] * num_masks, -1)
+    masks = mask_inputs(m, tokens.shape[1] * num_masks, mask_dtype).to(embed_weight.dtype)
     embeds = torch.cat([torch.nn.functional.embedding(tokens, embed_weight), masks], 1)
     return cand_lp, cand_ids, tokens, valid, embeds
 
@@ -491,9 +501,10 @@ def probe_block(logits: torch.Tensor, root: torch.Tensor, m: torch.Tensor, embed
 class _ProbeBlock(torch.nn.Module):
     """probe_block with its host-known arguments fixed: what torch.export traces."""
 
-    def __init__(self, num_cand: int, prune: bool, branches: list[int], num_masks: int):
+    def __init__(self, num_cand: int, prune: bool, branches: list[int], num_masks: int, mask_dtype: torch.dtype):
         super().__init__()
-        self.kw = dict(num_cand=num_cand, prune=prune, branches=list(branches), num_masks=num_masks)
+        self.kw = dict(num_cand=num_cand, prune=prune, branches=list(branches), num_masks=num_masks,
+                       mask_dtype=mask_dtype)
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # logits, root, m, embed_weight
         return probe_block(*args, **self.kw)
