@@ -290,6 +290,7 @@ class Engine:
     def _step(self, rows: Rows) -> None:
         """One decode pass over every row: named phases, no host read until `read_back`."""
         t_start, model_s0, len0 = time.perf_counter(), self.runner.model_s, sum(rows.lens)
+        compile0 = self.compile_s if self.policy is not None else 0.0
         block = self._propose(rows)
         hidden, slot_logits = self._forward(rows, block)
         res, n_fin, done = self._settle(rows, block, hidden, slot_logits)  # verify, stops, keep, commit, count
@@ -306,8 +307,10 @@ class Engine:
         if mass is not None:
             self.policy.receive(mass)
         seconds, model_s = time.perf_counter() - t_start, self.runner.model_s - model_s0
-        if self.policy is not None:
-            self.policy.observe_pass(sum(rows.lens) - len0, seconds, model_s)  # tokens committed (host, no read)
+        if self.policy is not None:  # tokens committed (host, no read); a pass that compiled a kernel (engine.compile,
+            # compile_host) says nothing of its mode's cost: its times are left out
+            timed = self.compile_s == compile0
+            self.policy.observe_pass(sum(rows.lens) - len0, seconds if timed else None, model_s if timed else None)
         self.timing["decode_s"] += seconds
         self.timing["model_s"] += model_s  # includes the drafter's LM-head calls
         self.timing["decode_passes"] += 1
@@ -320,12 +323,12 @@ class Engine:
     def _forward(self, rows: Rows, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [B, Q, D] of the block and logits [B, T, V] at its tree slots; writes the block's KV."""
         tree, lay = block.tree, block.layout
-        embeds = block.embeds  # [B, Q, D] when the drafter prepared them (engine.compile_host)
+        embeds = block.embeds  # [B, Q, D] when the drafter prepared every input (engine.compile_host)
         if embeds is None:
             embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
-        if block.aux_embeds is not None and block.embeds is None:
-            aux = block.aux_embeds
-            embeds = torch.cat([embeds, aux if aux.dtype == embeds.dtype else aux.to(embeds.dtype)], 1)
+            if block.aux_embeds is not None:
+                aux = block.aux_embeds
+                embeds = torch.cat([embeds, aux if aux.dtype == embeds.dtype else aux.to(embeds.dtype)], 1)
         b, q = embeds.shape[:2]
         common = rows.common_length()
         s_max = (max(rows.lens) if common is None else common) - 1  # cached slots per row (the root is not cached)
@@ -365,7 +368,7 @@ class Engine:
             weight = self.runner.embed_weight
             ema = self.drafter.settle_ema(rows.view(), block) if weight is not None else None
             k = self.drafter.num_masks
-            masks = k and block.aux_embeds is not None and block.mask_owner is None
+            masks = k > 0 and block.aux_embeds is not None and block.mask_owner is None  # every slot owns k masks
             done = self.settler(rows, block, slot_logits, None if ema is None else (ema[0], weight, ema[1]),
                                 hidden if masks else None, k)
         if done is not None:  # the history and the counters are written; the lengths are still the old ones
