@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -185,17 +185,16 @@ class ESPDrafter(Drafter):
                 [{0: "batch"}, {0: "batch"}, {0: "batch"}, {}]) if all(a.is_contiguous() for a in args) else None
             if kernel is not None:
                 st.cand_lp, st.cand_ids, tokens, valid, embeds = kernel.boxed_run(args)  # takes the list
-                self._ready = (view.root, st.cand_lp, st.m, branches, tokens, valid, embeds)
+                self._ready = _Prepared(view.root, st.cand_lp, st.m, branches, tokens, valid, embeds)
                 self.kernel_probes += 1
                 return
         st.cand_lp, st.cand_ids = probe_candidates(logits, view.root, self.num_cand, self.prune)
 
     # engine.compile_host (`use_compiled`): the kernels and the embedding weight; the block prepared with the last
-    # probe (roots, candidates, m it was built from, branches, tokens, valid, embeds); probes run by the kernel and
-    # prepared blocks proposed
+    # probe; probes run by the kernel and prepared blocks proposed
     _kernels: Optional[AotKernels] = None
     _embed_weight: Optional[torch.Tensor] = None
-    _ready: Optional[tuple] = None
+    _ready: Optional["_Prepared"] = None
     kernel_probes = 0
     prepared_blocks = 0
 
@@ -316,10 +315,10 @@ class ESPDrafter(Drafter):
             return self.block(DraftTree.root_only(view.root), None, max_depth=0)
         branches = self._branches_for(n)
         ready = self._ready
-        if (ready is not None and self._all_probed and not self._lag and ready[0] is view.root
-                and ready[1] is st.cand_lp and ready[2] is st.m and ready[3] == branches):
+        if (ready is not None and self._all_probed and not self._lag and ready.root is view.root
+                and ready.cand_lp is st.cand_lp and ready.m is st.m and ready.branches == branches):
             # the block the last probe's kernel prepared (`_probe`): its tree and every input embedding
-            tokens, valid, embeds = ready[4:]
+            tokens, valid, embeds = ready.tokens, ready.valid, ready.embeds
             b, t = tokens.shape
             tree = DraftTree(tokens, self._parents_for(b, tokens.device, branches), valid, static_key=("esp", tuple(branches)))
             block = self.block(tree, embeds.narrow(1, t, t * self.num_masks), max_depth=len(branches))
@@ -496,6 +495,18 @@ def probe_block(logits: torch.Tensor, root: torch.Tensor, m: torch.Tensor, embed
     masks = mask_inputs(m, tokens.shape[1] * num_masks, mask_dtype).to(embed_weight.dtype)
     embeds = torch.cat([torch.nn.functional.embedding(tokens, embed_weight), masks], 1)
     return cand_lp, cand_ids, tokens, valid, embeds
+
+
+class _Prepared(NamedTuple):
+    """A block `probe_block` prepared, and what it was built from (valid while the rows still hold these)."""
+
+    root: torch.Tensor  # [B] the roots
+    cand_lp: torch.Tensor  # [B, k, C] the probe's candidates (the state's tensor)
+    m: torch.Tensor  # [B, 1, D] the mask vector
+    branches: list[int]
+    tokens: torch.Tensor  # [B, T]
+    valid: torch.Tensor  # [B, T]
+    embeds: torch.Tensor  # [B, T * (1 + k), D]
 
 
 class _ProbeBlock(torch.nn.Module):
