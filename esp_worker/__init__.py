@@ -20,7 +20,7 @@ def __getattr__(name: str):  # lazy: importing the package stays cheap
 
         return Engine
     if name == "load_model":
-        from .model_io import load_model
+        from .model.load import load_model
 
         return load_model
     raise AttributeError(name)

@@ -21,7 +21,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
     device: str = "auto"  # cpu | cuda | cuda:N | auto
     attn_implementation: str = "sdpa"  # sdpa | eager (flash_attention_2 cannot take tree masks)
-    # Llama / Mistral / Qwen2 / Qwen3: run the decoder layers directly (esp_worker.decoder; bitwise the same
+    # Llama / Mistral / Qwen2 / Qwen3: run the decoder layers directly (esp_worker.model.decoder; bitwise the same
     # hidden states, without transformers' per-call wrappers). false = always the model's own forward.
     direct_forward: bool = True
     trust_remote_code: bool = False

@@ -19,19 +19,20 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from . import kv_cache
-from .aot import AotKernels
+from .kernels.aot import AotKernels
 from .batch import PassCounter, Rows, Seq, finish_stats, new_counters, write_history
 from .consts import steps
 from .config import EngineConfig, ModelConfig
-from .cost_model import CostCurve
+from .auto.cost_model import CostCurve
 from .drafters import Block, Drafter, PassResult, RowsView, make_drafter
 from .feed import RequestFeed
 from .grad import inference
-from .inputs import StaticBlockBias, attention_bias
-from .model_io import LoadedModel, ModelRunner, load_model
-from .policy import BlockPolicy, calibrate
+from .model.attention import StaticBlockBias, attention_bias
+from .model.load import LoadedModel, load_model
+from .model.runner import ModelRunner
+from .auto.policy import BlockPolicy, calibrate
 from .sampling import UniformStreams, choose_tokens
-from .settle import Settled, Settler
+from .kernels.settle import Settled, Settler
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
 from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats

@@ -6,7 +6,7 @@ import functools
 import torch
 
 from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request
-from esp_worker.model_io import LoadedModel, load_model
+from esp_worker.model.load import LoadedModel, load_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 PROMPTS = (

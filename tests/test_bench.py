@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from esp_worker.cost_model import CostCurve, predict_speedup
+from esp_worker.auto.cost_model import CostCurve, predict_speedup
 from jobs.bench import main
 
 REQUIRED = {"method", "block_complexity", "num_masks", "tree", "category", "num_prompts", "tau", "tokens_per_s",
@@ -239,7 +239,7 @@ def test_bench_profile_writes_op_tables(tmp_path):
     text = (out / "profile-pld_BCauto-b1.txt").read_text()
     assert "row-passes" in text and "model.forward" in text and "model.logits" in text
     assert "grouped by input shape" in text
-    from esp_worker.model_io import ModelRunner
+    from esp_worker.model.runner import ModelRunner
 
     assert ModelRunner.profile_marks is False  # off again after the profiled run
 

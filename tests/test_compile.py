@@ -8,8 +8,9 @@ import torch
 
 from engine_helpers import reference, run, tiny
 from esp_worker import EngineConfig, GenerationParams
-from esp_worker.compiled import CompileUnsupported
-from esp_worker.model_io import ModelLoadError, ModelRunner
+from esp_worker.model.compiled import CompileUnsupported
+from esp_worker.model.errors import ModelLoadError
+from esp_worker.model.runner import ModelRunner
 
 GREEDY = GenerationParams(max_new_tokens=64)
 

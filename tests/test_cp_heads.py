@@ -11,10 +11,7 @@ import torch
 
 from engine_helpers import ARCHS, PROMPTS, reference, run, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
-from esp_worker.cp_heads import (
-    CPHeads, CPHeadsConfig, HeadsLoadError, balance_loss, cp_log_likelihood, first_position_log_likelihood,
-    heads_loss, load_heads, new_heads, save_heads, seed_experts,
-)
+from esp_worker.model.heads import CPHeads, CPHeadsConfig, HeadsLoadError, balance_loss, cp_log_likelihood, first_position_log_likelihood, heads_loss, load_heads, new_heads, save_heads, seed_experts,
 from esp_worker.drafters.cp_heads import CPHeadsDrafter
 from esp_worker.tree import best_nodes
 
@@ -214,7 +211,7 @@ def test_cp_heads_greedy_matches_generate(arch, batch, heads_dir):
 @pytest.mark.parametrize("slope", [0.0, 0.3])
 def test_cp_heads_auto_block_matches_generate(heads_dir, slope):
     """block_complexity=auto under a flat cost curve (large trees) and a steep one (small trees / plain)."""
-    from esp_worker.cost_model import CostCurve
+    from esp_worker.auto.cost_model import CostCurve
 
     blocks = [1, 2, 4, 8, 16]
     secs = [[[1.0 + slope * q for q in blocks] for _ in (64, 512)] for _ in (1, 8)]
@@ -274,7 +271,7 @@ def test_hybrid_with_heads_matches_generate(arch, batch, heads_dir):
 
 
 def test_hybrid_with_heads_auto_and_sampling(heads_dir):
-    from esp_worker.cost_model import CostCurve
+    from esp_worker.auto.cost_model import CostCurve
 
     lm = tiny("llama")
     blocks = [1, 2, 4, 8, 16, 32]

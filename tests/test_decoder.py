@@ -1,4 +1,4 @@
-"""The direct decoder forward (esp_worker.decoder) gives bitwise the hidden states of the model's own forward."""
+"""The direct decoder forward (esp_worker.model.decoder) gives bitwise the hidden states of the model's own forward."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +8,9 @@ import torch
 
 from engine_helpers import ARCHS, tiny
 from esp_worker import kv_cache
-from esp_worker.decoder import direct_decoder
-from esp_worker.inputs import attention_bias
-from esp_worker.model_io import ModelRunner
+from esp_worker.model.decoder import direct_decoder
+from esp_worker.model.attention import attention_bias
+from esp_worker.model.runner import ModelRunner
 
 
 def _runners(arch: str, attn: str) -> tuple[ModelRunner, ModelRunner]:
@@ -159,7 +159,7 @@ def test_packed_gqa_attention_is_bitwise_transformers_sdpa(b, q, s, g):
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from esp_worker.decoder import sdpa_packed_gqa
+    from esp_worker.model.decoder import sdpa_packed_gqa
 
     gen = torch.Generator().manual_seed(b * q)
     hkv, hd = 2, 8

@@ -36,7 +36,7 @@ def test_prompt_lookup_keeps_its_acceptance_rates_only_for_auto():
     """The per-depth rates only feed draft_mass (block_complexity=auto): a fixed block size skips them (the
     same tokens either way); with `auto` they count the chains offered."""
     from esp_worker import Engine, Request
-    from esp_worker.cost_model import CostCurve
+    from esp_worker.auto.cost_model import CostCurve
 
     lm = tiny("llama")
     reqs = lambda: [Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)]  # noqa: E731

@@ -247,14 +247,15 @@ def test_statistics_are_consistent():
 
 
 def test_engine_never_imports_ray():
-    code = "import sys, esp_worker, esp_worker.engine, esp_worker.drafters, esp_worker.model_io; " \
+    code = "import sys, esp_worker, esp_worker.engine, esp_worker.drafters, esp_worker.model.load; " \
            "import esp_worker.drafters.esp, esp_worker.drafters.pld; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_flash_attention_refused_with_one_line():
     from esp_worker import ModelConfig
-    from esp_worker.model_io import ModelLoadError, load_model
+    from esp_worker.model.errors import ModelLoadError
+    from esp_worker.model.load import load_model
 
     with pytest.raises(ModelLoadError, match="tree attention mask"):
         load_model(ModelConfig(name_or_path="tiny-random-llama", attn_implementation="flash_attention_2"))
@@ -266,7 +267,7 @@ def test_flash_attention_refused_with_one_line():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_runs_and_reports_exact_match():
     from esp_worker import ModelConfig
-    from esp_worker.model_io import load_model
+    from esp_worker.model.load import load_model
 
     lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda", dtype="bfloat16"))
     ar = run(lm, EngineConfig(method="ar"), GenerationParams(max_new_tokens=32))

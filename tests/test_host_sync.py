@@ -124,7 +124,7 @@ def test_no_synchronisation_inside_a_pass_on_gpu(monkeypatch, setting, temperatu
     """Any synchronising CUDA call inside Engine._step raises, except in the pass's one Rows.read_back (and,
     under block_complexity=auto, in a pass right after rows joined or left: see the CPU test)."""
     from esp_worker import ModelConfig
-    from esp_worker.model_io import load_model
+    from esp_worker.model.load import load_model
 
     lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda"))
     step, read_back = Engine._step, Rows.read_back

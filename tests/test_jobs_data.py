@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest_jobs import SPEC_BENCH, shared, TINY_PROMPTS, write_jsonl
-from esp_worker.model_io import build_tiny_tokenizer
+from esp_worker.model.load import build_tiny_tokenizer
 from jobs.config import ConfigError
 from jobs.output import OutputDir
 from jobs.prompts import PromptBuilder, render_plain

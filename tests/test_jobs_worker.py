@@ -6,7 +6,7 @@ import torch
 
 from conftest_jobs import SPEC_BENCH, shared, job_cfg
 from esp_worker import ModelConfig
-from esp_worker.model_io import load_model
+from esp_worker.model.load import load_model
 from jobs.output import OutputDir
 from jobs.prompts import render_plain
 from jobs.rows import RowNormalizer

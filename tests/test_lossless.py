@@ -77,7 +77,7 @@ def test_sliding_window_model_matches_generate(method):
     import dataclasses
 
     import torch
-    from esp_worker.model_io import build_tiny_model
+    from esp_worker.model.load import build_tiny_model
     from engine_helpers import PROMPTS
 
     model, tok = build_tiny_model("mistral", seed=3)

@@ -8,8 +8,8 @@ import torch
 
 from engine_helpers import ARCHS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams
-from esp_worker.cost_model import CostCurve
-from esp_worker.policy import BlockPolicy, calibrate
+from esp_worker.auto.cost_model import CostCurve
+from esp_worker.auto.policy import BlockPolicy, calibrate
 
 BLOCKS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -81,7 +81,7 @@ def test_auto_is_lossless(arch, method, k, cost):
 def test_calibration_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("ESP_BATCH_CACHE", str(tmp_path))
     eng_lm = tiny("llama")
-    from esp_worker.model_io import ModelRunner
+    from esp_worker.model.runner import ModelRunner
 
     runner = ModelRunner(eng_lm)
     c1 = calibrate(runner, max_batch=2, max_block=8)
@@ -375,7 +375,8 @@ def test_engine_stops_drafting_when_its_drafting_forwards_are_slow(monkeypatch):
 
     from conftest_jobs import SHARED_DATA, TINY_PROMPTS, shared
     from esp_worker import ModelConfig, Request
-    from esp_worker.model_io import ModelRunner, load_model
+    from esp_worker.model.runner import ModelRunner
+    from esp_worker.model.load import load_model
 
     model_dir = shared(SHARED_DATA.parent / "models" / "esp-tiny-llama")
     prompts = [json.loads(line)["prompt"] for line in shared(TINY_PROMPTS).read_text().splitlines()[:4]]

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request
-from esp_worker.model_io import SHIPPED_CONFIGS, ModelLoadError, load_model, random_config_path
+from esp_worker.model.load import SHIPPED_CONFIGS, load_model, random_config_path
+from esp_worker.model.errors import ModelLoadError
 
 
 @pytest.mark.parametrize("shape", ["llama-1b", "llama-3b", "llama-8b", "qwen3-1.7b", "qwen3-8b"])

@@ -11,8 +11,8 @@ import torch
 
 from engine_helpers import PROMPTS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request, aot
-from esp_worker.model_io import ModelLoadError
-from esp_worker.settle import Settler
+from esp_worker.model.errors import ModelLoadError
+from esp_worker.kernels.settle import Settler
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_compiled_settle_on_the_trained_model(compile_at_once):
     hybrid's accepted drafts per proposer too), with drafts accepted."""
     from conftest_jobs import SHARED_DATA, TINY_PROMPTS, shared
     from esp_worker import ModelConfig
-    from esp_worker.model_io import load_model
+    from esp_worker.model.load import load_model
 
     model_dir = shared(SHARED_DATA.parent / "models" / "esp-tiny-llama")
     prompts = [json.loads(line)["prompt"] for line in shared(TINY_PROMPTS).read_text().splitlines()[:6]]
@@ -183,7 +183,7 @@ def test_probe_candidates_rank_by_logits_and_exclude_the_root():
 
 def _curve(slope: float):
     """A cost curve where a pass of Q tokens per row costs 1 + slope * Q (0: blocks are free)."""
-    from esp_worker.cost_model import CostCurve
+    from esp_worker.auto.cost_model import CostCurve
 
     blocks = [1, 2, 4, 8, 16, 32, 64]
     secs = [[[(1.0 + slope * q) * (1 + 0.1 * b) for q in blocks] for _ in (64, 512)] for b in (1, 8)]

@@ -9,7 +9,7 @@ import pytest
 
 from engine_helpers import PROMPTS, reference, run, tiny
 from esp_worker import EngineConfig, GenerationParams
-from esp_worker.cp_heads import load_heads
+from esp_worker.model.heads import load_heads
 from jobs.config import ConfigError
 from jobs.train_heads import iter_documents, load_train_config, main
 

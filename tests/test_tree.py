@@ -68,7 +68,7 @@ def test_static_parents_top1_expansion():
 def test_attention_bias_rows_of_one_length_equal_the_general_form():
     import torch
 
-    from esp_worker.inputs import attention_bias
+    from esp_worker.model.attention import attention_bias
 
     g = torch.Generator().manual_seed(0)
     for b, q, s, shared in [(1, 5, 7, True), (3, 4, 2, False), (2, 6, 11, True)]:
@@ -84,7 +84,7 @@ def test_attention_bias_rows_of_one_length_equal_the_general_form():
 def test_static_block_bias_is_the_general_bias_as_the_context_grows():
     """A cached layout's bias is a view of one buffer per layout, grown with the context; its values are
     attention_bias's for every length, batch and dtype, and a second layout gets its own buffer."""
-    from esp_worker.inputs import StaticBlockBias, attention_bias
+    from esp_worker.model.attention import StaticBlockBias, attention_bias
 
     g = torch.Generator().manual_seed(1)
     layouts = []

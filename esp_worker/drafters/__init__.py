@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..config import EngineConfig
-from ..model_io import ModelRunner
+from ..model.runner import ModelRunner
 from .base import Block, Drafter, PassResult, PlainDrafter, RowsView
 
 
@@ -59,7 +59,7 @@ HYBRID_HEADS_NODES = 8
 
 def _cp_heads(cfg: EngineConfig, runner: ModelRunner, num_nodes: int):
     """The trained heads at `engine.heads_path` as a drafter of `num_nodes` nodes (cp_heads, and inside hybrid)."""
-    from ..cp_heads import load_heads
+    from ..model.heads import load_heads
     from .cp_heads import CPHeadsDrafter
 
     heads = load_heads(cfg.heads_path, runner.model, runner.device)

@@ -17,7 +17,7 @@ from ..tree import BlockLayout, DraftTree, block_layout
 from .state import RowState
 
 if TYPE_CHECKING:
-    from ..aot import AotKernels
+    from ..kernels.aot import AotKernels
 
 
 @dataclass

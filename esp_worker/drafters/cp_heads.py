@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..cp_heads import CPHeads
+from ..model.heads import CPHeads
 from ..grad import inference
 from ..tree import DraftTree, best_nodes
 from .base import Block, Drafter, PassResult, RowsView

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..aot import AotKernels
+from ..kernels.aot import AotKernels
 from ..consts import ones
 from ..sampling import upload
 from ..tree import DraftTree, best_nodes, static_branches, static_parents

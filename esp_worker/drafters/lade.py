@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import EngineConfig
-from ..model_io import ModelRunner
+from ..model.runner import ModelRunner
 from ..tree import BlockLayout, DraftTree, ancestor_matrix
 from .base import Block, Drafter, PassResult, RowsView
 from .state import RowState, row_field

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from ..config import EngineConfig
-from ..model_io import ModelRunner
+from ..model.runner import ModelRunner
 from ..tree import best_nodes
 from .base import Block, Drafter, PassResult, RowsView
 from .common import NEG, find_continuation, topk_excluding

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .model_io import ModelLoadError
+from .errors import ModelLoadError
 
 
 class CompileUnsupported(ModelLoadError):

@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .grad import inference
-from .tree import gather_slots
+from ..grad import inference
+from ..tree import gather_slots
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")

@@ -3,7 +3,7 @@
     rate(n) = sum over rows of E_b(n) / time(batch, Q(n), cache_len)
     E_b(n)  = 1 + alpha * sum of the n best node probabilities of row b (the drafter's `draft_mass`)
 
-`time` comes from the measured cost curve of this model on this device (esp_worker.cost_model), so the same
+`time` comes from the measured cost curve of this model on this device (esp_worker.auto.cost_model), so the same
 code picks large trees on a GPU at small batch and small trees (or none) on a CPU or at large batch.
 `alpha` calibrates the drafter's probabilities against what verification actually accepts (a running ratio
 of accepted drafts to predicted mass). n = -1 is plain decoding (Q = 1), always a candidate.
@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from .cost_model import CostCurve, measure_cost_curve, powers_of_two
-from .model_io import ModelRunner
+from ..model.runner import ModelRunner
 
 EXCESS_TOLERANCE = 1.25  # a drafting pass's model time beyond the curve counts once it is this far above plain's
 EXCESS_REFRESH = 8  # while an excess counts, a plain pass at least every this many passes re-measures plain's

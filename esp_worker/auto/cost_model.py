@@ -20,9 +20,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import kv_cache
-from .inputs import attention_bias
-from .model_io import ModelRunner
+from .. import kv_cache
+from ..model.attention import attention_bias
+from ..model.runner import ModelRunner
 
 
 @dataclass

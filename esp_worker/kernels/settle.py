@@ -28,14 +28,14 @@ from typing import Any, Optional
 import torch
 
 from .aot import AotKernels, require_compiler
-from .batch import Rows, count_by_proposer, count_pass, write_history
-from .consts import steps
-from .drafters import Block
-from .drafters.common import ema_apply
-from .kv_cache import move_slots
-from .stops import apply_stops
-from .tree import DraftTree, gather_slots, mask_indices
-from .verify import VerifyResult, verify_greedy
+from ..batch import Rows, count_by_proposer, count_pass, write_history
+from ..consts import steps
+from ..drafters import Block
+from ..drafters.common import ema_apply
+from ..kv_cache import move_slots
+from ..stops import apply_stops
+from ..tree import DraftTree, gather_slots, mask_indices
+from ..verify import VerifyResult, verify_greedy
 
 # settle's inputs, in order (source and accepted_by only with per-proposer counts, the ema_* only when the
 # drafter's EMA is computed with the pass, kv only when the kernel moves the kept slots); `_SHARED` may be

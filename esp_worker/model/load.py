@@ -1,6 +1,4 @@
-"""Load a causal LM + tokenizer and run one forward over a block of embeddings.
-
-The only module that knows how a Hugging Face model is called. Sources:
+"""Load a causal LM + tokenizer. Sources:
 - a local directory or hub id (``AutoModelForCausalLM``; ``trust_remote_code`` only when configured);
 - ``tiny-random-<arch>`` for arch in llama | qwen2 | qwen3 | mistral: a small model built from a config with
   a fixed seed and a byte-level tokenizer built in memory (no download), for offline demos and tests;
@@ -10,30 +8,21 @@ The only module that knows how a Hugging Face model is called. Sources:
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from .config import ATTN_IMPLS, DTYPES, ModelConfig
-from .decoder import direct_decoder
-from .grad import inference
-from .tree import gather_slots
+from ..config import ATTN_IMPLS, DTYPES, ModelConfig
+from .errors import ModelLoadError
 
 TINY_PREFIX = "tiny-random-"
 RANDOM_PREFIX = "random:"
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """A model could not be loaded; the message says why and what to do."""
 
 
 @dataclass
@@ -263,135 +252,3 @@ def sliding_window(config: Any) -> Optional[int]:
             "it is not supported yet"
         )
     return int(window)
-
-
-class ModelRunner:
-    """One forward over a block of input embeddings with an explicit 4D mask and position ids.
-
-    The HF base model produces hidden states; logits are computed only where the caller asks
-    (`logits_at`), so a 60-token block does not materialise 60 x vocab logits it never reads.
-    """
-
-    def __init__(self, loaded: LoadedModel, compile: bool = False, compile_mode: str = ""):
-        self.loaded = loaded
-        self.model = loaded.model
-        self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        # the decoder's name for the KV cache argument: `cache` from transformers 5.24 (`past_key_values`, before,
-        # is deprecated there and goes in 5.40)
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
-        # the layer loop called directly where the architecture allows (bitwise equal hidden states)
-        self.direct = direct_decoder(self.base) if loaded.direct_forward else None
-        if compile:
-            if self.direct is None:
-                raise ModelLoadError(
-                    "engine.compile needs the direct forward (model.direct_forward=true and a Llama, Mistral, Qwen2 or "
-                    "Qwen3 model with sdpa or eager attention); set engine.compile=false"
-                )
-            self.direct.compile(compile_mode or None)
-        self.lm_head = self.model.get_output_embeddings()
-        # a forward with bias None and Q > 1 is causal (SDPA's is_causal); the other paths need the mask
-        self.causal_without_bias = self.direct is not None and self.direct.sdpa
-        self.embed = self.model.get_input_embeddings()
-        # a plain embedding and LM head (the direct forward checked the model has no hooks) run as the functional
-        # op itself, without nn.Module's call machinery (two calls per pass)
-        plain = self.direct is not None
-        self._embed_fn = _plain_embedding(self.embed) if plain else None
-        self._head_fn = _plain_linear(self.lm_head) if plain else None
-        self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        self.logit_scale = getattr(self.model.config, "logit_scale", None)
-        self.device = loaded.device
-        self.dtype = loaded.dtype
-        self.mask_min = torch.finfo(loaded.dtype).min
-        self.sliding_window = sliding_window(self.model.config)  # None = full attention
-        self.model_s = 0.0  # wall seconds inside forward() and logits(): model compute, for host-overhead accounting
-        # wait for the device after each call so model_s is true model time (CUDA only; turn off to keep a
-        # pass free of synchronisations, e.g. under torch.cuda.set_sync_debug_mode("error"))
-        self.timed = True
-
-    # name the model's calls in a torch.profiler trace (jobs/bench_profile.py turns it on; off, no cost per call)
-    profile_marks = False
-
-    def _mark(self, name: str):
-        return torch.profiler.record_function(name) if self.profile_marks else contextlib.nullcontext()
-
-    def _sync(self) -> None:
-        if self.timed and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @property
-    def embed_weight(self) -> Optional[torch.Tensor]:
-        """[V, D] the input embedding's weight when `embed_ids` is exactly a lookup in it (else None)."""
-        return self.embed.weight if self._embed_fn is not None else None
-
-    @inference
-    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids: [..., ] -> [..., D]
-        return self._embed_fn(ids) if self._embed_fn is not None else self.embed(ids)
-
-    @inference
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,  # [B, Q, D]
-        bias: Optional[torch.Tensor],  # [B, 1, Q, S] additive attention bias (inputs.attention_bias); None = all visible
-        position_ids: torch.Tensor,  # [B, Q]
-        cache: Any,  # kv_cache.KVCache, planned for this forward (rows, write slots, S)
-        max_position: Optional[int] = None,  # a bound on position_ids known on the host (lets RoPE use a table)
-        keep: Optional[torch.Tensor] = None,  # [B, K] positions whose hidden states are wanted (None = all)
-    ) -> torch.Tensor:
-        """Hidden states [B, Q, D] (or [B, K, D] at `keep`); the cache holds the block's keys and values where it
-        was planned."""
-        assert inputs_embeds.ndim == 3 and (bias is None or bias.ndim == 4) and position_ids.ndim == 2
-        t0 = time.perf_counter()
-        with self._mark("model.forward"):
-            hidden = self._forward(inputs_embeds, bias, position_ids, cache, max_position, keep)
-        self._sync()
-        self.model_s += time.perf_counter() - t0
-        return hidden
-
-    def _forward(self, inputs_embeds, bias, position_ids, cache, max_position, keep) -> torch.Tensor:
-        if self.direct is not None:
-            hidden = self.direct(inputs_embeds, bias, position_ids, cache, max_position, keep)
-        else:
-            hidden = self.base(
-                inputs_embeds=inputs_embeds,
-                attention_mask=bias,
-                position_ids=position_ids,
-                use_cache=True,
-                **{self._cache_kwarg: cache},
-            ).last_hidden_state
-            if keep is not None:
-                hidden = gather_slots(hidden, keep)
-        return hidden
-
-    @inference
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [..., D] -> logits [..., V] in float32
-        t0 = time.perf_counter()
-        with self._mark("model.logits"):
-            logits = self._head_fn(hidden) if self._head_fn is not None else self.lm_head(hidden)
-            if logits.dtype != torch.float32:
-                logits = logits.float()
-            if self.logit_scale is not None:
-                logits = logits * self.logit_scale
-            if self.softcap is not None:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-        self._sync()
-        self.model_s += time.perf_counter() - t0
-        return logits
-
-
-def _plain_embedding(m: Any) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """ids -> F.embedding with m's weight, when m is exactly an nn.Embedding that computes only that."""
-    if type(m) is not torch.nn.Embedding or m.max_norm is not None:
-        return None
-    # torch.embedding is what F.embedding calls after its argument checks (padding_idx only matters for
-    # gradients; -1 = none); calling it directly saves the wrapper's Python on every call
-    pad = -1 if m.padding_idx is None else m.padding_idx
-    return lambda ids: torch.embedding(m.weight, ids, pad, False, False)
-
-
-def _plain_linear(m: Any) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """x -> F.linear with m's weight and bias, when m is exactly an nn.Linear."""
-    if type(m) is not torch.nn.Linear:
-        return None
-    return lambda x: torch.nn.functional.linear(x, m.weight, m.bias)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .model_io import ModelLoadError
+from ..model.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 

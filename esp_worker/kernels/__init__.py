@@ -1,0 +1,1 @@
+"""engine.compile_host: host-side work of a pass compiled ahead of time (AOTInductor)."""
