@@ -1,6 +1,6 @@
 """Batch-row bookkeeping: the rows in flight, their tensors, host mirrors and per-row statistics counters.
 
-Every tensor in `Rows.t` / `Rows.state` (the drafter's typed RowState) is [B, ...] and moves with `select`
+Every tensor in `Rows.t` (RowTensors) / `Rows.state` (the drafter's typed RowState) is [B, ...] and moves with `select`
 (rows leave) and `extend` (rows join). Statistics are counted on the device with tensor ops (`count`) and
 turned into a RequestStats once, when a row retires; passes and block sizes are the same for every row of a
 pass, so they are counted once per pass on the host and each row keeps the counts it saw at admission.
@@ -16,10 +16,11 @@ from typing import Optional
 import torch
 
 from .consts import ones, steps
-from .drafters import RowsView
-from .drafters.state import RowState, cat_rows
+from .passes import RowsView
+from .row_state import RowState, row_field
 from .kv_cache import KVCache
 from .sampling import UniformStreams
+from .tree import DraftTree
 from .types import Request, RequestStats
 
 STAT_WIDTH = 16  # initial width of the per-depth / per-count histograms (grown when a deeper block comes)
@@ -53,25 +54,47 @@ class PassCounter:
 
 
 @dataclass
+class RowTensors(RowState):
+    """The engine's own [B, ...] tensors of the rows (the drafter keeps its own in a RowState of its type)."""
+
+    hist: Optional[torch.Tensor] = row_field()  # [B, C] prompt + committed tokens, valid up to hist_len
+    hist_len: Optional[torch.Tensor] = row_field()  # [B]
+    prompt_len: Optional[torch.Tensor] = row_field()  # [B]
+    limit: Optional[torch.Tensor] = row_field()  # [B] most tokens the row may hold
+    limit_code: Optional[torch.Tensor] = row_field()  # [B] the finish reason when it gets there
+    temperature: Optional[torch.Tensor] = row_field()  # [B]
+    top_p: Optional[torch.Tensor] = row_field()  # [B]
+    top_k: Optional[torch.Tensor] = row_field()  # [B]
+    stop_table: Optional[torch.Tensor] = row_field()  # [B, V] bool: token ids that stop the row
+    drafted: Optional[torch.Tensor] = row_field()  # [B] draft tokens fed
+    # [B, W * W] int32: passes that committed n_raw tokens before the stops and n_fin after them, at n_raw * W + n_fin
+    hists: Optional[torch.Tensor] = row_field()
+    accepted_by: Optional[torch.Tensor] = row_field()  # [B, P] accepted drafts per proposer (P > 0 only)
+
+    def extend(self, other: "RowTensors") -> None:
+        """Append `other`'s rows; the pass counts first brought to one width (the same counts at the same pairs)."""
+        if self.hists.shape[1] != other.hists.shape[1]:
+            width = math.isqrt(max(self.hists.shape[1], other.hists.shape[1]))
+            self.hists, other.hists = widen_counts(self.hists, width), widen_counts(other.hists, width)
+        super().extend(other)
+
+
+@dataclass
 class Rows:
-    """Row-indexed batch state. `lens` mirrors t["hist_len"] on the host (read once per pass)."""
+    """The rows in flight: their tensors, the drafter's state, and host mirrors refreshed by the pass's one read."""
 
     seqs: list[Seq]
-    # hist, hist_len, prompt_len, limit, limit_code, temperature, top_p, top_k, stop_table, and statistics counters:
-    # drafted [B], hists [B, W * W] (passes by tokens committed before / after the stops), accepted_by [B, P]
-    t: dict[str, torch.Tensor]
+    t: RowTensors
     state: RowState  # the drafter's per-row state (its own dataclass; the engine only moves rows of it)
     uniforms: UniformStreams
     cache: KVCache
     reason: Optional[torch.Tensor] = None  # [B] finish reason code (0 = running)
     lens: list[int] = field(default_factory=list)  # host copy of hist_len
-    limits: list[int] = field(default_factory=list)  # host copy of t["limit"] (fixed per row)
+    limits: list[int] = field(default_factory=list)  # host copy of t.limit (fixed per row)
     done: list[int] = field(default_factory=list)  # host copy of reason
     hints: Optional[list[int]] = None  # host copy of the drafter's row_hints (None: it gives none)
-    _view: Optional[RowsView] = field(default=None, repr=False)  # the last view (see `view`)
-    # (hist_len, last token [B]) of the last commit: the roots, for as long as hist_len is that tensor
-    _root: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
-    _common: Optional[tuple[list[int], Optional[int]]] = field(default=None, repr=False)  # (lens, common_length)
+    # [B] each row's last committed token where the last commit gave it (verification's bonus), else None
+    roots: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -85,36 +108,39 @@ class Rows:
         return any(s.req.params.stop_strings for s in self.seqs)
 
     def view(self) -> RowsView:
-        """The drafter's view of the rows; the same object until a commit, a host read or a change of rows
-        (so the root it computes is computed once per pass)."""
-        t, v = self.t, self._view
-        if (v is None or v.hist is not t["hist"] or v.hist_len is not t["hist_len"] or v.hints is not self.hints
-                or v.state is not self.state):
-            known = self._root[1] if self._root is not None and self._root[0] is t["hist_len"] else None
-            v = self._view = RowsView(t["hist"], t["hist_len"], t["prompt_len"], [s.seed for s in self.seqs],
-                                      self.state, self.hints, known)
-        return v
+        """The drafter's view of the rows as they are now."""
+        t = self.t
+        return RowsView(t.hist, t.hist_len, t.prompt_len, [s.seed for s in self.seqs], self.state, self.hints,
+                        self.roots)
 
     def advance(self, hist_len: torch.Tensor, last_token: Optional[torch.Tensor], reason: torch.Tensor) -> None:
-        """After a commit: the rows' new lengths [B], last committed tokens [B] (`set_roots`) and finish reasons
-        [B] (every row in a pass is running: the rows that finished left at the last read)."""
-        self.t["hist_len"] = hist_len
-        self.set_roots(last_token)
+        """After a commit: the rows' new lengths [B], last committed tokens [B] (None: read from the history when
+        asked; only rows that go on need theirs exact) and finish reasons [B]."""
+        self.t.hist_len = hist_len
+        self.roots = last_token
         self.reason = reason
 
-    def set_roots(self, last_token: Optional[torch.Tensor]) -> None:
-        """After a commit: each row's last committed token [B] (None: unknown, read from the history). Only rows
-        that go on need theirs to be exact (a row cut short by a stop leaves the batch at the next read)."""
-        self._root = None if last_token is None else (self.t["hist_len"], last_token)
-
     def common_length(self) -> Optional[int]:
-        """The length every row has (host mirror), or None when lengths differ (batch 1: always one length).
-        Computed once per host read: `lens` is replaced, never changed in place."""
-        c = self._common
-        if c is None or c[0] is not self.lens:
-            lens = self.lens
-            c = self._common = (lens, lens[0] if lens and min(lens) == max(lens) else None)
-        return c[1]
+        """The length every row has (host mirror), or None when lengths differ (batch 1: always one length)."""
+        lens = self.lens
+        return lens[0] if lens and min(lens) == max(lens) else None
+
+    def keep_path(self, tree: DraftTree, path_slots: torch.Tensor) -> None:
+        """Cache: the accepted nodes move right behind each row's root (the root and a chain are in place), before
+        the commit. path_slots [B, S]: slot 0, then the accepted path. Path steps past a row's accepted count copy a
+        slot of the block to a slot past its new length, where slots are stale anyway: no mask is needed (every
+        source is read before any slot is written)."""
+        p = path_slots.shape[1] - 1  # path steps after the root
+        if tree.path_in_place or p < 1:
+            return
+        length = self.common_length()
+        if length is not None:  # rows of one length: the path lands at slots length .. (host-known)
+            self.cache.keep(length, path_slots.narrow(1, 1, p) + (length - 1))
+            return
+        hist_len = self.t.hist_len.unsqueeze(1)  # [B, 1] before the commit: the root's slot + 1
+        dst = hist_len + steps(p, hist_len.device)  # [B, P-1] slots hist_len ..
+        src = path_slots.narrow(1, 1, p) + (hist_len - 1)  # the block wrote tree slot i at hist_len - 1 + i
+        self.cache.keep(dst, src)
 
     def consumed(self) -> list[int]:
         """Uniforms each row has consumed: one per generated token (host mirror, no read)."""
@@ -123,7 +149,7 @@ class Rows:
     def read_back(self, hints: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None) -> Optional[list[float]]:
         """The one host read of a pass: lengths, finish reasons and the drafter's row hints [B] (or None), as
         one small tensor; with `extra` (the policy's next look, [E] float) the same read returns its values."""
-        parts = [self.t["hist_len"], self.reason] + ([] if hints is None else [hints])
+        parts = [self.t.hist_len, self.reason] + ([] if hints is None else [hints])
         if extra is None:
             got = torch.stack(parts).tolist()
         else:  # one float64 vector: lengths and ids are exact in it
@@ -146,7 +172,8 @@ class Rows:
         self.limits = [self.limits[i] for i in keep]
         self.done = [self.done[i] for i in keep]
         self.hints = None if self.hints is None else [self.hints[i] for i in keep]
-        self.t = {k: v.index_select(0, rows) for k, v in self.t.items()}
+        self.t.select(rows)
+        self.roots = None if self.roots is None else self.roots.index_select(0, rows)
         self.state.select(rows)
         self.uniforms.select(rows, keep)
         self.cache.select_rows(keep)
@@ -158,23 +185,24 @@ class Rows:
         if not self.seqs:
             self.seqs, self.t, self.state, self.reason = other.seqs, other.t, other.state, other.reason
             self.uniforms, self.lens, self.done, self.hints = other.uniforms, other.lens, other.done, other.hints
-            self.limits, self._root = other.limits, other._root  # the prefill's tokens are the roots
+            self.limits, self.roots = other.limits, other.roots  # the prefill's tokens are the roots
             return
         self.seqs = self.seqs + other.seqs
         self.lens, self.done, self.limits = self.lens + other.lens, self.done + other.done, self.limits + other.limits
         self.hints = None if self.hints is None or other.hints is None else self.hints + other.hints
-        self.t = {k: _join(k, v, other.t[k]) for k, v in self.t.items()}
+        self.t.extend(other.t)
+        self.roots = None if self.roots is None or other.roots is None else torch.cat([self.roots, other.roots])
         self.state.extend(other.state)
         self.uniforms.append_from(other.uniforms)
         self.reason = torch.cat([self.reason, other.reason])
 
     def ensure_capacity(self, extra: int) -> None:
         """Room in `hist` for `extra` more tokens per row (host-known lengths: no read)."""
-        hist = self.t["hist"]
+        hist = self.t.hist
         need = max(self.lens) + extra
         if need > hist.shape[1]:
             cap = max(need, 2 * hist.shape[1])
-            self.t["hist"] = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
+            self.t.hist = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
 
     # ---- statistics --------------------------------------------------------------------------------
     def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: Optional[torch.Tensor], max_committed: int,
@@ -184,18 +212,18 @@ class Rows:
         source [B, T] (proposer of each tree slot, -1 = root; [B, 1]: of every draft of the row) and
         path_slots [B, S]: split the kept accepted drafts by proposer into accepted_by [B, P]."""
         t = self.t
-        width = self.count_width(max_committed)  # first: it may replace t["hists"] by a wider one
-        count_pass(t["hists"], width, t["drafted"], n_fin, n_raw, drafted)
-        if source is not None and "accepted_by" in t:
-            count_by_proposer(t["accepted_by"], source, path_slots, n_raw, n_fin)
+        width = self.count_width(max_committed)  # first: it may replace t.hists by a wider one
+        count_pass(t.hists, width, t.drafted, n_fin, n_raw, drafted)
+        if source is not None and t.accepted_by is not None:
+            count_by_proposer(t.accepted_by, source, path_slots, n_raw, n_fin)
 
     def count_width(self, max_committed: int) -> int:
         """The pass counts' width W, first widened when a pass may commit max_committed tokens (host-known: a
         deeper block than any before), so that every (n_raw, n_fin) pair of the pass has its place."""
-        hists = self.t["hists"]  # [B, W * W]: passes by (n_raw, n_fin), the accepted drafts kept follow from both
+        hists = self.t.hists  # [B, W * W]: passes by (n_raw, n_fin), the accepted drafts kept follow from both
         width = math.isqrt(hists.shape[1])
         if max_committed + 1 > width:
-            hists = self.t["hists"] = widen_counts(hists, max(max_committed + 1, 2 * width))
+            hists = self.t.hists = widen_counts(hists, max(max_committed + 1, 2 * width))
             width = math.isqrt(hists.shape[1])
         return width
 
@@ -231,14 +259,6 @@ def write_history(hist: torch.Tensor, hist_len: torch.Tensor, committed: torch.T
     hist.scatter_(1, idx, committed)
 
 
-def _join(key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Rows of `a` then of `b` for t[key]: the pass counts at one width, the rest padded with zeros."""
-    if key == "hists" and a.shape[1] != b.shape[1]:
-        width = math.isqrt(max(a.shape[1], b.shape[1]))
-        a, b = widen_counts(a, width), widen_counts(b, width)
-    return cat_rows(a, b)
-
-
 def widen_counts(hists: torch.Tensor, width: int) -> torch.Tensor:
     """[B, W * W] pass counts by (n_raw, n_fin) -> [B, width * width], the same counts at the same pairs."""
     b, w = hists.shape[0], math.isqrt(hists.shape[1])
@@ -256,14 +276,10 @@ def drop_order(n: int, gone: list[int]) -> list[int]:
 
 
 def new_counters(b: int, device: torch.device, num_proposers: int = 0) -> dict[str, torch.Tensor]:
-    """Statistics counters of b new rows: drafted [B], hists [B, W * W] int32 (passes that committed n_raw
-    tokens before the stops and n_fin after them, at n_raw * W + n_fin), accepted_by [B, P] (accepted drafts
-    per proposer) when P > 0."""
+    """Statistics counters of b new rows (`RowTensors.drafted`, `hists`, `accepted_by` when P > 0)."""
     z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-    out = {"drafted": z(b), "hists": z(b, STAT_WIDTH * STAT_WIDTH, dtype=torch.int32)}
-    if num_proposers:
-        out["accepted_by"] = z(b, num_proposers)
-    return out
+    return dict(drafted=z(b), hists=z(b, STAT_WIDTH * STAT_WIDTH, dtype=torch.int32),
+                accepted_by=z(b, num_proposers) if num_proposers else None)
 
 
 def finish_stats(st: RequestStats, drafted: int, hists: list[int], num_generated: int, passes: int,

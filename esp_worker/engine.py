@@ -1,5 +1,5 @@
-"""The generation loop: prefill -> (propose -> forward -> verify -> keep -> commit -> observe -> count)* over a
-batch of rows.
+"""The generation loop: prefill, then decode passes (plan -> propose -> forward -> settle -> observe -> end of
+pass) over a batch of rows; `passes.py` has the typed values the verbs hand on.
 
 Each row has its own cache length, mask vector / drafter state, sampling stream and stop state. Finished
 rows leave the batch and waiting requests take their slots (continuous batching up to max_batch_size).
@@ -9,7 +9,6 @@ tensor (every row's length and finish reason, `Rows.read_back`).
 from __future__ import annotations
 
 import dataclasses
-import collections
 import itertools
 import operator
 import time
@@ -19,30 +18,33 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from . import kv_cache
-from .kernels.aot import AotKernels
-from .batch import PassCounter, Rows, Seq, finish_stats, new_counters, write_history
-from .consts import steps
-from .config import EngineConfig, ModelConfig
 from .auto.cost_model import CostCurve
-from .drafters import Block, Drafter, PassResult, RowsView, make_drafter
+from .auto.planner import FixedPlanner, Planner
+from .auto.policy import BlockPolicy, PolicySettings, calibrate
+from .auto.sizer import DraftSizer
+from .batch import Rows, RowTensors, Seq, finish_stats, new_counters, write_history
+from .config import EngineConfig, ModelConfig
+from .drafters import Drafter, make_drafter
 from .feed import RequestFeed
 from .grad import inference
+from .kernels.aot import AotKernels
+from .kernels.hooks import KernelHooks
+from .kernels.settle import Settler
 from .model.attention import StaticBlockBias, attention_bias
 from .model.load import LoadedModel, load_model
 from .model.runner import ModelRunner
-from .auto.policy import BlockPolicy, calibrate
+from .passes import Block, ForwardOut, PassRecord, RowsView, Settled
 from .sampling import UniformStreams, choose_tokens
-from .kernels.settle import Settled, Settler
+from .stats import EngineStats, PassClock
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
 from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
 from .verify import VerifyResult, verify, verify_greedy
 
 PREFILL_PAD = 0.1  # a prefill chunk takes prompts at least 90% as long as its longest
-# block_complexity=auto: the policy decides each pass at the end of the one before, so that its look's draft
-# mass rides in that pass's one host read (BlockPolicy.prepare). None = on an accelerator only: there a read
-# drains the device's queue; on the CPU it costs nothing, and deciding with the latest statistics and hints
-# measured 1-5% faster for hybrid `auto` at batch 1 (tests set it True to check the accelerator's way here)
+# block_complexity=auto decides each pass at the end of the one before (`PolicySettings.prepare_looks`) on an
+# accelerator, where a host read drains the device's queue; on a CPU a read costs nothing and deciding with the
+# latest statistics measured faster. None = by device (tests set True to check the accelerator's way on a CPU)
 PREPARE_LOOKS: Optional[bool] = None
 
 
@@ -69,31 +71,36 @@ class Engine:
         self.runner = ModelRunner(loaded, cfg.compile, cfg.compile_mode)
         # engine.compile_host: a greedy pass's verification, stops, commit and counters as one kernel (settle.py)
         self.settler = Settler(loaded.device) if cfg.compile_host else None
+        self.device = loaded.device
         self.auto = cfg.block_complexity == "auto"
         sized = dataclasses.replace(cfg, block_complexity=cfg.auto_max_block) if self.auto else cfg
         self.drafter: Drafter = make_drafter(sized, self.runner)
-        self.policy: Optional[BlockPolicy] = None
-        if self.auto and cfg.method != "ar":
-            curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path)
-            self.policy = BlockPolicy(curve, self.drafter.block_tokens, self.drafter.max_nodes, cfg.auto_max_block,
-                                      probe_interval=cfg.auto_probe_interval)
-        self.drafter.mass_wanted = self.policy is not None
+        self.policy: Optional[BlockPolicy] = self._policy(cost_curve)
+        self.planner: Planner = self.policy if self.policy is not None else FixedPlanner()
+        if isinstance(self.drafter, DraftSizer):
+            self.drafter.mass_wanted = self.policy is not None
         # engine.compile_host: the drafter's per-pass work as kernels too (ESP: probe to next block, esp.py)
-        self.drafter_kernels = AotKernels("drafter") if cfg.compile_host and self.runner.embed_weight is not None else None
-        if self.drafter_kernels is not None:
+        self.drafter_kernels = None
+        if cfg.compile_host and self.runner.embed_weight is not None and isinstance(self.drafter, KernelHooks):
+            self.drafter_kernels = AotKernels("drafter")
             self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
-        self.device = loaded.device
-        self.prepare_looks = PREPARE_LOOKS if PREPARE_LOOKS is not None else self.device.type != "cpu"
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
         self.vocab_size = int(self.runner.embed.weight.shape[0])
         # token ids a pass can commit: the LM head's outputs (the stop table covers them all)
         self.num_logits = max(self.vocab_size, int(getattr(self.runner.lm_head, "out_features", 0) or 0))
-        # seconds spent in decode passes, and the part of it inside the model (forward + LM head)
-        self.timing = {"decode_s": 0.0, "model_s": 0.0, "decode_passes": 0, "peak_cache_bytes": 0}
-        self.batch_histogram: collections.Counter[int] = collections.Counter()  # rows in the batch -> decode passes
-        self.passes = PassCounter()  # decode passes and block sizes, for per-row statistics
+        self.stats = EngineStats()
         self.num_layers = loaded.model.config.get_text_config().num_hidden_layers
+
+    def _policy(self, cost_curve: Optional[CostCurve]) -> Optional[BlockPolicy]:
+        """block_complexity=auto's policy over the drafter's sizes (None: a fixed size, or nothing to size)."""
+        cfg = self.cfg
+        if not self.auto or not isinstance(self.drafter, DraftSizer):
+            return None
+        curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path)
+        prepare = PREPARE_LOOKS if PREPARE_LOOKS is not None else self.device.type != "cpu"
+        settings = PolicySettings(probe_interval=cfg.auto_probe_interval, prepare_looks=prepare)
+        return BlockPolicy(curve, self.drafter, cfg.auto_max_block, settings)
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> "Engine":
@@ -128,7 +135,8 @@ class Engine:
         fill while the loop runs; with a feed the loop ends when the feed is closed and drained."""
         take = _feed_taker(requests)
         self.drafter.start_job()
-        rows = Rows([], {}, self.drafter.new_state(), UniformStreams(self.device), kv_cache.new_cache(self.num_layers))
+        rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device),
+                    kv_cache.new_cache(self.num_layers))
         exhausted = False
         while True:
             admit: list[Seq] = []
@@ -142,12 +150,13 @@ class Engine:
                         admit.append(prepared)
             for chunk in self._prefill_chunks(admit):
                 rows.extend(self._prefill(chunk, rows))
+                self.planner.rows_changed()
             yield from self._retire(rows)
             if not len(rows):
                 if exhausted:
                     return
                 continue
-            self.batch_histogram[len(rows)] += 1
+            self.stats.batch_histogram[len(rows)] += 1
             self._step(rows)
             yield from self._retire(rows)
 
@@ -211,7 +220,7 @@ class Engine:
         hist = torch.zeros((len(seqs), cap), dtype=torch.long)
         for i, s in enumerate(seqs):
             hist[i, : lens[i]] = torch.tensor(s.prompt_ids)
-            s.passes0, s.sizes0 = self.passes.passes, dict(self.passes.sizes)
+            s.passes0, s.sizes0 = self.stats.blocks.passes, dict(self.stats.blocks.sizes)
         p = [s.req.params for s in seqs]
         extra = [list(x.stop_token_ids) + ([] if x.ignore_eos else self.eos.tolist()) for x in p]
         width = max(1, max(len(e) for e in extra))
@@ -220,22 +229,22 @@ class Engine:
             stop_ids[i, : len(e)] = torch.tensor(e, dtype=torch.long)
         plen = torch.tensor(lens)
         limit, limit_code = row_limits(plen + torch.tensor([x.max_new_tokens for x in p]), self.loaded.max_context)
-        t = {
-            "hist": hist.to(dev),
-            "hist_len": plen.to(dev),
-            "prompt_len": plen.to(dev),
-            "limit": limit.to(dev),  # [B] most tokens the row may hold, and the reason when it gets there
-            "limit_code": limit_code.to(dev),
-            "temperature": torch.tensor([float(x.temperature) for x in p], device=dev),
-            "top_p": torch.tensor([float(x.top_p) for x in p], device=dev),
-            "top_k": torch.tensor([int(x.top_k) for x in p], device=dev),
-            "stop_table": stop_table(stop_ids, self.num_logits).to(dev),  # [B, V] bool
+        t = RowTensors(
+            hist=hist.to(dev),
+            hist_len=plen.to(dev),
+            prompt_len=plen.to(dev),
+            limit=limit.to(dev),
+            limit_code=limit_code.to(dev),
+            temperature=torch.tensor([float(x.temperature) for x in p], device=dev),
+            top_p=torch.tensor([float(x.top_p) for x in p], device=dev),
+            top_k=torch.tensor([int(x.top_k) for x in p], device=dev),
+            stop_table=stop_table(stop_ids, self.num_logits).to(dev),
             **new_counters(len(seqs), dev, len(self.drafter.proposers)),
-        }
+        )
         uni = UniformStreams(dev)
         uni.append([UniformStreams.generator(s.seed) if x.temperature > 0 else None for s, x in zip(seqs, p)])
         reason = torch.zeros(len(seqs), dtype=torch.long, device=dev)
-        return Rows(seqs, t, self.drafter.new_state(), uni, cache, reason, lens=list(lens), done=[0] * len(seqs),
+        return Rows(seqs, t, self.drafter.state_type(), uni, cache, reason, lens=list(lens), done=[0] * len(seqs),
                     limits=limit.tolist())
 
     # ---- prefill -----------------------------------------------------------------------------------
@@ -249,10 +258,10 @@ class Engine:
         rows = self._new_rows(seqs, cache)
         dev = self.device
         aux = self.drafter.start_rows(rows.view())  # [R, A, D] masks owned by the last prompt token, or None
-        lens = rows.t["prompt_len"]
+        lens = rows.t.prompt_len
         r, lmax = len(seqs), max(rows.lens)
         a = 0 if aux is None else aux.shape[1]
-        embeds = self.runner.embed_ids(rows.t["hist"][:, :lmax])
+        embeds = self.runner.embed_ids(rows.t.hist[:, :lmax])
         if a:
             embeds = torch.cat([embeds, aux.to(embeds.dtype)], 1)
         q = lmax + a
@@ -282,47 +291,26 @@ class Engine:
         self._commit(rows, committed, n_fin, reason, tok)
         aux_hidden = hidden[:, 1:] if a else None
         mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
-        self.drafter.observe(rows.view(), PassResult(committed, n_fin, aux_hidden, mask_hidden, prefill=True))
+        self.drafter.observe(rows.view(), PassRecord(committed, n_fin, hidden=aux_hidden, mask_hidden=mask_hidden,
+                                                     prefill=True))
         rows.read_back(self.drafter.row_hints(rows.view()))
         return rows
 
     # ---- one decode pass ---------------------------------------------------------------------------
     @inference
     def _step(self, rows: Rows) -> None:
-        """One decode pass over every row: named phases, no host read until `read_back`."""
-        t_start, model_s0, len0 = time.perf_counter(), self.runner.model_s, sum(rows.lens)
-        compile0 = self.compile_s if self.policy is not None else 0.0
-        block = self._propose(rows)
-        hidden, slot_logits = self._forward(rows, block)
-        res, n_fin, done = self._settle(rows, block, hidden, slot_logits)  # verify, stops, keep, commit, count
-        view = rows.view()  # after the commit
-        self._observe(view, block, res, hidden, slot_logits, n_fin, done)
-        self.passes.add(block.tree.num_slots + (0 if block.aux_embeds is None else block.aux_embeds.shape[1]))
-        # the policy decides the next pass now and starts its look (with the previous read's hints: a drafter
-        # whose lookup they change redoes it at propose, so the drafts are those of the fresh hints)
-        look = self.policy.prepare(self.drafter, view, rows.lens) if self.policy is not None and self.prepare_looks else None
-        # hints serve the next lookup: none before a plain pass (hybrid's own-match search over the history cost
-        # it ~13% of a pass at batch 16 where auto decoded plainly); None reads as "unknown" at the next look
-        hints = None if self.policy is not None and self.policy.next_is_plain() else self.drafter.row_hints(view)
-        mass = rows.read_back(hints, look)  # the one host read of the pass: lengths, finish reasons (, look)
-        if mass is not None:
-            self.policy.receive(mass)
-        seconds, model_s = time.perf_counter() - t_start, self.runner.model_s - model_s0
-        if self.policy is not None:  # tokens committed (host, no read); a pass that compiled a kernel (engine.compile,
-            # compile_host) says nothing of its mode's cost: its times are left out
-            timed = self.compile_s == compile0
-            self.policy.observe_pass(sum(rows.lens) - len0, seconds if timed else None, model_s if timed else None)
-        self.timing["decode_s"] += seconds
-        self.timing["model_s"] += model_s  # includes the drafter's LM-head calls
-        self.timing["decode_passes"] += 1
-
-    def _propose(self, rows: Rows) -> Block:
+        """One decode pass over every row; the host reads the device once, at its end."""
+        clock = self.stats.start(self.runner.model_s, self.compile_s, rows.lens)
         view = rows.view()
-        n_nodes = None if self.policy is None else self.policy.plan(self.drafter, view, rows.lens)
-        return self.drafter.propose(view, n_nodes)
+        block = self.drafter.propose(view, self.planner.plan(view, rows.lens))
+        out = self._forward(rows, block)
+        settled = self._settle(rows, block, out)
+        view = rows.view()  # after the commit
+        self.drafter.observe(view, self._record(block, out, settled))
+        self._end_pass(rows, view, block, clock)
 
-    def _forward(self, rows: Rows, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states [B, Q, D] of the block and logits [B, T, V] at its tree slots; writes the block's KV."""
+    def _forward(self, rows: Rows, block: Block) -> ForwardOut:
+        """The block through the model: hidden states and the tree slots' logits; writes the block's KV."""
         tree, lay = block.tree, block.layout
         embeds = block.embeds  # [B, Q, D] when the drafter prepared every input (engine.compile_host)
         if embeds is None:
@@ -338,7 +326,7 @@ class Engine:
             if pos.shape[0] != b:
                 pos = pos.expand(b, -1)
         else:
-            cache_len = rows.t["hist_len"] - 1  # [B]
+            cache_len = rows.t.hist_len - 1  # [B]
             pos = cache_len.unsqueeze(1) + lay.rel_pos  # [B, Q]
         if s_max + q > self.loaded.max_context:  # positions past the context (rows that stop there) are clamped
             pos = pos.clamp(max=self.loaded.max_context - 1)
@@ -351,38 +339,35 @@ class Engine:
             bias = self._static_bias(lay.visible, s_max, b, self.runner.dtype)  # a view of a cached buffer
         else:
             if cache_len is None and self.runner.sliding_window is not None:  # the window needs each key's position
-                cache_len = rows.t["hist_len"] - 1
+                cache_len = rows.t.hist_len - 1
             bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window,
                                   uniform_len=None if common is None else s_max)
         hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
-        self.timing["peak_cache_bytes"] = max(self.timing["peak_cache_bytes"], rows.cache.nbytes())
-        return hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots))
+        self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
+        return ForwardOut(hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots)))
 
-    def _settle(self, rows: Rows, block: Block, hidden: torch.Tensor, slot_logits: torch.Tensor
-                ) -> tuple[VerifyResult, torch.Tensor, Optional[Settled]]:
-        """Verification, stops, the KV moves, the commit and the counters: (the verification, n_fin [B], the
-        compiled kernel's result or None). Under engine.compile_host they run as one compiled kernel where it
-        covers the pass, with the drafter's EMA over the committed tokens when it asks (`settle_ema`) and the
-        hidden states of the masks its probe reads (every slot owns masks: ESP)."""
-        done = None
-        if self.settler is not None:
-            weight = self.runner.embed_weight
-            ema = self.drafter.settle_ema(rows.view(), block) if weight is not None else None
-            k = self.drafter.num_masks
-            masks = k > 0 and block.aux_embeds is not None and block.mask_owner is None  # every slot owns k masks
-            done = self.settler(rows, block, slot_logits, None if ema is None else (ema[0], weight, ema[1]),
-                                hidden if masks else None, k)
-        if done is not None:  # the history and the counters are written; the lengths are still the old ones
-            if not done.kept:
-                self._keep(rows, block, done.res)
-            rows.advance(done.hist_len, done.res.last_token, done.reason)
-            return done.res, done.n_fin, done
-        res = self._verify(rows, block, slot_logits)
+    def _settle(self, rows: Rows, block: Block, out: ForwardOut) -> Settled:
+        """Verification, stops, the KV moves, the commit and the counters. Under engine.compile_host one compiled
+        kernel runs them where it covers the pass (`kernels/settle.py`)."""
+        settled = self._settle_compiled(rows, block, out) if self.settler is not None else None
+        if settled is not None:
+            return settled
+        res = self._verify(rows, block, out.slot_logits)
         n_fin, reason = self._stops(rows, res.committed, res.num_committed)
-        self._keep(rows, block, res)
+        rows.keep_path(block.tree, res.path_slots)
         self._commit(rows, res.committed, n_fin, reason, res.last_token)
         rows.count(n_fin, res.num_committed, block.tree.num_drafted(), block.max_depth + 1, block.source, res.path_slots)
-        return res, n_fin, None
+        return Settled(res, n_fin, reason)
+
+    def _settle_compiled(self, rows: Rows, block: Block, out: ForwardOut) -> Optional[Settled]:
+        """The kernel's settle, with the drafter's EMA over the committed tokens when it asks (`settle_ema`) and the
+        hidden states of the masks its probe reads (every slot owns masks: ESP); None = not covered."""
+        weight, k = self.runner.embed_weight, self.drafter.num_masks
+        hooks = self.drafter if isinstance(self.drafter, KernelHooks) else None
+        ema = hooks.settle_ema(rows.view(), block) if hooks is not None and weight is not None else None
+        masks = k > 0 and block.aux_embeds is not None and block.mask_owner is None  # every slot owns k masks
+        return self.settler(rows, block, out.slot_logits, None if ema is None else (ema[0], weight, ema[1]),
+                            out.hidden if masks else None, k)
 
     def _verify(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> VerifyResult:
         if rows.sampling:
@@ -390,37 +375,33 @@ class Engine:
             return verify(block.tree, slot_logits, block.max_depth, self._chooser(rows))
         return verify_greedy(block.tree, slot_logits, block.layout.visible, block.layout.depth, block.max_depth)
 
-    def _keep(self, rows: Rows, block: Block, res: VerifyResult) -> None:
-        """Cache: the accepted nodes move right behind each row's root (the root and a chain are in place).
-        Path steps past a row's accepted count copy a slot of the block to a slot past its new length, where
-        slots are stale anyway: no mask is needed (every source is read before any slot is written)."""
-        p = res.path_slots.shape[1] - 1  # path steps after the root
-        if block.tree.path_in_place or p < 1:
-            return
-        length = rows.common_length()
-        if length is not None:  # rows of one length: the path lands at slots length .. (host-known)
-            rows.cache.keep(length, res.path_slots.narrow(1, 1, p) + (length - 1))
-            return
-        hist_len = rows.t["hist_len"].unsqueeze(1)  # [B, 1] before the commit: the root's slot + 1
-        dst = hist_len + steps(p, self.device)  # [B, P-1] slots hist_len ..
-        src = res.path_slots.narrow(1, 1, p) + (hist_len - 1)  # the block wrote tree slot i at hist_len - 1 + i
-        rows.cache.keep(dst, src)
-
-    def _observe(self, view: RowsView, block: Block, res: VerifyResult, hidden, slot_logits, n_fin,
-                 done: Optional[Settled] = None) -> None:
-        t_slots, k = block.tree.num_slots, self.drafter.num_masks
-        mask_hidden = None if done is None else done.mask_hidden  # [B, k, D] when the kernel gathered them
-        mask_ok = None
+    def _record(self, block: Block, out: ForwardOut, settled: Settled) -> PassRecord:
+        """What the drafter learns from the pass: with masks, the hidden states of those the last accepted slot
+        owns (gathered here unless the compiled settle did)."""
+        res, k = settled.verified, self.drafter.num_masks
+        mask_hidden, mask_ok = settled.mask_hidden, None  # [B, k, D], [B]
         if k and block.aux_embeds is not None and mask_hidden is None:
             owner = res.last_slot
             if block.mask_owner is not None:  # masks on some slots only (hybrid)
                 owner = block.mask_owner.expand(len(owner), -1).gather(1, owner[:, None]).squeeze(1)
                 mask_ok = owner >= 0
                 owner = owner.clamp(min=0)
-            mask_hidden = gather_slots(hidden, mask_indices(owner, t_slots, k))  # [B, k, D]
-        result = PassResult(res.committed, n_fin, hidden, mask_hidden, slot_logits, res.path_slots, res.last_slot, block,
-                            mask_ok=mask_ok, ema_m=None if done is None else done.ema_m)
-        self.drafter.observe(view, result)
+            mask_hidden = gather_slots(out.hidden, mask_indices(owner, block.tree.num_slots, k))
+        return PassRecord(res.committed, settled.num_kept, hidden=out.hidden, mask_hidden=mask_hidden,
+                          slot_logits=out.slot_logits, path_slots=res.path_slots, last_slot=res.last_slot, block=block,
+                          mask_ok=mask_ok, ema_m=settled.ema_m)
+
+    def _end_pass(self, rows: Rows, view: RowsView, block: Block, clock: PassClock) -> None:
+        """The pass's one host read (lengths, finish reasons, the drafter's row hints and the planner's next look),
+        then its counters. Hints serve the next lookup: none before a pass known to be plain."""
+        self.stats.blocks.add(block.num_inputs)
+        look = self.planner.prepare(view, rows.lens)
+        hints = None if self.planner.next_is_plain() else self.drafter.row_hints(view)
+        self.planner.receive(rows.read_back(hints, look))
+        seconds, model_s = self.stats.finish(clock, self.runner.model_s)
+        timed = self.compile_s == clock.compile_s  # a pass that compiled a kernel says nothing of its mode's cost
+        self.planner.observe_pass(sum(rows.lens) - clock.tokens, seconds if timed else None,
+                                  model_s if timed else None)
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _chooser(self, rows: Rows):
@@ -429,7 +410,7 @@ class Engine:
 
         def choose(logits: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
             u = rows.uniforms.take(active) if sampling else None
-            return choose_tokens(logits, t["temperature"], t["top_p"], t["top_k"], u)
+            return choose_tokens(logits, t.temperature, t.top_p, t.top_k, u)
 
         return choose
 
@@ -437,10 +418,10 @@ class Engine:
         """(n_final [B], reason [B]) after stop ids, lengths, the context limit and stop strings."""
         t = rows.t
         far = min(map(operator.sub, rows.limits, rows.lens), default=0) > committed.shape[1]  # host mirrors: no read
-        n_fin, reason = apply_stops(committed, n, t["stop_table"], t["hist_len"], t["limit"], t["limit_code"], far)
+        n_fin, reason = apply_stops(committed, n, t.stop_table, t.hist_len, t.limit, t.limit_code, far)
         if rows.has_stop_strings:
             stops = [s.req.params.stop_strings for s in rows.seqs]
-            gen = [t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist() if stops[r] else [] for r, s in enumerate(rows.seqs)]
+            gen = [t.hist[r, len(s.prompt_ids): rows.lens[r]].tolist() if stops[r] else [] for r, s in enumerate(rows.seqs)]
             n_fin, reason = apply_stop_strings(self.tokenizer, stops, gen, committed, n_fin, reason)
         return n_fin, reason
 
@@ -453,10 +434,10 @@ class Engine:
         # anyway (every reader of `hist` stops at hist_len)
         length = rows.common_length()
         if length is not None:  # rows of one length (host-known): one slice
-            t["hist"].narrow(1, length, s).copy_(committed)
+            t.hist.narrow(1, length, s).copy_(committed)
         else:
-            write_history(t["hist"], t["hist_len"], committed)
-        rows.advance(t["hist_len"] + n_fin, last_token, reason)  # last_token: the next roots, where verification gave them
+            write_history(t.hist, t.hist_len, committed)
+        rows.advance(t.hist_len + n_fin, last_token, reason)  # last_token: the next roots, where verification gave them
 
     def _retire(self, rows: Rows) -> Iterator[RequestOutput]:
         """Outputs of the rows that finished (known on the host since the last read_back); they leave the batch."""
@@ -467,13 +448,14 @@ class Engine:
         now = time.perf_counter()
         for r in done:
             s = rows.seqs[r]
-            ids = t["hist"][r, len(s.prompt_ids): rows.lens[r]].tolist()
+            ids = t.hist[r, len(s.prompt_ids): rows.lens[r]].tolist()
             self.drafter.finish_request(s.prompt_ids + ids)
-            finish_stats(s.stats, int(t["drafted"][r]), t["hists"][r].tolist(), len(ids), *self.passes.since(s))
+            finish_stats(s.stats, int(t.drafted[r]), t.hists[r].tolist(), len(ids), *self.stats.blocks.since(s))
             if self.drafter.proposers:
-                s.stats.accepted_by_proposer = dict(zip(self.drafter.proposers, t["accepted_by"][r].tolist()))
+                s.stats.accepted_by_proposer = dict(zip(self.drafter.proposers, t.accepted_by[r].tolist()))
             s.stats.time_s = now - s.t0
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             yield RequestOutput(id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[rows.done[r]], stats=s.stats)
         rows.drop(done)
+        self.planner.rows_changed()
 

@@ -10,7 +10,7 @@ FINISH_REASONS = ("stop", "length", "context")
 
 @dataclass
 class GenerationParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = 64  # the one default: jobs take theirs from here
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 = off

@@ -47,9 +47,9 @@ def main() -> None:
           f"{'sleep' if args.sleep else 'loop'}")
     for ms in (float(x) for x in args.gaps.split(",")):
         gap[0] = ms / 1000
-        d0, m0, n0 = eng.timing["decode_s"], eng.timing["model_s"], eng.timing["decode_passes"]
+        d0, m0, n0 = eng.stats.decode_s, eng.stats.model_s, eng.stats.decode_passes
         eng.generate(reqs())
-        d, m, n = eng.timing["decode_s"] - d0, eng.timing["model_s"] - m0, eng.timing["decode_passes"] - n0
+        d, m, n = eng.stats.decode_s - d0, eng.stats.model_s - m0, eng.stats.decode_passes - n0
         print(f"  gap {ms:5.1f} ms: host {1e6 * (d - m) / n:4.0f} us per pass ({n} passes)", flush=True)
 
 

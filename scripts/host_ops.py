@@ -68,10 +68,10 @@ def main() -> None:
             by_op[phase[0], str(func.overloadpacket.__name__)] += 1
             return func(*args, **(kwargs or {}))
 
-    p0 = eng.timing["decode_passes"]
+    p0 = eng.stats.decode_passes
     with Count():
         eng.generate(reqs())
-    passes = eng.timing["decode_passes"] - p0
+    passes = eng.stats.decode_passes - p0
     host = 0.0
     print(f"{args.method} BC {args.bc}, batch {args.batch}, {len(rows)} prompts: {passes} decode passes")
     print("tensor operations per pass:")
@@ -88,9 +88,9 @@ def main() -> None:
                 ops = sorted(((n, c) for (ph, n), c in by_op.items() if ph == k), key=lambda nc: -nc[1])
                 print(f"  {k}: " + ", ".join(f"{n} {c / passes:.1f}" for n, c in ops))
     for _ in range(args.repeats):
-        d0, m0, n0 = eng.timing["decode_s"], eng.timing["model_s"], eng.timing["decode_passes"]
+        d0, m0, n0 = eng.stats.decode_s, eng.stats.model_s, eng.stats.decode_passes
         eng.generate(reqs())
-        d, m, n = eng.timing["decode_s"] - d0, eng.timing["model_s"] - m0, eng.timing["decode_passes"] - n0
+        d, m, n = eng.stats.decode_s - d0, eng.stats.model_s - m0, eng.stats.decode_passes - n0
         print(f"timed run: host share {1 - m / d:.3f}, host {1e6 * (d - m) / n:.0f} us per pass, "
               f"model {1e6 * m / n:.0f} us per pass")
 

@@ -1,12 +1,14 @@
 """Per-row statistics counters (Rows.count on the device, finish_stats on the host at retire)."""
+import types
+
 import torch
 
-from esp_worker.batch import STAT_WIDTH, Rows, finish_stats, new_counters
+from esp_worker.batch import STAT_WIDTH, Rows, RowTensors, finish_stats, new_counters
 from esp_worker.types import RequestStats
 
 
 def rows_with(counters) -> Rows:
-    return Rows(seqs=[], t=counters, state=None, uniforms=None, cache=None)
+    return Rows(seqs=[], t=RowTensors(**counters), state=None, uniforms=None, cache=None)
 
 
 def test_counters_give_the_request_statistics():
@@ -21,7 +23,7 @@ def test_counters_give_the_request_statistics():
     t = rows.t
     st = [RequestStats(), RequestStats()]
     for r in range(2):
-        finish_stats(st[r], int(t["drafted"][r]), t["hists"][r].tolist(), 7, 3, {})
+        finish_stats(st[r], int(t.drafted[r]), t.hists[r].tolist(), 7, 3, {})
     # row 0 kept 2, 2 (a stop cut its 3 accepted drafts at 2 tokens), 0 drafts; row 1 kept 0, 3, 0
     assert [s.num_accepted_drafts for s in st] == [4, 3]
     assert st[0].accepted_per_depth == [2, 2] and st[1].accepted_per_depth == [1, 1, 1]
@@ -29,7 +31,7 @@ def test_counters_give_the_request_statistics():
     assert [s.num_drafted_tokens for s in st] == [13, 13]
     # accepted drafts by proposer: row 0's path slots 1, 3 (proposers 0, 2) then a chain of proposer 0 (2 kept);
     # row 1 nothing, then a chain of proposer 2 (3 kept)
-    assert t["accepted_by"].tolist() == [[3, 0, 1], [0, 0, 3]]
+    assert t.accepted_by.tolist() == [[3, 0, 1], [0, 0, 3]]
 
 
 def test_counters_widen_for_deeper_blocks_and_keep_their_counts():
@@ -38,7 +40,7 @@ def test_counters_widen_for_deeper_blocks_and_keep_their_counts():
     deep = STAT_WIDTH + 5
     rows.count(torch.tensor([deep]), torch.tensor([deep]), torch.tensor([deep]), deep)
     st = RequestStats()
-    finish_stats(st, int(rows.t["drafted"][0]), rows.t["hists"][0].tolist(), deep + 3, 2, {})
+    finish_stats(st, int(rows.t.drafted[0]), rows.t.hists[0].tolist(), deep + 3, 2, {})
     assert st.num_accepted_drafts == 2 + deep - 1 and st.accepted_per_depth == [2, 2] + [1] * (deep - 3)
     assert st.committed_histogram == [0, 0, 1] + [0] * (deep - 3) + [1]
 
@@ -46,14 +48,14 @@ def test_counters_widen_for_deeper_blocks_and_keep_their_counts():
 def test_rows_of_different_counter_widths_join_with_their_counts():
     """A batch whose counters widened for a deep block takes new rows at the narrow width: the joined rows
     keep every count at its (n_raw, n_fin) pair."""
-    from esp_worker.batch import _join
-
-    wide = rows_with(new_counters(1, torch.device("cpu")))
-    wide.count(torch.tensor([STAT_WIDTH + 1]), torch.tensor([STAT_WIDTH + 1]), None, STAT_WIDTH + 1)
-    narrow = rows_with(new_counters(1, torch.device("cpu")))
-    narrow.count(torch.tensor([2]), torch.tensor([3]), None, 3)
-    for a, b, r in ((wide, narrow, 1), (narrow, wide, 0)):
-        joined = _join("hists", a.t["hists"], b.t["hists"])
+    for wide_first in (True, False):
+        wide = rows_with(new_counters(1, torch.device("cpu")))
+        wide.count(torch.tensor([STAT_WIDTH + 1]), torch.tensor([STAT_WIDTH + 1]), None, STAT_WIDTH + 1)
+        narrow = rows_with(new_counters(1, torch.device("cpu")))
+        narrow.count(torch.tensor([2]), torch.tensor([3]), None, 3)
+        a, b, r = (wide, narrow, 1) if wide_first else (narrow, wide, 0)
+        a.t.extend(b.t)
+        joined = a.t.hists
         st = [RequestStats(), RequestStats()]
         for i in range(2):
             finish_stats(st[i], 0, joined[i].tolist(), 3, 1, {})
@@ -66,40 +68,47 @@ def test_root_only_tree_with_a_row_source_counts_nothing():
     rows = rows_with(new_counters(2, torch.device("cpu"), num_proposers=2))
     rows.count(torch.tensor([1, 1]), torch.tensor([1, 1]), torch.tensor([0, 0]), 1,
                torch.tensor([[-1], [-1]]), torch.tensor([[0], [0]]))
-    assert rows.t["accepted_by"].tolist() == [[0, 0], [0, 0]]
+    assert rows.t.accepted_by.tolist() == [[0, 0], [0, 0]]
 
 
-def test_rows_view_is_reused_within_a_pass_and_rebuilt_after_a_commit_or_read():
-    """The drafter's view (and the root it computes once) stays the same object until the history's length
-    tensor, the history, the host hints or the rows change: a commit makes a new view with the new root."""
-    from esp_worker.drafters.state import RowState
+def _rows(hist, hist_len, prompt_len) -> Rows:
+    from esp_worker.row_state import RowState
 
-    t = {"hist": torch.tensor([[5, 6, 7, 0], [1, 2, 0, 0]]), "hist_len": torch.tensor([3, 2]),
-         "prompt_len": torch.tensor([2, 1])}
-    rows = Rows(seqs=[], t=t, state=RowState(), uniforms=None, cache=None)
-    v = rows.view()
-    assert rows.view() is v and v.root.tolist() == [7, 2]
-    t["hist"].scatter_(1, torch.tensor([[3], [2]]), torch.tensor([[8], [9]]))  # a commit: tokens, then lengths
-    t["hist_len"] = t["hist_len"] + 1
-    w = rows.view()
-    assert w is not v and w.root.tolist() == [8, 9] and rows.view() is w
-    rows.hints = [0, -1]  # a host read brings new hints
-    assert rows.view() is not w and rows.view().hints == [0, -1]
+    t = RowTensors(hist=torch.tensor(hist), hist_len=torch.tensor(hist_len), prompt_len=torch.tensor(prompt_len))
+    return Rows(seqs=[], t=t, state=RowState(), uniforms=None, cache=None, reason=torch.zeros(len(hist_len)))
 
 
-def test_rows_view_takes_the_roots_of_the_last_commit_only_while_its_lengths_stand():
-    from esp_worker.drafters.state import RowState
-
-    t = {"hist": torch.tensor([[5, 6, 7, 0], [1, 2, 0, 0]]), "hist_len": torch.tensor([3, 2]),
-         "prompt_len": torch.tensor([2, 1])}
-    rows = Rows(seqs=[], t=t, state=RowState(), uniforms=None, cache=None)
-    known = torch.tensor([7, 2])
-    rows.set_roots(known)  # after a commit: verification's last tokens
+def test_rows_view_reads_the_roots_from_the_history_unless_a_commit_gave_them():
+    rows = _rows([[5, 6, 7, 0], [1, 2, 0, 0]], [3, 2], [2, 1])
+    assert rows.view().root.tolist() == [7, 2]
+    rows.t.hist.scatter_(1, torch.tensor([[3], [2]]), torch.tensor([[8], [9]]))  # a commit: tokens, then lengths
+    known = torch.tensor([8, 9])
+    rows.advance(rows.t.hist_len + 1, known, torch.zeros(2, dtype=torch.long))
     assert rows.view().root is known
-    t["hist_len"] = torch.tensor([2, 2])  # the lengths changed without a commit that gave roots (rows moved)
-    assert rows.view().root.tolist() == [6, 2]
-    rows.set_roots(None)  # a commit without them (sampled verification): read from the history
-    assert rows.view().root.tolist() == [6, 2]
+    rows.advance(rows.t.hist_len, None, torch.zeros(2, dtype=torch.long))  # a commit without them (sampling)
+    assert rows.view().root.tolist() == [8, 9]
+    rows.hints = [0, -1]  # a host read brings new hints
+    assert rows.view().hints == [0, -1]
+
+
+def test_known_roots_follow_the_rows_that_stay():
+    rows = _rows([[5, 6, 7, 0], [1, 2, 0, 0], [3, 4, 0, 0]], [3, 2, 2], [2, 1, 1])
+    rows.seqs, rows.lens, rows.limits, rows.done = [types.SimpleNamespace(seed=0)] * 3, [3, 2, 2], [9, 9, 9], [0, 1, 0]
+    rows.uniforms = _NoStreams()
+    rows.cache = _NoCache()
+    rows.roots = torch.tensor([7, 2, 4])
+    rows.drop([1])
+    assert rows.roots.tolist() == [7, 4] and rows.view().root.tolist() == [7, 4]
+
+
+class _NoStreams:
+    def select(self, rows, keep):
+        pass
+
+
+class _NoCache:
+    def select_rows(self, keep):
+        pass
 
 
 def test_common_length_follows_the_host_lengths():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from esp_worker.passes import PassPlan
 from esp_worker import EngineConfig, GenerationParams, Request
 from esp_worker.drafters.corpus import CorpusNgrams
 from esp_worker.engine import Engine
@@ -82,7 +83,7 @@ def test_chains_from_the_corpus_keep_their_own_acceptance_rate():
     """Row 0 matches its own history, row 1 only the corpus; every pass accepts row 0's whole chain and
     nothing of row 1's: the draft mass follows each source's record (one shared rate would give both the
     average)."""
-    from esp_worker.drafters.base import PassResult, RowsView
+    from esp_worker.passes import PassRecord, RowsView
     from esp_worker.drafters.pld import PromptLookupDrafter
 
     corpus = CorpusNgrams(capacity=64, max_ngram=2, min_ngram=1)
@@ -92,10 +93,10 @@ def test_chains_from_the_corpus_keep_their_own_acceptance_rate():
     length = torch.tensor([8, 3])
     for _ in range(30):
         view = RowsView(hist, length.clone(), torch.tensor([2, 2]), [0, 0])
-        block = d.propose(view, 3)
+        block = d.propose(view, PassPlan(3))
         assert d._used.tolist() == [False, True]
         n = torch.tensor([4, 1])  # row 0: 3 drafts + bonus; row 1: the bonus only
-        d.observe(view, PassResult(torch.zeros((2, 4), dtype=torch.long), n, None, None, block=block))
+        d.observe(view, PassRecord(torch.zeros((2, 4), dtype=torch.long), n, None, None, block=block))
     view = RowsView(hist, length.clone(), torch.tensor([2, 2]), [0, 0])
     mass = d.draft_mass(view)
     assert mass[0].min() > 0.9 and mass[1].max() < 0.1
@@ -118,10 +119,10 @@ def test_row_hints_skip_the_corpus_only_when_every_row_has_its_own_match(monkeyp
         view = RowsView(hist[rows], torch.tensor([8, 3])[rows], torch.tensor([2] * len(rows)), [0] * len(rows))
         hints = d.row_hints(view).tolist()  # what the engine reads back after a commit
         assert [h >= 0 for h in hints] == [r == 0 for r in rows]
-        unhinted = d.propose(view, 3).tree.tokens
+        unhinted = d.propose(view, PassPlan(3)).tree.tokens
         calls.clear()
         d._match = None
-        hinted = d.propose(RowsView(view.hist, view.hist_len, view.prompt_len, view.seeds, hints=hints), 3)
+        hinted = d.propose(RowsView(view.hist, view.hist_len, view.prompt_len, view.seeds, hints=hints), PassPlan(3))
         assert torch.equal(hinted.tree.tokens, unhinted) and (not calls) == skipped
 
 

@@ -11,7 +11,9 @@ import torch
 
 from engine_helpers import ARCHS, PROMPTS, reference, run, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
-from esp_worker.model.heads import CPHeads, CPHeadsConfig, HeadsLoadError, balance_loss, cp_log_likelihood, first_position_log_likelihood, heads_loss, load_heads, new_heads, save_heads, seed_experts,
+from esp_worker.model.heads import (CPHeads, CPHeadsConfig, HeadsLoadError, balance_loss, cp_log_likelihood,
+                                   first_position_log_likelihood, heads_loss, load_heads, new_heads, save_heads,
+                                   seed_experts)
 from esp_worker.drafters.cp_heads import CPHeadsDrafter
 from esp_worker.tree import best_nodes
 

@@ -6,7 +6,7 @@ import torch
 
 from esp_worker.drafters.hybrid import HybridState
 from esp_worker.drafters.stand import StandState
-from esp_worker.drafters.state import RowState
+from esp_worker.row_state import RowState
 
 NEG = float("-inf")
 

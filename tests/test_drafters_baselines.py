@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from engine_helpers import ARCHS, PROMPTS, reference, run, tiny
+from esp_worker.passes import PassPlan
 from esp_worker import EngineConfig, GenerationParams
-from esp_worker.drafters.base import PassResult, RowsView
+from esp_worker.passes import PassRecord, RowsView
 from esp_worker.drafters.lade import LadeState, LookaheadDrafter, lade_sizes, ngram_trie, window_layout
 from esp_worker.drafters.stand import StandDrafter, StandState
 
@@ -198,7 +199,7 @@ def test_stand_observe_stores_topk_along_the_accepted_path():
     logits[0, 0, 4] = 5.0  # root slot -> 4
     logits[0, 2, 1] = 5.0  # accepted slot 2 -> 1
     logits[0, 2, 2] = 4.0
-    res = PassResult(
+    res = PassRecord(
         committed=torch.tensor([[4, 1]]), num_committed=torch.tensor([2]), hidden=None, mask_hidden=None,
         slot_logits=logits, path_slots=torch.tensor([[0, 2]]),
     )
@@ -248,8 +249,8 @@ def test_pld_rates_forget_misses_at_depths_no_longer_offered():
 
     def pass_(nodes: int, n_committed: int) -> None:
         view = RowsView(hist, length.clone(), torch.tensor([5]), [0])
-        block = d.propose(view, nodes)
-        d.observe(view, PassResult(torch.zeros((1, nodes + 1), dtype=torch.long), torch.tensor([n_committed]), None,
+        block = d.propose(view, PassPlan(nodes))
+        d.observe(view, PassRecord(torch.zeros((1, nodes + 1), dtype=torch.long), torch.tensor([n_committed]), None,
                                    None, block=block))
 
     for _ in range(2):
@@ -299,8 +300,8 @@ def test_prompt_lookup_mass_follows_its_counters(inference):
             assert d.reached.is_inference()
         assert torch.allclose(d.draft_mass(view), fresh())
         before = fresh()
-        block = d.propose(view, 4)
-        d.observe(view, PassResult(torch.zeros((1, 5), dtype=torch.long), torch.tensor([3]), None, None, block=block))
+        block = d.propose(view, PassPlan(4))
+        d.observe(view, PassRecord(torch.zeros((1, 5), dtype=torch.long), torch.tensor([3]), None, None, block=block))
         assert not torch.allclose(fresh(), before)  # observe changed the counters in place
         assert torch.allclose(d.draft_mass(view), fresh())
         d.accepted = torch.full((2, 4), 2.0)  # replaced

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from esp_worker.drafters.base import PassResult, RowsView
+from esp_worker.passes import PassRecord, RowsView
 from esp_worker.drafters.esp import ESPDrafter, ESPState, topk_excluding
 
 V, D = 16, 4
@@ -45,7 +45,7 @@ def observed(d: ESPDrafter, root: int, rows):
             logits[0, j, t] = math.log(p)
     view = RowsView(torch.tensor([[0, root]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState())
     view.state.update(m=torch.zeros(1, 1, D), m_len=torch.tensor([1]), has_probe=torch.zeros(1, dtype=torch.bool))
-    d.observe(view, PassResult(torch.tensor([[root]]), torch.tensor([1]), None, logits))  # logits: identity head
+    d.observe(view, PassRecord(torch.tensor([[root]]), torch.tensor([1]), None, logits))  # logits: identity head
     return view.state.cand_lp, view.state.cand_ids
 
 
@@ -113,11 +113,11 @@ def test_ema_update_per_committed_token_in_order():
         view = RowsView(hist, hist_len, torch.ones(2, dtype=torch.long), [0, 0], ESPState())
         view.state.update(m=m0.clone().unsqueeze(1), m_len=torch.ones(2, dtype=torch.long), has_probe=torch.zeros(2, dtype=torch.bool))
         if plain_first:  # a plain pass defers the update; the next mask pass applies it
-            d.observe(view, PassResult(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), None, None))
+            d.observe(view, PassRecord(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), None, None))
             assert torch.equal(view.state.m, m0.unsqueeze(1))
         # this pass's tokens as the engine passes them (hist[:, 1:4], valid up to [3, 1]): m was up to date before
         # it (without a plain pass first), so they are applied as they are
-        d.observe(view, PassResult(hist[:, 1:], torch.tensor([3, 1]), None, mask_hidden))
+        d.observe(view, PassRecord(hist[:, 1:], torch.tensor([3, 1]), None, mask_hidden))
         for r in range(2):
             assert torch.allclose(view.state.m[r], expected[r], atol=1e-5)
         assert view.state.m_len.tolist() == [4, 2]
@@ -138,7 +138,7 @@ def test_ema_replays_long_gaps_and_short_ones_after_them():
     seen = 1
     for length in (38, 41, 42, 59):  # gaps 37 (a table of 64), 3, 1, 17
         view = RowsView(hist, torch.tensor([length]), torch.ones(1, dtype=torch.long), [0], view.state)
-        d.observe(view, PassResult(hist[:, seen:length], torch.tensor([length - seen]), None, torch.zeros((1, 1, V))))
+        d.observe(view, PassRecord(hist[:, seen:length], torch.tensor([length - seen]), None, torch.zeros((1, 1, V))))
         for t in hist[0, seen:length].tolist():
             ref = ref + lam * (table[t] - ref)
         seen = length
@@ -180,7 +180,7 @@ def test_ema_lambda_zero_freezes_mask():
     d = drafter(num_masks=1, block_complexity=10, ema_lambda=0.0)
     view = RowsView(torch.tensor([[1, 3, 0, 0]]), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState())
     view.state.update(m=torch.ones((1, 1, D)), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
-    d.observe(view, PassResult(torch.tensor([[3]]), torch.tensor([1]), None, torch.zeros((1, 1, V))))
+    d.observe(view, PassRecord(torch.tensor([[3]]), torch.tensor([1]), None, torch.zeros((1, 1, V))))
     assert torch.equal(view.state.m, torch.ones((1, 1, D)))
 
 

@@ -34,7 +34,7 @@ def test_feed_from_another_thread_matches_generate_and_fills_the_batch():
     ref = reference("llama", "sdpa")
     got = {int(k[1:]): tuple(v) for k, v in outs.items()}
     assert got == dict(enumerate(ref))
-    assert max(eng.batch_histogram) == 4  # all four rows decoded together
+    assert max(eng.stats.batch_histogram) == 4  # all four rows decoded together
 
 
 def test_iterable_input_reads_lazily_and_counts_batch_sizes():
@@ -53,4 +53,4 @@ def test_iterable_input_reads_lazily_and_counts_batch_sizes():
     assert len(pulled) == 2  # only as many as the batch holds
     rest = list(it)
     assert len(rest) == 3
-    assert set(eng.batch_histogram) <= {1, 2} and eng.batch_histogram[2] > 0
+    assert set(eng.stats.batch_histogram) <= {1, 2} and eng.stats.batch_histogram[2] > 0

@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from esp_worker.passes import PassPlan
 from esp_worker.drafters.base import RowsView
 from esp_worker.drafters.hybrid import HybridDrafter, hybrid_nodes, hybrid_tokens
 from esp_worker.drafters.pld import PromptLookupDrafter
@@ -25,7 +26,7 @@ def drafter(bc: int = 10, k: int = 1) -> HybridDrafter:
 def view_with_probe(d: HybridDrafter, hist: list[int], probe: dict[int, float]) -> RowsView:
     h = torch.tensor([hist])
     n = torch.tensor([len(hist)])
-    view = RowsView(h, n, n.clone(), [0], d.new_state())
+    view = RowsView(h, n, n.clone(), [0], d.state_type())
     d.start_rows(view)
     lp = torch.full((1, 1, d.num_cand), float("-inf"))
     ids = torch.zeros((1, 1, d.num_cand), dtype=torch.long)
@@ -47,7 +48,7 @@ def test_small_trees_put_masks_on_the_root_only():
     d = drafter()
     d.mask_min_nodes = 32
     view = view_with_probe(d, [5, 6, 7, 8, 5, 6], {7: 0.5, 9: 0.3, 3: 0.1})
-    b = d.propose(view, 5)
+    b = d.propose(view, PassPlan(5))
     assert b.mask_owner.tolist() == [[0, -1, -1, -1, -1, -1]] and b.aux_embeds.shape[1] == 1
     assert b.layout.visible.shape[-1] == hybrid_tokens(5, 1, 4, 32) == 7
 
@@ -57,9 +58,9 @@ def test_merge_ranks_chain_and_probe_by_calibrated_estimate():
     # history [5 6 7 8 5 6]: the suffix [5 6] matched at 0 -> chain [7 8 5 6]; prior rate 0.8 per depth ->
     # 0.8, 0.64, 0.512, 0.41. Probe: 7 (0.5, the same token as chain node 1: merged), 9 (0.3), 3 (0.1).
     view = view_with_probe(d, [5, 6, 7, 8, 5, 6], {7: 0.5, 9: 0.3, 3: 0.1})
-    b4 = d.propose(view, 4)
+    b4 = d.propose(view, PassPlan(4))
     assert b4.tree.tokens.tolist() == [[6, 7, 8, 5, 6]] and b4.tree.parents.tolist() == [[-1, 0, 1, 2, 3]]
-    b5 = d.propose(view, 5)
+    b5 = d.propose(view, PassPlan(5))
     assert b5.tree.tokens.tolist() == [[6, 7, 8, 5, 6, 9]]
     assert b5.tree.parents.tolist() == [[-1, 0, 1, 2, 3, 0]]
     assert b5.source.tolist() == [[-1, 0, 0, 0, 0, 2]]  # ngram, ngram, ngram, ngram, esp
@@ -73,25 +74,25 @@ def test_merge_ranks_chain_and_probe_by_calibrated_estimate():
 def test_no_match_gives_the_probe_the_whole_budget_and_no_probe_the_chain():
     d = drafter()
     view = view_with_probe(d, [1, 2, 3, 4], {7: 0.5, 9: 0.3, 3: 0.1})  # no repeated suffix: no chain
-    b = d.propose(view, 3)
+    b = d.propose(view, PassPlan(3))
     assert b.tree.tokens.tolist() == [[4, 7, 9, 3]] and b.tree.valid.all()
     assert b.source.tolist() == [[-1, 2, 2, 2]]
     view = view_with_probe(d, [5, 6, 7, 8, 5, 6], {7: 0.5})
     view.state.has_probe = torch.zeros(1, dtype=torch.bool)  # a stale probe offers nothing
-    b = d.propose(view, 5)
+    b = d.propose(view, PassPlan(5))
     kept = b.tree.tokens[0][b.tree.valid[0]].tolist()
     assert kept == [6, 7, 8, 5, 6] and (b.source[0][b.tree.valid[0]] != 2).all()  # the chain only
 
 
 def test_calibration_learns_per_proposer_and_depth():
-    from esp_worker.drafters.base import PassResult
+    from esp_worker.passes import PassRecord
 
     d = drafter()
     view = view_with_probe(d, [5, 6, 7, 8, 5, 6], {7: 0.5, 9: 0.3, 3: 0.1})
     for _ in range(50):  # the model always says 9: the esp node is accepted, the chain never
-        block = d.propose(view, 5)
+        block = d.propose(view, PassPlan(5))
         slot9 = block.tree.tokens[0].tolist().index(9)
-        res = PassResult(committed=torch.tensor([[9, 1]]), num_committed=torch.tensor([2]), hidden=None,
+        res = PassRecord(committed=torch.tensor([[9, 1]]), num_committed=torch.tensor([2]), hidden=None,
                          mask_hidden=None, path_slots=torch.tensor([[0, slot9]]), last_slot=torch.tensor([slot9]),
                          block=block, slot_logits=torch.zeros((1, 6, V)))
         d._calibrate(res)
@@ -136,7 +137,7 @@ def test_heads_merge_into_the_probe_and_bring_their_children():
     # no repeated suffix (no chain); the probe says 7 (0.5). The heads' 7 (0.6) is the probe's 7 under the root:
     # one node, estimate max(0.5, 0.6); the heads' 5 moves under it (0.6 * 0.5); the heads' 9 (0.2) stays.
     view = view_with_probe(d, [1, 2, 3, 4], {7: 0.5})
-    b = d.propose(view, 3)
+    b = d.propose(view, PassPlan(3))
     t = b.tree
     nodes = {(t.tokens[0, i].item(), t.tokens[0, t.parents[0, i]].item(), b.source[0, i].item())
              for i in range(1, 4) if t.valid[0, i]}
@@ -145,5 +146,5 @@ def test_heads_merge_into_the_probe_and_bring_their_children():
     # without a hidden state yet (cp_ok False) the heads offer nothing
     view = view_with_probe(d, [1, 2, 3, 4], {7: 0.5})
     view.state.cp_ok = torch.zeros(1, dtype=torch.bool)
-    b = d.propose(view, 3)
+    b = d.propose(view, PassPlan(3))
     assert b.tree.tokens[0][b.tree.valid[0]].tolist() == [4, 7] and b.source[0][b.tree.valid[0]].tolist() == [-1, 2]

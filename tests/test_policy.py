@@ -457,7 +457,7 @@ def test_hybrid_auto_skips_its_row_hints_before_plain_passes(monkeypatch, prepar
 
     params = GenerationParams(max_new_tokens=160)
     outs = eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS[:2])])
-    passes = eng.timing["decode_passes"]
+    passes = eng.stats.decode_passes
     assert passes > 150
     # the proposer sets take turns looking early on (~30 passes), then each plain look doubles the wait
     assert calls[0] < passes / 2, (calls[0], passes)

@@ -60,12 +60,12 @@ def test_compiled_settle_matches_eager_and_generate(arch, compile_at_once):
         _, eager = _run(lm, cfg, GREEDY)
         eng, comp = _run(lm, dataclasses.replace(cfg, compile_host=True), GREEDY)
         what = f"{method} BC {bc} k {k} {tree} batch {batch} {arch}"
-        assert eng.settler.passes == eng.timing["decode_passes"] > 0, f"{what}: not every pass ran the kernel"
+        assert eng.settler.passes == eng.stats.decode_passes > 0, f"{what}: not every pass ran the kernel"
         assert eng.compile_s > 0
         if method == "esp" and tree == "static":  # the pass after each prefill proposes eagerly, then prepared blocks
-            assert eng.drafter.prepared_blocks > eng.timing["decode_passes"] // 2, what
+            assert eng.drafter.prepared_blocks > eng.stats.decode_passes // 2, what
             if batch == 1:
-                assert eng.drafter.prepared_blocks == eng.timing["decode_passes"] - len(PROMPTS), what
+                assert eng.drafter.prepared_blocks == eng.stats.decode_passes - len(PROMPTS), what
         _same(eager, comp, what)
         assert [tuple(o.token_ids) for o in comp] == list(ref), f"{what}: diverged from generate"
 
@@ -79,7 +79,7 @@ def test_compiled_settle_cuts_at_stop_ids_and_limits(compile_at_once):
     cfg = EngineConfig(method="esp", block_complexity=30, num_masks=1, max_batch_size=3)
     _, eager = _run(lm, cfg, params)
     eng, comp = _run(lm, dataclasses.replace(cfg, compile_host=True), params)
-    assert eng.settler.passes == eng.timing["decode_passes"]
+    assert eng.settler.passes == eng.stats.decode_passes
     _same(eager, comp, "stops and limits")
     assert {o.finish_reason for o in comp} >= {"stop", "length"}
 
@@ -103,8 +103,8 @@ def test_a_shape_is_compiled_after_it_recurs():
     lm = tiny("llama")
     cfg = EngineConfig(method="esp", block_complexity=30, num_masks=1, max_batch_size=1, compile_host=True)
     eng, outs = _run(lm, cfg, GREEDY)
-    assert eng.timing["decode_passes"] > aot.COMPILE_AFTER
-    assert eng.settler.passes == eng.timing["decode_passes"] - (aot.COMPILE_AFTER - 1)
+    assert eng.stats.decode_passes > aot.COMPILE_AFTER
+    assert eng.settler.passes == eng.stats.decode_passes - (aot.COMPILE_AFTER - 1)
     assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
     eng, _ = _run(lm, cfg, GenerationParams(max_new_tokens=8), PROMPTS[:2])  # 14 passes: never compiled
     assert eng.settler.passes == 0 and eng.compile_s == 0
@@ -137,11 +137,11 @@ def test_compiled_settle_on_the_trained_model(compile_at_once):
                          curve)
         what = f"trained {cfg.method} BC {cfg.block_complexity}"
         if cfg.block_complexity != "auto":  # (auto's block sizes vary: most recur, its first passes do not)
-            assert eng.settler.passes == eng.timing["decode_passes"]
+            assert eng.settler.passes == eng.stats.decode_passes
         if cfg.method != "pld" and cfg.block_complexity != "auto":  # ESP's mask EMA was computed by the kernel
             assert eng.settler.ema_passes > eng.settler.passes // 2, (eng.settler.ema_passes, eng.settler.passes)
         if cfg.method == "esp" and cfg.max_batch_size == 1:  # and ESP's blocks were prepared by the probe's kernel
-            assert eng.drafter.prepared_blocks == eng.timing["decode_passes"] - len(prompts)
+            assert eng.drafter.prepared_blocks == eng.stats.decode_passes - len(prompts)
         if cfg.block_complexity == "auto":  # sizes follow measured times: the same tokens, not the same statistics;
             # on this CPU the policy learns that drafting costs more than the curve says and drafts in a few passes,
             # the largest tree after a fresh probe among them

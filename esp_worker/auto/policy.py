@@ -16,12 +16,15 @@ import json
 import math
 import os
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from ..passes import PassPlan
 from .cost_model import CostCurve, measure_cost_curve, powers_of_two
+from .sizer import DraftSizer
 from ..model.runner import ModelRunner
 
 EXCESS_TOLERANCE = 1.25  # a drafting pass's model time beyond the curve counts once it is this far above plain's
@@ -31,6 +34,33 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 _NO_MASS: list = []  # `prepare` looked, and the drafter had no mass to offer (choose: plain)
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """The policy's tuning (the defaults are what the engine uses)."""
+
+    prior_alpha: float = 0.5  # prior ratio of accepted drafts to the drafter's predicted mass
+    prior_weight: float = 4.0  # its weight in passes
+    decay: float = 0.98  # per pass, of the running calibration
+    probe_interval: int = 8  # base wait of mask drafters between looks (a look costs them a probe pass)
+    explore_every: int = 64  # while one mode wins, the other gets one pass in this many
+    min_samples: int = 3  # looks that draft whatever the estimate says (both modes get measured)
+    arm_min_passes: int = 16  # passes each proposer set runs before their speeds are compared
+    local_decay: float = 0.7  # per pass, of a proposer set's local speed
+    pair_weight: int = 20  # paired comparisons a set's lead averages over
+    # decide each pass at the end of the one before, so that its look's mass rides in that pass's one host read
+    # (on an accelerator, where a read drains the device's queue; on a CPU a read costs nothing)
+    prepare_looks: bool = False
+
+
+@dataclass
+class _Prepared:
+    """The next pass's decision, made at the end of this one (`prepare`)."""
+
+    decision: tuple  # ("plain",) | ("probe",) | ("look", trial)
+    # [max_nodes + 1] the look's cumulative mass on the host (`receive`), _NO_MASS, or None: read it at `plan`
+    host_mass: Optional[list[float]] = None
 
 
 class _Arm:
@@ -100,8 +130,6 @@ class BlockPolicy:
     `EXCESS_TOLERANCE` (beyond the VM's noise), drafting sizes cost that factor times the curve, and a plain
     pass runs at least every `EXCESS_REFRESH` passes to keep the plain ratio current: a machine that slowed
     down while the policy drafted would otherwise look like an excess of drafting until the next plain pass.
-    On an H100 a 1B model's hybrid passes under `auto` ran at 0.3-0.4x plain decoding with their extra time
-    inside the model calls (host overhead 0.12), which the host overheads could not see.
 
     Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set that measured fastest
     in paired comparisons on the same text. A pass's speed is the tokens it committed per row over its time
@@ -125,28 +153,18 @@ class BlockPolicy:
     of a proposer set that is not the best (sampling or exploring it) starts no back-off: the best set looks
     again at the next pass."""
 
-    def __init__(
-        self,
-        curve: CostCurve,
-        block_tokens: Callable[[int], int],  # draft nodes -> tokens fed per sequence (the drafter's own set)
-        max_nodes: int,
-        max_block: int,
-        prior_alpha: float = 0.5,
-        prior_weight: float = 4.0,
-        decay: float = 0.98,
-        probe_interval: int = 8,
-        explore_every: int = 64,
-        min_samples: int = 3,
-        arm_min_passes: int = 16,
-        local_decay: float = 0.7,
-        pair_weight: int = 20,
-    ):
+    def __init__(self, curve: CostCurve, sizer: DraftSizer, max_block: int, settings: PolicySettings = PolicySettings()):
         self.curve = curve
+        self.sizer = sizer
         self.max_block = min(max_block, max(curve.block_sizes))  # never extrapolate the curve beyond what was measured
-        self._prior = (prior_alpha, prior_weight)
-        self.arms: dict[str, _Arm] = {"": _Arm(block_tokens, max_nodes, self.max_block, *self._prior)}
-        self.arm = self.arms[""]
-        self.decay, self.local_decay, self.pair_weight = decay, local_decay, pair_weight
+        self.prepare_looks = settings.prepare_looks
+        self._prior = (settings.prior_alpha, settings.prior_weight)
+        self.variant = ""  # the proposer set in charge ("": the drafter's default until a look picks one)
+        self.arms: dict[str, _Arm] = {self.variant: _Arm(*sizer.sizes(self.variant), self.max_block, *self._prior)}
+        self.arm = self.arms[self.variant]
+        self.decay, self.local_decay, self.pair_weight = settings.decay, settings.local_decay, settings.pair_weight
+        explore_every, min_samples, arm_min_passes = settings.explore_every, settings.min_samples, settings.arm_min_passes
+        probe_interval = settings.probe_interval
         self._passes = 0  # passes observed (the clock of the sets' local speeds)
         self._pairs = 0  # paired comparisons of proposer sets so far
         self._prev_arm: Optional[_Arm] = None  # the set of the last pass observed
@@ -163,9 +181,8 @@ class BlockPolicy:
         self._looks = 0
         # (mode, predicted model seconds, the curve's plain pass seconds, batch, proposer set) of the planned pass
         self._last: Optional[tuple[str, float, float, int, _Arm]] = None
-        # the next pass's decision, made at the end of this one (`prepare`): [decision, the rows' hist_len
-        # tensor it was made for, the device cumulative mass to read, its host copy (`receive`)]
-        self._prepared: Optional[list] = None
+        # the next pass's decision, made at the end of this one (`prepare`)
+        self._prepared: Optional[_Prepared] = None
         self._mass: Optional[list[float]] = None  # [max_nodes + 1] cumulative mass of the last plan (host)
         self._n = -1
 
@@ -177,8 +194,9 @@ class BlockPolicy:
     def alpha(self) -> float:
         return self.arm.alpha
 
-    def plan(self, drafter, view, lens: Optional[list[int]] = None) -> int:
-        """Draft nodes for this pass: -1 = plain decoding, 0 = root + masks (a probe), n > 0 = a tree.
+    def plan(self, view, lens: Optional[list[int]] = None) -> PassPlan:
+        """This pass's plan: draft nodes -1 = plain decoding, 0 = root + masks (a probe), n > 0 = a tree, from the
+        proposer set in charge.
         lens: the rows' history lengths on the host (the engine's mirror); read from view.hist_len if None.
 
         A look needs the draft mass on the host. When the previous pass prepared this one (`prepare`, the
@@ -189,43 +207,50 @@ class BlockPolicy:
         batch = len(view.seeds)
         cache_len = self._cache_len(view, lens)
         prepared, self._prepared = self._prepared, None
-        decision = prepared[0] if prepared is not None else self._decide(drafter, view, batch, cache_len)
+        decision = prepared.decision if prepared is not None else self._decide(view, batch, cache_len)
         if decision[0] != "look":
-            return self._planned(-1 if decision[0] == "plain" else 0, batch, cache_len)
+            return PassPlan(self._planned(-1 if decision[0] == "plain" else 0, batch, cache_len), self.variant)
         trial = decision[1]
-        fresh = prepared is not None and prepared[1] is view.hist_len and prepared[3] is not None
-        mass = prepared[3] if fresh else drafter.draft_mass(view)
+        fresh = prepared is not None and prepared.host_mass is not None
+        mass = prepared.host_mass if fresh else self.sizer.draft_mass(view, self.variant)
         n = self.choose(mass, batch, cache_len, measured=not self._exploring())
-        return self._after_look(n, trial, batch, cache_len, drafter)
+        return PassPlan(self._after_look(n, trial, batch, cache_len), self.variant)
 
-    def prepare(self, drafter, view, lens: Optional[list[int]] = None) -> Optional[torch.Tensor]:
+    def rows_changed(self) -> None:
+        """Rows joined or left the batch since `prepare`: its draft mass was the old rows' (the decision stands)."""
+        if self._prepared is not None:
+            self._prepared.host_mass = None
+
+    def prepare(self, view, lens: Optional[list[int]] = None) -> Optional[torch.Tensor]:
         """At the end of a pass (its rows committed and observed), decide the next pass's kind now, and for a
         look start its draft mass: returns the batch's cumulative mass [max_nodes + 1] (device) for the engine
         to read with the pass's one host read and hand back with `receive`, or None when the next pass does
         not look. The decision uses the statistics up to the pass before (this pass's `observe_pass` comes
         after the read)."""
+        if not self.prepare_looks:
+            return None
         batch = len(view.seeds)
-        decision = self._decide(drafter, view, batch, self._cache_len(view, lens))
+        decision = self._decide(view, batch, self._cache_len(view, lens))
         cum = None
         if decision[0] == "look":
-            mass = drafter.draft_mass(view)
+            mass = self.sizer.draft_mass(view, self.variant)
             if mass is not None:
                 total = mass.float().sum(0).cumsum(0)
                 cum = torch.cat([total.new_zeros(1), total])
-        self._prepared = [decision, view.hist_len, cum, _NO_MASS if decision[0] == "look" and cum is None else None]
+        self._prepared = _Prepared(decision, _NO_MASS if decision[0] == "look" and cum is None else None)
         return cum
 
     def next_is_plain(self) -> bool:
         """Known now, at the end of a pass: the next pass decodes plainly (its decision was prepared, or a back-off
         wait is running), so it looks nothing up and the drafter's row hints for it would go unused."""
         if self._prepared is not None:
-            return self._prepared[0][0] == "plain"
+            return self._prepared.decision[0] == "plain"
         return self._wait > 0
 
-    def receive(self, cum: list[float]) -> None:
-        """The host copy of the mass `prepare` returned (read with the pass's lengths)."""
-        if self._prepared is not None:
-            self._prepared[3] = cum
+    def receive(self, cum: Optional[list[float]]) -> None:
+        """The host copy of the mass `prepare` returned (read with the pass's lengths; None: it returned none)."""
+        if self._prepared is not None and cum is not None:
+            self._prepared.host_mass = cum
 
     @staticmethod
     def _cache_len(view, lens: Optional[list[int]]) -> int:
@@ -234,7 +259,7 @@ class BlockPolicy:
     def _exploring(self) -> bool:
         return len(self.arm.over) < self.min_samples or self._since["draft"] >= self.explore_every
 
-    def _decide(self, drafter, view, batch: int, cache_len: int) -> tuple:
+    def _decide(self, view, batch: int, cache_len: int) -> tuple:
         """("plain",) | ("probe",) | ("look", trial): what the next pass does before any draft mass is known
         (waits, back-off, the bound on what drafting could pay, a probe first, the proposer set)."""
         # a plain pass re-measures plain's model time while an excess counts, and measures it at all once drafting
@@ -245,20 +270,20 @@ class BlockPolicy:
         if self._wait > 0 or self._since["plain"] >= self.explore_every or refresh:
             self._wait = max(self._wait - 1, 0)
             return ("plain",)
-        base = self.probe_interval if drafter.needs_probe_to_draft else 1
-        if self._next_wait < 64 * base and not self._may_pay(drafter, batch, cache_len):
+        base = self.probe_interval if self.sizer.needs_probe_to_draft else 1
+        if self._next_wait < 64 * base and not self._may_pay(batch, cache_len):
             # no size could beat plain decoding even with every depth's mass at its bound: skip the look (for a
             # mask drafter, its probe pass) and back off as a look that chose plain would; at the longest
             # back-off a real look still runs, so alpha and the overheads are measured again
             self._wait = self._next_wait or base
             self._next_wait = min(2 * self._wait, 64 * base)
             return ("plain",)
-        if drafter.needs_probe(view):  # a mask drafter after plain passes: look with a probe pass
+        if self.sizer.needs_probe(view):  # a mask drafter after plain passes: look with a probe pass
             return ("probe",)
-        return ("look", self._pick_arm(drafter))
+        return ("look", self._pick_arm())
 
-    def _after_look(self, n: int, trial: bool, batch: int, cache_len: int, drafter) -> int:
-        base = self.probe_interval if drafter.needs_probe_to_draft else 1
+    def _after_look(self, n: int, trial: bool, batch: int, cache_len: int) -> int:
+        base = self.probe_interval if self.sizer.needs_probe_to_draft else 1
         if n > 0:
             self._next_wait = base
         elif trial:  # a trial of another proposer set that would not draft: the best set looks next pass
@@ -271,13 +296,13 @@ class BlockPolicy:
         self._n = n
         return self._planned(n, batch, cache_len)
 
-    def _may_pay(self, drafter, batch: int, cache_len: int) -> bool:
+    def _may_pay(self, batch: int, cache_len: int) -> bool:
         """Whether some drafting size could beat plain decoding at the calibrated alpha. Nodes at one depth are
         alternatives, so a tree's draft mass is at most one per depth: a row commits at most 1 + alpha *
         min(n, depth_limit) tokens a pass. Only drafters with a depth limit (ESP: k) are bounded; for the others
         the bound is the node count and always true. Host arithmetic over the few sizes, no device read."""
-        limit = drafter.depth_limit
-        if limit is None or len(drafter.variants) > 1:
+        limit = self.sizer.depth_limit
+        if limit is None or len(self.sizer.variants) > 1:
             return True
         costs = self.costs(batch, cache_len)
         plain = batch / (costs[0] + self.overhead("plain"))
@@ -285,17 +310,17 @@ class BlockPolicy:
         return any(batch * (1 + alpha * min(s, limit)) / (c * excess + over) > plain
                    for s, c in zip(self.arm.sizes[1:], costs[1:]))
 
-    def _pick_arm(self, drafter) -> bool:
+    def _pick_arm(self) -> bool:
         """Select the proposer set for this look (the drafter's own when it has one). True when the look is a
         trial of a set that is not the best (still sampling it, or exploring): its choosing plain decoding says
         nothing about the best set, so it starts no back-off."""
-        names = drafter.variants
+        names = self.sizer.variants
         if len(names) == 1:
             return False
         self._looks += 1
         for v in names:
             if v not in self.arms:
-                self.arms[v] = _Arm(*drafter.use_variant(v), self.max_block, *self._prior)
+                self.arms[v] = _Arm(*self.sizer.sizes(v), self.max_block, *self._prior)
         tried = {v: self.arms[v] for v in names}
         new = [v for v, a in tried.items() if a.passes < self.arm_min_passes]
         if new:  # the sets take turns until each has its passes: both are measured on the same text
@@ -305,8 +330,7 @@ class BlockPolicy:
             due = [v for v in names if v != best and self._looks - tried[v].last_trial >= self._trial_interval(tried, best, v)]
             pick = min(due, key=lambda v: tried[v].last_trial) if due else best
             tried[pick].last_trial = self._looks
-        drafter.use_variant(pick)
-        self.arm = self.arms[pick]
+        self.variant, self.arm = pick, self.arms[pick]
         return pick != best
 
     def _trial_interval(self, arms: dict[str, "_Arm"], best: str, other: str) -> float:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ..config import EngineConfig
 from ..model.runner import ModelRunner
-from .base import Block, Drafter, PassResult, PlainDrafter, RowsView
+from ..passes import Block, PassRecord, RowsView
+from .base import Drafter, PlainDrafter
 
 
 def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
@@ -83,4 +84,4 @@ def _esp_kwargs(cfg: EngineConfig, runner: ModelRunner) -> dict:
     )
 
 
-__all__ = ["Block", "Drafter", "PassResult", "PlainDrafter", "RowsView", "make_drafter"]
+__all__ = ["Block", "Drafter", "PassRecord", "PlainDrafter", "RowsView", "make_drafter"]

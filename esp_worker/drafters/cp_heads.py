@@ -28,8 +28,10 @@ import torch
 from ..model.heads import CPHeads
 from ..grad import inference
 from ..tree import DraftTree, best_nodes
-from .base import Block, Drafter, PassResult, RowsView
-from .state import RowState, row_field
+from ..auto.sizer import DraftSizer
+from ..passes import Block, PassPlan, PassRecord, RowsView
+from .base import FULL, Drafter
+from ..row_state import RowState, row_field
 
 NEG = float("-inf")
 
@@ -40,7 +42,7 @@ class CPHeadsState(RowState):
     cp_ok: Optional[torch.Tensor] = row_field()  # [B] bool: False until a decode pass gave one
 
 
-class CPHeadsDrafter(Drafter):
+class CPHeadsDrafter(Drafter, DraftSizer):
     name = "cp_heads"
     state_type = CPHeadsState
 
@@ -66,7 +68,7 @@ class CPHeadsDrafter(Drafter):
         view.state.cp_ok = torch.zeros(b, dtype=torch.bool, device=dev)
         return None
 
-    def observe(self, view: RowsView, result: PassResult) -> None:
+    def observe(self, view: RowsView, result: PassRecord) -> None:
         st = view.state
         if result.prefill or result.hidden is None or result.last_slot is None:
             st.cp_ok = torch.zeros_like(st.cp_ok)
@@ -128,19 +130,19 @@ class CPHeadsDrafter(Drafter):
         self._pool_cache = (key, out)
         return out
 
-    def draft_mass(self, view: RowsView) -> torch.Tensor:
+    def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """[B, max_nodes] joint probability of each node of the largest tree, best first (0 without a state)."""
         score = self._pool(view)[0]
         k = min(self.num_nodes, score.shape[1])
         top = score.topk(k, dim=1).values.exp() * view.state.cp_ok[:, None]
         return torch.nn.functional.pad(top, (0, self.num_nodes - k))
 
-    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+    def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
         """num_nodes None = the configured size; <= 0 = a plain pass (root only)."""
-        n = self.num_nodes if num_nodes is None else min(num_nodes, self.num_nodes)
+        n = self.num_nodes if plan.num_nodes is None else min(plan.num_nodes, self.num_nodes)
         if n <= 0:
-            return self.block(DraftTree.root_only(view.root), max_depth=0)
+            return self.blocks.build(DraftTree.root_only(view.root), max_depth=0)
         score, tok, par, _ = self._pool(view)
         tree, _ = best_nodes(view.root, score, score > NEG, tok, par, n)  # the shared tree selection
         tree.valid[:, 1:] &= view.state.cp_ok[:, None]
-        return self.block(tree, max_depth=self.depth)
+        return self.blocks.build(tree, max_depth=self.depth)

@@ -22,13 +22,16 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from ..auto.sizer import DraftSizer
 from ..kernels.aot import AotKernels
+from ..kernels.hooks import KernelHooks
+from ..passes import Block, PassPlan, PassRecord, RowsView
 from ..consts import ones
 from ..sampling import upload
 from ..tree import DraftTree, best_nodes, static_branches, static_parents
-from .base import Block, Drafter, PassResult, RowsView
+from .base import FULL, Drafter
 from .common import NEG, ema_apply, topk_excluding  # noqa: F401  (topk_excluding re-exported for callers of esp)
-from .state import RowState, row_field
+from ..row_state import RowState, row_field
 
 
 EMA_TABLE_MAX = 1024  # widest EMA replay in one step (its weight table is [N + 1, N]); wider gaps go in chunks
@@ -49,9 +52,13 @@ class ESPState(RowState):
     cand_ids: Optional[torch.Tensor] = row_field()  # [B, k, C] their token ids
     has_probe: Optional[torch.Tensor] = row_field()  # [B] bool: the candidates come from the last pass
 
-class ESPDrafter(Drafter):
+class ESPDrafter(Drafter, DraftSizer, KernelHooks):
     state_type = ESPState
     name = "esp"
+    needs_probe_to_draft = True  # ESP drafts from its last probe only
+    # host flag: some row may hold a fresh probe (False after a plain pass fed no masks); lets the policy skip a
+    # device read on the plain path
+    probe_maybe = True
 
     def __init__(
         self,
@@ -135,7 +142,7 @@ class ESPDrafter(Drafter):
     def set_model_dtype(self, dtype: torch.dtype) -> None:
         self._model_dtype = dtype
 
-    def observe(self, view: RowsView, result: PassResult) -> None:
+    def observe(self, view: RowsView, result: PassRecord) -> None:
         st = view.state
         committed = result.committed.shape[1]  # host bound on the tokens this pass committed per row
         if result.mask_hidden is not None:
@@ -307,12 +314,12 @@ class ESPDrafter(Drafter):
     def block_tokens(self, num_nodes: int) -> int:
         return 1 if num_nodes < 0 else (self.num_masks + 1) * (1 + num_nodes)
 
-    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+    def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
         """num_nodes None = the configured size; -1 = plain pass (no masks); 0 = root + masks (re-probe)."""
         st = view.state
-        n = self.num_nodes if num_nodes is None else num_nodes
+        n = self.num_nodes if plan.num_nodes is None else plan.num_nodes
         if n < 0:
-            return self.block(DraftTree.root_only(view.root), None, max_depth=0)
+            return self.blocks.build(DraftTree.root_only(view.root), None, self.num_masks, max_depth=0)
         branches = self._branches_for(n)
         ready = self._ready
         if (ready is not None and self._all_probed and not self._lag and ready.root is view.root
@@ -321,7 +328,7 @@ class ESPDrafter(Drafter):
             tokens, valid, embeds = ready.tokens, ready.valid, ready.embeds
             b, t = tokens.shape
             tree = DraftTree(tokens, self._parents_for(b, tokens.device, branches), valid, static_key=("esp", tuple(branches)))
-            block = self.block(tree, embeds.narrow(1, t, t * self.num_masks), max_depth=len(branches))
+            block = self.blocks.build(tree, embeds.narrow(1, t, t * self.num_masks), self.num_masks, max_depth=len(branches))
             block.embeds = embeds
             self.prepared_blocks += 1
             return block
@@ -339,7 +346,7 @@ class ESPDrafter(Drafter):
             self._catch_up(view, self._lag)  # after plain passes m still owes their tokens
             self._lag = 0
         aux = self._mask_embeds(st.m, tree.num_slots)
-        return self.block(tree, aux, max_depth=depth)
+        return self.blocks.build(tree, aux, self.num_masks, max_depth=depth)
 
     def _branches_for(self, n: int) -> Optional[list[int]]:
         """The static tree of n >= 1 draft nodes ([K_1 .. K_d] nodes per depth), or None for a dynamic tree. One
@@ -352,7 +359,7 @@ class ESPDrafter(Drafter):
             return self.branches if n == self.num_nodes else static_branches((self.num_masks + 1) * (n + 1), self.num_masks)
         return None
 
-    def draft_mass(self, view: RowsView) -> torch.Tensor:
+    def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """[B, max_nodes] probe probability of each node of the largest tree, best first (0 without a probe).
 
         Their prefix sums estimate the drafts a tree of n nodes gets accepted (before calibration).

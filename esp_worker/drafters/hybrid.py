@@ -45,7 +45,8 @@ from typing import Callable, Optional
 import torch
 
 from ..tree import DraftTree, best_nodes, block_layout
-from .base import Block, PassResult, RowsView
+from ..passes import Block, PassPlan, PassRecord, RowsView
+from .base import FULL
 from .calibration import AcceptanceCalibration
 from .common import NEG, pool_depth
 from .corpus import CorpusNgrams
@@ -88,7 +89,7 @@ class HybridDrafter(ESPDrafter):
     name = "hybrid"
     state_type = HybridState
     proposers = ("ngram", "store", "esp")
-    drafts_without_probe = True
+    needs_probe_to_draft = False  # the n-gram proposers draft without a probe
     variants = ("merged", "ngram")
 
     def __init__(self, store: StandDrafter, chain: PromptLookupDrafter, block_complexity: int, num_masks: int,
@@ -136,8 +137,7 @@ class HybridDrafter(ESPDrafter):
     def block_tokens(self, num_nodes: int) -> int:
         return hybrid_tokens(num_nodes, self.num_masks, self.mask_every, self.mask_min_nodes)
 
-    def use_variant(self, variant: str) -> tuple[Callable[[int], int], int]:
-        self.variant = variant
+    def sizes(self, variant: str) -> tuple[Callable[[int], int], int]:
         if variant == "ngram":
             return self.chain.block_tokens, self.chain.max_nodes
         return self.block_tokens, self.num_nodes
@@ -170,7 +170,7 @@ class HybridDrafter(ESPDrafter):
             self.heads.start_rows(view)
         return super().start_rows(view)
 
-    def observe(self, view: RowsView, result: PassResult) -> None:
+    def observe(self, view: RowsView, result: PassRecord) -> None:
         if self.heads is not None:  # every pass: the last accepted slot's hidden state (a gather)
             self.heads.observe(view, result)
         if self.variant == "ngram" and not result.prefill:  # no masks fed, store not consulted
@@ -185,7 +185,7 @@ class HybridDrafter(ESPDrafter):
             self._calibrate(result)
         self._last = None
 
-    def _calibrate(self, result: PassResult) -> None:
+    def _calibrate(self, result: PassRecord) -> None:
         cell, q = self._last  # [B, T] flat (proposer, depth) index, proposer probability
         self.calibration.update(result.block.tree, result.path_slots, result.num_committed, cell, q)
 
@@ -280,9 +280,9 @@ class HybridDrafter(ESPDrafter):
         self._pool_key = key + (out,)
         return out
 
-    def draft_mass(self, view: RowsView) -> torch.Tensor:
+    def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """[B, max_nodes] calibrated acceptance estimate of each node of the largest tree, best first."""
-        if self.variant == "ngram":
+        if (variant or self.variant) == "ngram":
             return self.chain.draft_mass(view)
         rank = self._merged_pool(view)[0]
         n = min(self.num_nodes, rank.shape[1])
@@ -290,14 +290,16 @@ class HybridDrafter(ESPDrafter):
         return torch.nn.functional.pad(top, (0, self.num_nodes - n))
 
     # ---- the tree ----------------------------------------------------------------------------------
-    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+    def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
         """num_nodes None = the configured size; -1 = plain pass (no masks); 0 = root + masks (re-probe)."""
-        n = self.num_nodes if num_nodes is None else min(num_nodes, self.num_nodes)
+        n = self.num_nodes if plan.num_nodes is None else min(plan.num_nodes, self.num_nodes)
+        if plan.variant:
+            self.variant = plan.variant  # the proposer set of this pass (observe learns by it)
         self._last = None
         if n < 0:
-            return self.block(DraftTree.root_only(view.root), None, max_depth=0)
+            return self.blocks.build(DraftTree.root_only(view.root), None, self.num_masks, max_depth=0)
         if self.variant == "ngram" and n > 0:
-            block = self.chain.propose(view, n)
+            block = self.chain.propose(view, PassPlan(n))
             block.source = torch.where(self.chain.from_corpus(view), CORPUS, NGRAM)[:, None]  # [B, 1]: the whole chain
             self._chain_pass = True
             return block
@@ -306,7 +308,7 @@ class HybridDrafter(ESPDrafter):
             self._lag = 0
         st = view.state
         if n == 0:
-            return self.block(DraftTree.root_only(view.root), self._mask_embeds(st.m, 1), max_depth=0)
+            return self.blocks.build(DraftTree.root_only(view.root), self._mask_embeds(st.m, 1), self.num_masks, max_depth=0)
         rank, valid, tok, par, src, cell, q = self._merged_pool(view)
         tree, keep = best_nodes(view.root, rank, valid, tok, par, n)
         b, t, dev = tree.tokens.shape[0], tree.num_slots, tree.tokens.device

@@ -31,8 +31,10 @@ import torch
 from ..config import EngineConfig
 from ..model.runner import ModelRunner
 from ..tree import BlockLayout, DraftTree, ancestor_matrix
-from .base import Block, Drafter, PassResult, RowsView
-from .state import RowState, row_field
+from ..auto.sizer import DraftSizer
+from ..passes import Block, PassPlan, PassRecord, RowsView
+from .base import FULL, Drafter
+from ..row_state import RowState, row_field
 
 
 @dataclass
@@ -110,7 +112,7 @@ def ngram_trie(root: torch.Tensor, cands: torch.Tensor, ok: torch.Tensor) -> Dra
     return DraftTree(tokens[:, : m + 1], parents[:, : m + 1], valid[:, : m + 1], static_key=None)
 
 
-class LookaheadDrafter(Drafter):
+class LookaheadDrafter(Drafter, DraftSizer):
     state_type = LadeState
     name = "lade"
 
@@ -167,7 +169,7 @@ class LookaheadDrafter(Drafter):
         return None
 
     # ---- one pass ----------------------------------------------------------------------------------
-    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+    def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
         st = view.state
         root = view.root  # [B]
         b = root.shape[0]
@@ -191,7 +193,7 @@ class LookaheadDrafter(Drafter):
         # the trie is at most N - 1 deep: a host bound for verification (the deepest slot would be a device read)
         return Block(tree=tree, layout=lay, aux_embeds=self.embed(aux_ids), max_depth=self.levels)
 
-    def observe(self, view: RowsView, result: PassResult) -> None:
+    def observe(self, view: RowsView, result: PassRecord) -> None:
         if result.prefill:
             return
         st = view.state

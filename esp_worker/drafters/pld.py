@@ -7,12 +7,14 @@ from ..consts import constant, ones, steps
 from ..tree import DraftTree
 from typing import Optional
 
-from .base import Block, Drafter, PassResult, RowsView
+from ..auto.sizer import DraftSizer
+from ..passes import Block, PassPlan, PassRecord, RowsView
+from .base import FULL, Drafter
 from .common import find_continuation
 from .corpus import CorpusNgrams
 
 
-class PromptLookupDrafter(Drafter):
+class PromptLookupDrafter(Drafter, DraftSizer):
     """Chain drafter. For n from max_ngram down to min_ngram, find the most recent earlier occurrence of the
     last n tokens (root included) in prompt + output, and propose the (up to) `depth` tokens that followed it.
 
@@ -50,10 +52,10 @@ class PromptLookupDrafter(Drafter):
             self.reached, self.accepted = self.reached.to(dev), self.accepted.to(dev)
         return None
 
-    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
-        depth = self.depth if num_nodes is None else max(0, min(num_nodes, self.depth))
+    def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
+        depth = self.depth if plan.num_nodes is None else max(0, min(plan.num_nodes, self.depth))
         if depth == 0:  # a plain pass (block_complexity=auto): no lookup
-            return self.block(DraftTree.root_only(view.root), max_depth=0)
+            return self.blocks.build(DraftTree.root_only(view.root), max_depth=0)
         b = view.hist.shape[0]
         dev = view.hist.device
         chain, valid, self._used = self._chain(view, depth)
@@ -63,7 +65,7 @@ class PromptLookupDrafter(Drafter):
         if key not in self._parents:
             self._parents[key] = torch.arange(-1, depth, device=dev).expand(b, -1).contiguous()
         tree = DraftTree(tokens=tokens, parents=self._parents[key], valid=valid, static_key=("chain", depth))
-        return self.block(tree, max_depth=depth)
+        return self.blocks.build(tree, max_depth=depth)
 
     def _chain(self, view: RowsView, depth: int):
         """([B, depth] tokens, [B, depth] valid, [B] from the corpus) following the best match (computed once
@@ -109,7 +111,7 @@ class PromptLookupDrafter(Drafter):
         """[B] rows whose chain this pass comes from the job's n-grams (the corpus), not their own history."""
         return self._chain(view, self.depth)[2]
 
-    def draft_mass(self, view: RowsView) -> torch.Tensor:
+    def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i) of the chain's
         source (the row's own history or the corpus)."""
         _, valid, used = self._chain(view, self.depth)
@@ -142,7 +144,7 @@ class PromptLookupDrafter(Drafter):
         big_b = b.cumprod(1)
         return (big_b * (0.8 + (self.accepted.double() * b / big_b).cumsum(1))).float()
 
-    def observe(self, view: RowsView, result: PassResult) -> None:
+    def observe(self, view: RowsView, result: PassRecord) -> None:
         if result.block is None or not self.mass_wanted:  # the rates only feed draft_mass
             return
         valid = result.block.tree.valid[:, 1:].float()  # [B, depth]

@@ -31,9 +31,11 @@ import torch
 from ..config import EngineConfig
 from ..model.runner import ModelRunner
 from ..tree import best_nodes
-from .base import Block, Drafter, PassResult, RowsView
+from ..auto.sizer import DraftSizer
+from ..passes import Block, PassPlan, PassRecord, RowsView
+from .base import FULL, Drafter
 from .common import NEG, find_continuation, topk_excluding
-from .state import RowState, row_field
+from ..row_state import RowState, row_field
 
 
 @dataclass
@@ -42,7 +44,7 @@ class StandState(RowState):
     store_lp: Optional[torch.Tensor] = row_field(NEG)  # [B, C, K] their log-probs (NEG = none)
 
 
-class StandDrafter(Drafter):
+class StandDrafter(Drafter, DraftSizer):
     name = "stand"
     state_type = StandState
 
@@ -92,7 +94,7 @@ class StandDrafter(Drafter):
             st.store_ids = torch.nn.functional.pad(st.store_ids, (0, 0, 0, extra))
             st.store_lp = torch.nn.functional.pad(st.store_lp, (0, 0, 0, extra), value=NEG)
 
-    def observe(self, view: RowsView, result: PassResult) -> None:
+    def observe(self, view: RowsView, result: PassRecord) -> None:
         """Store the model's top-K at the root and every accepted node: n positions ending at hist_len - 2.
 
         Example: root at position 10, two drafts accepted + the bonus (n = 3): hist_len went from 11 to 14 and
@@ -163,7 +165,7 @@ class StandDrafter(Drafter):
         d = torch.arange(dep, device=device)
         return torch.where(d == 0, -1, (d - 1) * k)[:, None].expand(dep, k).reshape(-1)
 
-    def propose(self, view: RowsView, num_nodes: Optional[int] = None) -> Block:
+    def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
         c = self.candidates(view)
         b, dep = c["chain"].shape
         k, dev = self.topk, c["chain"].device
@@ -176,4 +178,4 @@ class StandDrafter(Drafter):
         is_chain = (torch.arange(dep * k, device=dev) % k == 0)[None]  # [1, D*K]
         rank = torch.where(is_chain & (score > NEG), 1.0, score)  # chain first, then branches by score
         tree, _ = best_nodes(view.root, rank, score > NEG, tok, par.expand(b, -1), self.num_nodes)
-        return self.block(tree, max_depth=dep)
+        return self.blocks.build(tree, max_depth=dep)

@@ -28,91 +28,113 @@ from typing import Any, Optional
 import torch
 
 from .aot import AotKernels, require_compiler
+import dataclasses
+from dataclasses import dataclass
+
 from ..batch import Rows, count_by_proposer, count_pass, write_history
 from ..consts import steps
-from ..drafters import Block
 from ..drafters.common import ema_apply
 from ..kv_cache import move_slots
+from ..passes import Block, Settled
 from ..stops import apply_stops
 from ..tree import DraftTree, gather_slots, mask_indices
 from ..verify import VerifyResult, verify_greedy
 
-# settle's inputs, in order (source and accepted_by only with per-proposer counts, the ema_* only when the
-# drafter's EMA is computed with the pass, kv only when the kernel moves the kept slots); `_SHARED` may be
-# [1, ..] (one for every row) or [B, ..], `_FIXED` have no rows, the others but kv have rows on dim 0; `hist`
-# grows on dim 1; kv is the slab [L, 2, R, H, C, D] (R rows, C slots of capacity)
-_ARGS = ("tokens", "parents", "valid", "ancestors", "depth", "slot_logits", "stop_table", "hist_len", "limit",
-         "limit_code", "hist", "hists", "drafted", "source", "accepted_by", "ema_m", "embed_weight", "ema_cols", "hidden",
-         "kv")
-_SHARED = ("ancestors", "depth", "source")
-_FIXED = ("embed_weight", "ema_cols")
+
+@dataclass
+class SettleArgs:
+    """settle's tensors. Rows on dim 0 ([B, ..]) but for the `shared` ones ([1, ..] or [B, ..]), the `fixed` ones
+    (no rows) and kv; `hist` grows on dim 1. Optional groups: source + accepted_by (per-proposer counts), the
+    ema_* (the drafter's EMA computed with the pass), hidden (the masks' hidden states gathered), kv (the kept
+    slots moved)."""
+
+    tokens: torch.Tensor  # [B, T] the tree
+    parents: torch.Tensor  # [B, T]
+    valid: torch.Tensor  # [B, T] bool
+    ancestors: torch.Tensor  # [B|1, Q, Q] bool: the layout's visibility
+    depth: torch.Tensor  # [B|1, T]
+    slot_logits: torch.Tensor  # [B, T, V]
+    stop_table: torch.Tensor  # [B, V] bool
+    hist_len: torch.Tensor  # [B]
+    limit: torch.Tensor  # [B]
+    limit_code: torch.Tensor  # [B]
+    hist: torch.Tensor  # [B, H], H >= hist_len + max_depth + 1, written in place
+    hists: torch.Tensor  # [B, W * W] pass counts, in place
+    drafted: torch.Tensor  # [B] in place
+    source: Optional[torch.Tensor] = None  # [B|1, T] proposer of each slot
+    accepted_by: Optional[torch.Tensor] = None  # [B, P] in place
+    ema_m: Optional[torch.Tensor] = None  # [B, 1, D]
+    embed_weight: Optional[torch.Tensor] = None  # [V, D] the plain input embedding
+    ema_cols: Optional[torch.Tensor] = None  # [N+1, 1, 1+S] the EMA's weight columns
+    hidden: Optional[torch.Tensor] = None  # [B, Q, D] the block's hidden states (every slot owns k masks)
+    kv: Optional[torch.Tensor] = None  # [L, 2, R, H, C, D] the cache's slab (R rows, C slots), in place
+
+    SHARED = ("ancestors", "depth", "source")
+    FIXED = ("embed_weight", "ema_cols")
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        """The set tensors in field order (the kernel's inputs)."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
 
 
-def settle(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor,
-           depth: torch.Tensor, slot_logits: torch.Tensor, stop_table: torch.Tensor, hist_len: torch.Tensor,
-           limit: torch.Tensor, limit_code: torch.Tensor, hist: torch.Tensor, hists: torch.Tensor,
-           drafted: torch.Tensor, source: Optional[torch.Tensor] = None, accepted_by: Optional[torch.Tensor] = None,
-           ema_m: Optional[torch.Tensor] = None, embed_weight: Optional[torch.Tensor] = None,
-           ema_cols: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-           kv: Optional[torch.Tensor] = None, *, static_key: Optional[tuple], max_depth: int, width: int,
-           num_masks: int = 0) -> tuple[torch.Tensor, ...]:
-    """Verify (greedy), stop, move the kept KV slots, write the history and count, for a tree [B, T] and its
-    slot logits [B, T, V].
+@dataclass(frozen=True)
+class SettleSpec:
+    """settle's host-known arguments (part of a kernel's key)."""
 
-    hist [B, H], hists [B, W * W], drafted [B], accepted_by [B, P] (with source, `Rows.count`) and the KV slab
-    (with kv: the block was written at slots hist_len - 1 .., `Engine._keep`) are updated in place
-    (H >= hist_len + max_depth + 1). With ema_m [B, 1, D] (and the plain embedding's weight [V, D], the EMA's
-    weight columns [N+1, 1, 1+S]): also the EMA after each row's kept tokens (`Drafter.settle_ema`). With the
-    block's hidden states [B, Q, D] (every slot owns num_masks masks, in slot order): also those of the masks the
-    last accepted slot owns, [B, k, D] (what the drafter's probe reads, `Engine._observe`).
-    Returns (committed [B, S], num_committed [B], path_slots [B, S], last_slot [B], last_token [B], n_fin [B],
-    reason [B], hist_len + n_fin [B] (, the new EMA [B, 1, D]) (, the mask hidden states [B, k, D]))."""
-    tree = DraftTree(tokens, parents, valid, static_key=static_key)
-    res = verify_greedy(tree, slot_logits, ancestors, depth, max_depth)
-    n_fin, reason = apply_stops(res.committed, res.num_committed, stop_table, hist_len, limit, limit_code)
+    static_key: Optional[tuple]  # the tree's static shape, or None
+    max_depth: int  # a bound on every row's accepted depth
+    width: int  # the pass counts' width W
+    num_masks: int = 0  # masks per tree slot (with hidden)
+
+
+def settle(a: SettleArgs, spec: SettleSpec) -> tuple[torch.Tensor, ...]:
+    """Verify (greedy), stop, move the kept KV slots, write the history and count, in place where `SettleArgs`
+    says so. Returns (committed [B, S], num_committed [B], path_slots [B, S], last_slot [B], last_token [B],
+    n_fin [B], reason [B], hist_len + n_fin [B]) (+ the new EMA [B, 1, D]) (+ the mask hidden states [B, k, D])."""
+    tree = DraftTree(a.tokens, a.parents, a.valid, static_key=spec.static_key)
+    res = verify_greedy(tree, a.slot_logits, a.ancestors, a.depth, spec.max_depth)
+    n_fin, reason = apply_stops(res.committed, res.num_committed, a.stop_table, a.hist_len, a.limit, a.limit_code)
     p = res.path_slots.shape[1] - 1  # path steps after the root
-    if kv is not None and p > 0:  # the accepted nodes move right behind each row's root
-        torch._check(tokens.shape[0] <= kv.shape[2])  # the batch's rows are the slab's first
-        dst = hist_len.unsqueeze(1) + steps(p, hist_len.device)  # [B, P]
-        move_slots(kv, 2, dst, res.path_slots.narrow(1, 1, p) + (hist_len.unsqueeze(1) - 1))
-    write_history(hist, hist_len, res.committed)
-    count_pass(hists, width, drafted, n_fin, res.num_committed, tree.num_drafted())
-    if source is not None:
-        count_by_proposer(accepted_by, source, res.path_slots, res.num_committed, n_fin)
+    if a.kv is not None and p > 0:  # the accepted nodes move right behind each row's root
+        torch._check(a.tokens.shape[0] <= a.kv.shape[2])  # the batch's rows are the slab's first
+        dst = a.hist_len.unsqueeze(1) + steps(p, a.hist_len.device)  # [B, P]
+        move_slots(a.kv, 2, dst, res.path_slots.narrow(1, 1, p) + (a.hist_len.unsqueeze(1) - 1))
+    write_history(a.hist, a.hist_len, res.committed)
+    count_pass(a.hists, spec.width, a.drafted, n_fin, res.num_committed, tree.num_drafted())
+    if a.source is not None:
+        count_by_proposer(a.accepted_by, a.source, res.path_slots, res.num_committed, n_fin)
     out = (res.committed, res.num_committed, res.path_slots, res.last_slot, res.last_token, n_fin, reason,
-           hist_len + n_fin)
-    if ema_m is not None:  # what the drafter's observe computes from (committed, n_fin), eagerly otherwise
-        emb = torch.nn.functional.embedding(res.committed, embed_weight)  # [B, S, D]
-        out += (ema_apply(ema_m, emb, ema_cols, n_fin),)
-    if hidden is not None:
-        out += (gather_slots(hidden, mask_indices(res.last_slot, tokens.shape[1], num_masks)),)
+           a.hist_len + n_fin)
+    if a.ema_m is not None:  # what the drafter's observe computes from (committed, n_fin), eagerly otherwise
+        emb = torch.nn.functional.embedding(res.committed, a.embed_weight)  # [B, S, D]
+        out += (ema_apply(a.ema_m, emb, a.ema_cols, n_fin),)
+    if a.hidden is not None:
+        out += (gather_slots(a.hidden, mask_indices(res.last_slot, a.tokens.shape[1], spec.num_masks)),)
     return out
 
 
 class _Settle(torch.nn.Module):
     """settle with its host-known arguments fixed: what torch.export traces."""
 
-    def __init__(self, names: tuple[str, ...], static_key: Optional[tuple], max_depth: int, width: int,
-                 num_masks: int):
+    def __init__(self, names: tuple[str, ...], spec: SettleSpec):
         super().__init__()
-        self.names = names
-        self.kw = dict(static_key=static_key, max_depth=max_depth, width=width, num_masks=num_masks)
+        self.names, self.spec = names, spec
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return settle(**dict(zip(self.names, args)), **self.kw)
+        return settle(SettleArgs(**dict(zip(self.names, args))), self.spec)
 
 
-class Settled:
-    """A compiled settle's outputs: the verification, each row's tokens kept and finish reason, new lengths."""
+@dataclass(frozen=True)
+class _KernelKey:
+    """What makes a static tree's pass use the same kernel as the last one (`Settler._last`)."""
 
-    __slots__ = ("res", "n_fin", "reason", "hist_len", "kept", "ema_m", "mask_hidden")
-
-    def __init__(self, out: list[torch.Tensor], kept: bool, ema: bool, masks: bool):
-        committed, num, path, last_slot, last_token, self.n_fin, self.reason, self.hist_len = out[:8]
-        self.res = VerifyResult(committed, num, path, last_slot, last_token)
-        self.kept = kept  # the kept KV slots are moved too
-        self.ema_m = out[8] if ema else None  # the drafter's EMA after the pass (settle_ema)
-        self.mask_hidden = out[-1] if masks else None  # [B, k, D] the masks of the last accepted slot
+    static_key: tuple
+    names: tuple[str, ...]
+    width: int
+    max_depth: int
+    fixed: tuple  # shapes of the FIXED inputs
+    per_row: tuple  # which SHARED inputs have a row each (else one for every row)
+    dtypes: tuple
 
 
 class Settler:
@@ -123,9 +145,7 @@ class Settler:
         self.kernels = AotKernels("settle")
         self.passes = 0  # decode passes settled by a kernel
         self.ema_passes = 0  # of which the kernel also computed the drafter's EMA
-        # (layout, parents, (width, depth), input names, kernel, shapes of the _FIXED inputs) of the last
-        # static-tree pass
-        self._last: Optional[tuple] = None
+        self._static: dict[_KernelKey, Any] = {}  # static trees' kernels, found without building the full key
 
     @property
     def compile_s(self) -> float:
@@ -135,63 +155,69 @@ class Settler:
                  ema: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                  hidden: Optional[torch.Tensor] = None, num_masks: int = 0) -> Optional[Settled]:
         """The pass settled by the kernel of its shape, or None when the kernel does not cover it (the caller
-        runs the phases eagerly). ema: (state [B, 1, D], plain embedding weight [V, D], weight columns) of the
-        drafter's EMA to compute with the pass (`Drafter.settle_ema`), or None. hidden: the block's hidden states
-        [B, Q, D] when every tree slot owns num_masks masks in slot order: the kernel also gathers the last
-        accepted slot's (`Settled.mask_hidden`)."""
+        runs the phases eagerly). Applies everything the eager phases would: history, counts, the kept KV slots
+        and the rows' new lengths and roots. ema: (state [B, 1, D], plain embedding weight [V, D], weight
+        columns) of the drafter's EMA to compute with the pass (`KernelHooks.settle_ema`), or None. hidden: the
+        block's hidden states [B, Q, D] when every tree slot owns num_masks masks in slot order: the kernel also
+        gathers the last accepted slot's (`Settled.mask_hidden`)."""
         if rows.sampling or rows.has_stop_strings:
             return None
         s = block.max_depth + 1  # a bound on the tokens a row commits (host-known)
         rows.ensure_capacity(s)
         width = rows.count_width(s)
         tree, lay, t = block.tree, block.layout, rows.t
-        args = [tree.tokens, tree.parents, tree.valid, lay.visible, lay.depth, slot_logits, t["stop_table"],
-                t["hist_len"], t["limit"], t["limit_code"], t["hist"], t["hists"], t["drafted"]]
-        names = _ARGS[:13]
-        if block.source is not None and "accepted_by" in t:  # per-proposer counts (hybrid)
-            args += [block.source, t["accepted_by"]]
-            names = _ARGS[:15]
-        if ema is not None:
-            args += list(ema)
-            names += _ARGS[15:18]
-        if hidden is not None:
-            args.append(hidden)
-            names += ("hidden",)
-        kv = None if tree.path_in_place else rows.cache.move_target()
-        if kv is not None:
-            args.append(kv)
-            names += ("kv",)
-        last = self._last
-        fixed = tuple(a.shape for name, a in zip(names, args) if name in _FIXED)  # part of a kernel's key
-        if (last is not None and last[0] is lay and last[1] is tree.parents and last[2] == (width, block.max_depth)
-                and last[3] == names and last[5] == fixed and tree.tokens.is_contiguous() and tree.valid.is_contiguous()):
-            kernel = last[4]  # a static tree's pass like the last: its shared layout and parents, fresh tokens
-        else:
-            kernel = self._kernel(args, names, tree, lay, block.max_depth, width, num_masks)
+        per_proposer = block.source is not None and t.accepted_by is not None
+        ema_m, embed_weight, ema_cols = ema if ema is not None else (None, None, None)
+        args = SettleArgs(tree.tokens, tree.parents, tree.valid, lay.visible, lay.depth, slot_logits, t.stop_table,
+                          t.hist_len, t.limit, t.limit_code, t.hist, t.hists, t.drafted,
+                          source=block.source if per_proposer else None,
+                          accepted_by=t.accepted_by if per_proposer else None,
+                          ema_m=ema_m, embed_weight=embed_weight, ema_cols=ema_cols, hidden=hidden,
+                          kv=None if tree.path_in_place else rows.cache.move_target())
+        named = args.named()
+        names = tuple(n for n, _ in named)
+        tensors = [a for _, a in named]
+        spec = SettleSpec(tree.static_key, block.max_depth, width, num_masks)
+        kernel = None
+        if tree.static_key is not None and tree.tokens.is_contiguous() and tree.valid.is_contiguous():
+            key = _KernelKey(tree.static_key, names, width, block.max_depth,
+                             tuple(a.shape for n, a in named if n in SettleArgs.FIXED),
+                             tuple(a.shape[0] != 1 for n, a in named if n in SettleArgs.SHARED),
+                             tuple(a.dtype for a in tensors))
+            kernel = self._static.get(key)
+        if kernel is None:
+            kernel = self._kernel(tensors, names, tree, lay, spec)
             if kernel is None:
                 return None
-            # the engine's own row tensors are dense; a static tree's layout and parents are built once
-            self._last = ((lay, tree.parents, (width, block.max_depth), names, kernel, fixed)
-                          if tree.static_key is not None else None)
-        out = kernel.boxed_run(args)  # takes the list and empties it
+            if tree.static_key is not None:
+                self._static[key] = kernel
+        out = kernel.boxed_run(tensors)  # takes the list and empties it
         self.passes += 1
         self.ema_passes += ema is not None
-        return Settled(out, kv is not None, ema is not None, hidden is not None)
+        committed, num, path, last_slot, last_token, n_fin, reason, hist_len = out[:8]
+        verified = VerifyResult(committed, num, path, last_slot, last_token)
+        if args.kv is None:
+            rows.keep_path(block.tree, verified.path_slots)
+        rows.advance(hist_len, last_token, reason)
+        return Settled(verified, n_fin, reason, mask_hidden=out[-1] if hidden is not None else None,
+                       ema_m=out[8] if ema is not None else None)
 
-    def _kernel(self, args: list[torch.Tensor], names: tuple[str, ...], tree: DraftTree, lay: Any, max_depth: int,
-                width: int, num_masks: int) -> Optional[Any]:
+    def _kernel(self, args: list[torch.Tensor], names: tuple[str, ...], tree: DraftTree, lay: Any,
+                spec: SettleSpec) -> Optional[Any]:
         """The kernel for this pass's shapes (compiled on first use), or None when there is none."""
         if not all(a.is_contiguous() for a in args):
             return None  # the kernel reads dense rows (never so for the engine's own buffers)
-        # _SHARED tensors are [1, ..] (one for every row) or [B, ..]; at batch 1 either counts as shared
-        per_row = {name: a.shape[0] != 1 for name, a in zip(names, args) if name in _SHARED}
+        # SHARED tensors are [1, ..] (one for every row) or [B, ..]; at batch 1 either counts as shared
+        per_row = {name: a.shape[0] != 1 for name, a in zip(names, args) if name in SettleArgs.SHARED}
         kv = args[-1] if names[-1] == "kv" else None
-        key = (names, tree.num_slots, tree.static_key, max_depth, width, num_masks, tuple(a.dtype for a in args),
-               tuple(per_row.values()), args[5].shape[2],
-               *(tuple(a.shape[1:]) for a in (lay.visible, lay.depth, args[6], *args[13:len(args) - (kv is not None)])),
-               *(tuple(a.shape) + (a.dtype,) for name, a in zip(names, args) if name in _FIXED),
+        by_name = dict(zip(names, args))
+        optional = [by_name[n] for n in names[13:] if n != "kv"]
+        key = (names, tree.num_slots, spec, tuple(a.dtype for a in args), tuple(per_row.values()),
+               by_name["slot_logits"].shape[2],
+               *(tuple(a.shape[1:]) for a in (lay.visible, lay.depth, by_name["stop_table"], *optional)),
+               *(tuple(a.shape) + (a.dtype,) for name, a in zip(names, args) if name in SettleArgs.FIXED),
                None if kv is None else (kv.shape[:2], kv.shape[3], kv.shape[5], kv.dtype))
         dynamic = [{0: "batch", 1: "length"} if name == "hist" else {2: "rows", 4: "slots"} if name == "kv"
-                   else {} if name in _FIXED else {0: "batch"} if per_row.get(name, True) else {} for name in names]
-        return self.kernels.get(key, lambda: _Settle(names, tree.static_key, max_depth, width, num_masks), args,
-                                dynamic)
+                   else {} if name in SettleArgs.FIXED else {0: "batch"} if per_row.get(name, True) else {}
+                   for name in names]
+        return self.kernels.get(key, lambda: _Settle(names, spec), args, dynamic)

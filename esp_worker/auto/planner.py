@@ -1,0 +1,54 @@
+"""The engine's side of block sizing: a planner says what each pass drafts and hears how it went.
+
+`FixedPlanner` (a fixed block complexity) plans the drafter's configured tree every pass;
+`policy.BlockPolicy` (block_complexity=auto) chooses from measured costs and the drafter's own estimates.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from ..passes import PassPlan
+
+
+class Planner(Protocol):
+    def plan(self, view, lens: list[int]) -> PassPlan:
+        """This pass's plan."""
+
+    def prepare(self, view, lens: list[int]) -> Optional[torch.Tensor]:
+        """At the end of a pass: a device vector to read with the pass's one host read, or None."""
+
+    def receive(self, values: Optional[list[float]]) -> None:
+        """That vector's host copy."""
+
+    def next_is_plain(self) -> bool:
+        """The next pass is known to decode plainly (the drafter's row hints would go unused)."""
+
+    def rows_changed(self) -> None:
+        """Rows joined or left the batch."""
+
+    def observe_pass(self, num_committed: int, seconds: Optional[float], model_seconds: Optional[float]) -> None:
+        """The pass's committed tokens and its times (None: not timed)."""
+
+
+class FixedPlanner:
+    """A fixed block complexity: the configured tree every pass."""
+
+    def plan(self, view, lens: list[int]) -> PassPlan:
+        return PassPlan()
+
+    def prepare(self, view, lens: list[int]) -> Optional[torch.Tensor]:
+        return None
+
+    def receive(self, values: Optional[list[float]]) -> None:
+        pass
+
+    def next_is_plain(self) -> bool:
+        return False
+
+    def rows_changed(self) -> None:
+        pass
+
+    def observe_pass(self, num_committed: int, seconds: Optional[float], model_seconds: Optional[float]) -> None:
+        pass

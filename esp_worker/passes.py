@@ -1,0 +1,135 @@
+"""The typed values one decode pass hands from verb to verb.
+
+    plan    = planner.plan(view)                      PassPlan: how many draft nodes, from which proposer set
+    block   = drafter.propose(view, plan)             Block: the tree, its layout and the auxiliary inputs
+    out     = engine.forward(rows, block)             ForwardOut: hidden states and the tree slots' logits
+    settled = engine.settle(rows, block, out)         Settled: verification, stops, KV keep, commit, counters
+    record  = PassRecord.of(block, out, settled)      what the drafter learns from (`drafter.observe`)
+
+Shapes: B rows, T tree slots, A auxiliary inputs (ESP's masks), Q = T + A tokens fed per row, S tokens a row
+may commit (max depth + 1), D hidden size, V vocabulary, k masks per owning slot.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .row_state import RowState
+from .tree import BlockLayout, DraftTree
+from .verify import VerifyResult
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """What the next pass drafts. A fixed block size plans `PassPlan()` every pass."""
+
+    # None = the drafter's configured (largest) tree; -1 = a plain pass (root only, no auxiliary inputs);
+    # 0 = the root and its masks (a probe); n > 0 = at most n draft nodes
+    num_nodes: Optional[int] = None
+    # the proposer set to draft from (hybrid: "merged" | "ngram"); "" = the drafter's own choice
+    variant: str = ""
+
+
+@dataclass
+class Block:
+    """What one decode pass feeds per row: tree slots then `aux` inputs, Q = T + A tokens."""
+
+    tree: DraftTree
+    layout: BlockLayout  # visible [B|1, Q, Q], rel_pos [B|1, Q]
+    # [B, A, D] input embeddings placed after the tree slots (ESP: T * k mask tokens); None when A = 0
+    aux_embeds: Optional[torch.Tensor]
+    max_depth: int  # deepest node in any row's tree, or an upper bound on it (host int: no device read)
+    # [B, T] for each tree slot, the index of its masks among the mask owners (its masks are aux inputs
+    # owner*k .. owner*k + k-1), -1 = no masks; None = every slot owns k masks in slot order (ESP)
+    mask_owner: Optional[torch.Tensor] = None
+    # [B, T] index into the drafter's `proposers` of the proposer that supplied each slot (-1 = root), or
+    # [B, 1]: one proposer per row supplied every draft (a chain); None = one proposer (accepted drafts are
+    # not split by proposer)
+    source: Optional[torch.Tensor] = None
+    # [B, Q, D] every input's embedding (the tree tokens', then aux_embeds) when the drafter computed them with
+    # its last probe (engine.compile_host); None = the engine embeds the tree tokens
+    embeds: Optional[torch.Tensor] = None
+
+    @property
+    def num_inputs(self) -> int:
+        """Q: tokens fed per row."""
+        return self.tree.num_slots + (0 if self.aux_embeds is None else self.aux_embeds.shape[1])
+
+
+@dataclass
+class ForwardOut:
+    """The model's output over a block."""
+
+    hidden: torch.Tensor  # [B, Q, D] hidden states of every input
+    slot_logits: torch.Tensor  # [B, T, V] logits at the tree slots
+
+
+@dataclass
+class Settled:
+    """A settled pass, eager or compiled alike: what verification accepted and what the stops kept."""
+
+    verified: VerifyResult
+    num_kept: torch.Tensor  # [B] tokens committed after the stops (<= verified.num_committed)
+    reason: torch.Tensor  # [B] finish reason code (0 = running)
+    # [B, k, D] hidden states of the masks the last accepted slot owns, when the compiled settle gathered them
+    mask_hidden: Optional[torch.Tensor] = None
+    # [B, 1, D] the drafter's mask EMA after the kept tokens, when the compiled settle computed it
+    ema_m: Optional[torch.Tensor] = None
+
+
+@dataclass
+class PassRecord:
+    """What a drafter may learn from after a forward pass (decode pass or prefill)."""
+
+    # [B, S] tokens committed this pass (accepted drafts then the bonus), valid up to num_committed
+    committed: torch.Tensor
+    # [B] tokens committed after the stops
+    num_committed: torch.Tensor
+    # [B, Q, D] hidden states of the block (prefill: only the aux inputs after the prompt, [B, A, D])
+    hidden: Optional[torch.Tensor]
+    # [B, k, D] hidden states of the masks owned by the last accepted slot (None when no masks were fed)
+    mask_hidden: Optional[torch.Tensor]
+    # [B, T, V] logits at the tree slots; None after prefill
+    slot_logits: Optional[torch.Tensor] = None
+    # [B, S] tree slots on the accepted path (slot 0 first); None after prefill
+    path_slots: Optional[torch.Tensor] = None
+    # [B] deepest accepted slot; None after prefill
+    last_slot: Optional[torch.Tensor] = None
+    # the block that was fed; None after prefill
+    block: Optional[Block] = None
+    prefill: bool = False
+    # [B] False where the last accepted slot owned no masks (mask_hidden is then meaningless); None = all True
+    mask_ok: Optional[torch.Tensor] = None
+    # [B, 1, D] the mask EMA after this pass's committed tokens, when the compiled settle computed it
+    # (`kernels.hooks.KernelHooks.settle_ema`); None = the drafter computes it
+    ema_m: Optional[torch.Tensor] = None
+
+
+@dataclass
+class RowsView:
+    """Read access to the batch rows a drafter works on, plus its own mutable state."""
+
+    # [B, C] prompt + committed tokens (root included), valid up to hist_len
+    hist: torch.Tensor
+    # [B]
+    hist_len: torch.Tensor
+    # [B]
+    prompt_len: torch.Tensor
+    # per-row seeds (for drafters that draw random numbers)
+    seeds: list[int]
+    # drafter-owned per-row tensors, [B, ...] each (the drafter's state_type)
+    state: RowState = field(default_factory=RowState)
+    # host copy of the drafter's `row_hints` as of the last host read (after the last commit), or None
+    hints: Optional[list[int]] = None
+    # [B] the last committed token where the engine knows it already (from verification), else None
+    known_root: Optional[torch.Tensor] = None
+
+    @functools.cached_property
+    def root(self) -> torch.Tensor:
+        # [B] last committed token (computed once per view)
+        if self.known_root is not None:
+            return self.known_root
+        return self.hist.gather(1, (self.hist_len - 1).unsqueeze(1)).squeeze(1)

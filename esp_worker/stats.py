@@ -1,0 +1,52 @@
+"""The engine's own counters (per-request statistics are counted per row, `batch.py`): decode time and the part
+of it inside the model, passes, block sizes, rows per pass and the largest KV cache, as vLLM's
+`SpecDecodingStats` keeps counters and leaves ratios to the report."""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+from .batch import PassCounter
+
+
+@dataclass
+class PassClock:
+    """A pass's start, read at its end (host clocks only: no device read)."""
+
+    wall: float  # time.perf_counter() at the start
+    model_s: float  # the runner's model seconds at the start
+    compile_s: float  # seconds compiled so far (a pass that compiles a kernel is not timed for the policy)
+    tokens: int  # the rows' total length at the start (host mirror)
+
+
+@dataclass
+class EngineStats:
+    decode_s: float = 0.0  # seconds in decode passes
+    model_s: float = 0.0  # of which inside the model (forward and LM head, the drafter's LM-head calls included)
+    decode_passes: int = 0
+    peak_cache_bytes: int = 0  # the largest KV cache held
+    # rows in the batch -> decode passes
+    batch_histogram: collections.Counter = field(default_factory=collections.Counter)
+    blocks: PassCounter = field(default_factory=PassCounter)  # passes and block sizes, for per-row statistics
+
+    def reset_timing(self) -> None:
+        """Zero the time and pass counters (a benchmark's warm-up is not measured)."""
+        self.decode_s, self.model_s, self.decode_passes, self.peak_cache_bytes = 0.0, 0.0, 0, 0
+
+    def timing(self) -> dict[str, float]:
+        """The time and pass counters as a record (benchmarks and reports)."""
+        return dict(decode_s=self.decode_s, model_s=self.model_s, decode_passes=self.decode_passes,
+                    peak_cache_bytes=self.peak_cache_bytes)
+
+    @staticmethod
+    def start(model_s: float, compile_s: float, lens: list[int]) -> PassClock:
+        return PassClock(time.perf_counter(), model_s, compile_s, sum(lens))
+
+    def finish(self, clock: PassClock, model_s: float) -> tuple[float, float]:
+        """Count a decode pass that started at `clock`: (its seconds, its model seconds)."""
+        seconds, model = time.perf_counter() - clock.wall, model_s - clock.model_s
+        self.decode_s += seconds
+        self.model_s += model
+        self.decode_passes += 1
+        return seconds, model
