@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .consts import ones, steps
-from .passes import RowsView
+from .passes import RowsView, new_version
 from .row_state import RowState, row_field
 from .kv_cache import KVCache
 from .sampling import UniformStreams
@@ -95,6 +95,8 @@ class Rows:
     hints: Optional[list[int]] = None  # host copy of the drafter's row_hints (None: it gives none)
     # [B] each row's last committed token where the last commit gave it (verification's bonus), else None
     roots: Optional[torch.Tensor] = None
+    # changes whenever the rows or their lengths do (a commit, rows leaving or joining); unique across batches
+    version: int = field(default_factory=lambda: new_version())
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -111,7 +113,7 @@ class Rows:
         """The drafter's view of the rows as they are now."""
         t = self.t
         return RowsView(t.hist, t.hist_len, t.prompt_len, [s.seed for s in self.seqs], self.state, self.hints,
-                        self.roots)
+                        self.roots, self.version)
 
     def advance(self, hist_len: torch.Tensor, last_token: Optional[torch.Tensor], reason: torch.Tensor) -> None:
         """After a commit: the rows' new lengths [B], last committed tokens [B] (None: read from the history when
@@ -119,6 +121,7 @@ class Rows:
         self.t.hist_len = hist_len
         self.roots = last_token
         self.reason = reason
+        self.version = new_version()
 
     def common_length(self) -> Optional[int]:
         """The length every row has (host mirror), or None when lengths differ (batch 1: always one length)."""
@@ -178,10 +181,12 @@ class Rows:
         self.uniforms.select(rows, keep)
         self.cache.select_rows(keep)
         self.reason = self.reason.index_select(0, rows)
+        self.version = new_version()
 
     def extend(self, other: "Rows") -> None:
         """Append `other`'s rows (prefilled into this batch's cache, rows len(self) ..)."""
         self.cache.add_rows(len(other))
+        self.version = new_version()
         if not self.seqs:
             self.seqs, self.t, self.state, self.reason = other.seqs, other.t, other.state, other.reason
             self.uniforms, self.lens, self.done, self.hints = other.uniforms, other.lens, other.done, other.hints

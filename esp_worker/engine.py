@@ -336,7 +336,7 @@ class Engine:
         if q == 1 and common is not None and self.runner.sliding_window is None:
             bias = None  # plain decoding, rows of one length: every slot of the view is visible (no mask)
         elif common is not None and self.runner.sliding_window is None and tree.static_key is not None:
-            bias = self._static_bias(lay.visible, s_max, b, self.runner.dtype)  # a view of a cached buffer
+            bias = self._static_bias((tree.static_key, lay.num_masks), lay.visible, s_max, b, self.runner.dtype)
         else:
             if cache_len is None and self.runner.sliding_window is not None:  # the window needs each key's position
                 cache_len = rows.t.hist_len - 1

@@ -12,6 +12,7 @@ may commit (max depth + 1), D hidden size, V vocabulary, k masks per owning slot
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,6 +21,14 @@ import torch
 from .row_state import RowState
 from .tree import BlockLayout, DraftTree
 from .verify import VerifyResult
+
+
+_VERSIONS = itertools.count(1)
+
+
+def new_version() -> int:
+    """A number no state of any rows had before (`RowsView.version`)."""
+    return next(_VERSIONS)
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,9 @@ class RowsView:
     hints: Optional[list[int]] = None
     # [B] the last committed token where the engine knows it already (from verification), else None
     known_root: Optional[torch.Tensor] = None
+    # the rows' state (which rows, their lengths): a drafter may reuse what it computed for a view of one version
+    # until its next observe (e.g. a look's candidate pool, then the propose of the same pass); unique per state
+    version: int = field(default_factory=lambda: new_version())
 
     @functools.cached_property
     def root(self) -> torch.Tensor:

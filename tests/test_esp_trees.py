@@ -6,15 +6,27 @@ import math
 import torch
 
 from esp_worker.passes import PassRecord, RowsView
-from esp_worker.drafters.esp import ESPDrafter, ESPState, topk_excluding
+from esp_worker.drafters.common import topk_excluding
+from esp_worker.drafters.esp import ESPDrafter, ESPState
+from esp_worker.drafters.mask_probe import MaskModel, MaskSettings
 
 V, D = 16, 4
 
 
-def drafter(**kw) -> ESPDrafter:
+def drafter(num_masks: int, block_complexity: int, tree: str = "dynamic", branches=None, expansion: str = "top1",
+            **mask) -> ESPDrafter:
     table = torch.arange(V * D, dtype=torch.float32).reshape(V, D)
-    embed = lambda ids: table[ids]
-    return ESPDrafter(embed=embed, logits=lambda h: h, embedding_table=table, **kw)
+    model = MaskModel(embed=lambda ids: table[ids], logits=lambda h: h, embedding_table=table)
+    return ESPDrafter(model, MaskSettings(num_masks=num_masks, **mask), block_complexity, tree=tree, branches=branches,
+                      expansion=expansion)
+
+
+def dynamic_tree(d: ESPDrafter, root: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor, n: int):
+    """ESP's dynamic tree of n nodes over known candidates lp, ids [1, k, C] under `root` [1]."""
+    view = RowsView(torch.stack([root, root], 1), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState(),
+                    known_root=root)
+    view.state.update(cand_lp=lp, cand_ids=ids)
+    return d._dynamic_tree(view, n)
 
 
 def cands(rows):
@@ -64,7 +76,7 @@ def test_dynamic_tree_top1_by_cumulative_probability():
     # budget B = BC/(k+1) = 4 slots -> 3 nodes. depth1: a .5, b .3, c .2; depth2 under a: x .9, y .1
     d = drafter(num_masks=2, block_complexity=12, tree="dynamic", expansion="top1", prune=False)
     lp, ids = cands([[(1, 0.5), (2, 0.3), (3, 0.2), (4, 0.0001)], [(8, 0.9), (9, 0.1), (10, 0.0001), (11, 0.00001)]])
-    tree = d._dynamic_tree(torch.tensor([0]), lp, ids, d.num_nodes)
+    tree = dynamic_tree(d, torch.tensor([0]), lp, ids, d.num_nodes)
     # scores: a .5, b .3, c .2, a->x .45, a->y .05 -> keep a, x(.45), b(.3) in topological order
     assert tree.tokens.tolist() == [[0, 1, 2, 8]]
     assert tree.parents.tolist() == [[-1, 0, 0, 1]]
@@ -73,13 +85,13 @@ def test_dynamic_tree_top1_by_cumulative_probability():
 def test_dynamic_tree_frontier_expands_several_parents():
     d = drafter(num_masks=2, block_complexity=15, tree="dynamic", expansion="frontier", prune=False)  # 5 slots
     lp, ids = cands([[(1, 0.4), (2, 0.4), (3, 0.2), (4, 0.001), (5, 0.001)], [(8, 0.9), (9, 0.1), (10, 0.001), (11, 0.001), (12, 0.001)]])
-    tree = d._dynamic_tree(torch.tensor([0]), lp, ids, d.num_nodes)
+    tree = dynamic_tree(d, torch.tensor([0]), lp, ids, d.num_nodes)
     # a .4, b .4, a->x .36, b->x .36, c .2 -> 4 nodes: a, b, a->x, b->x
     assert tree.tokens.tolist() == [[0, 1, 2, 8, 8]]
     assert tree.parents.tolist() == [[-1, 0, 0, 1, 2]]
     # with top-1 expansion only a expands: a, b, a->x, c
     d1 = drafter(num_masks=2, block_complexity=15, tree="dynamic", expansion="top1", prune=False)
-    t1 = d1._dynamic_tree(torch.tensor([0]), lp, ids, d1.num_nodes)
+    t1 = dynamic_tree(d1, torch.tensor([0]), lp, ids, d1.num_nodes)
     assert t1.tokens.tolist() == [[0, 1, 2, 3, 8]]
     assert t1.parents.tolist() == [[-1, 0, 0, 0, 1]]
 
@@ -87,9 +99,9 @@ def test_dynamic_tree_frontier_expands_several_parents():
 def test_dynamic_tree_pruning_skips_root_token():
     probs = [[(3, 0.6), (4, 0.3), (5, 0.1)]]
     d = drafter(num_masks=1, block_complexity=6, tree="dynamic", prune=True)  # 3 slots -> 2 nodes
-    assert d._dynamic_tree(torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 4, 5]]
+    assert dynamic_tree(d, torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 4, 5]]
     d = drafter(num_masks=1, block_complexity=6, tree="dynamic", prune=False)
-    assert d._dynamic_tree(torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 3, 4]]
+    assert dynamic_tree(d, torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 3, 4]]
 
 
 def test_ema_update_per_committed_token_in_order():
@@ -130,7 +142,7 @@ def test_ema_replays_long_gaps_and_short_ones_after_them():
     table = torch.arange(V * D, dtype=torch.float64).reshape(V, D) / (V * D)
     hist = torch.tensor([[3] + [(7 * i) % V for i in range(1, 60)]])
     d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
-    d.embed = lambda ids: table.float()[ids]
+    d.probe.embed = lambda ids: table.float()[ids]
     m0 = torch.tensor([[0.5, -1.0, 2.0, 0.0]])
     view = RowsView(hist, torch.tensor([1]), torch.ones(1, dtype=torch.long), [0], ESPState())
     view.state.update(m=m0.clone().unsqueeze(1), m_len=torch.ones(1, dtype=torch.long), has_probe=torch.zeros(1, dtype=torch.bool))
@@ -151,13 +163,13 @@ def test_ema_owed_for_longer_than_its_window_or_table_replays_in_bounded_work(mo
     the history, a gap longer than the EMA's window starts from the window (older tokens weigh < 2^-40), and a
     window wider than the largest table is replayed in chunks: m equals the token-by-token EMA in float64, and
     the weight table never grows past EMA_TABLE_MAX."""
-    from esp_worker.drafters import esp as esp_mod
-    monkeypatch.setattr(esp_mod, "EMA_TABLE_MAX", 16)
+    from esp_worker.drafters import mask_probe
+    monkeypatch.setattr(mask_probe, "EMA_TABLE_MAX", 16)
     table = torch.arange(V * D, dtype=torch.float64).reshape(V, D) / (V * D)
     hist = torch.tensor([[3] + [(7 * i + i * i) % V for i in range(1, 300)], [5] + [(3 * i) % V for i in range(1, 300)]])
     for lam, lengths in ((0.5, (30, 200, 230)), (0.05, (90, 300))):  # windows 40 and 541 tokens
         d = drafter(num_masks=1, block_complexity=10, ema_lambda=lam)
-        d.embed = lambda ids: table.float()[ids]
+        d.probe.embed = lambda ids: table.float()[ids]
         m0 = torch.tensor([[0.5, -1.0, 2.0, 0.0], [1.0, 0.0, -2.0, 3.0]])
         state = ESPState()
         state.update(m=m0.clone().unsqueeze(1), m_len=torch.tensor([1, 1]), has_probe=torch.zeros(2, dtype=torch.bool))
@@ -166,14 +178,14 @@ def test_ema_owed_for_longer_than_its_window_or_table_replays_in_bounded_work(mo
         for step, length in enumerate(lengths):
             lens = torch.tensor([length, length - 10 * step])  # row 1 owes less than row 0
             view = RowsView(hist, lens, torch.ones(2, dtype=torch.long), [0, 0], state)
-            d._catch_up(view, 10_000)  # a bound far above every gap
+            d.probe.catch_up(view, 10_000)  # a bound far above every gap
             for r in range(2):
                 for t in hist[r, seen[r]: lens[r]].tolist():
                     ref[r] = ref[r] + lam * (table[t] - ref[r])
                 seen[r] = int(lens[r])
                 assert torch.allclose(state.m[r].double(), ref[r], atol=1e-5), (lam, length, r, state.m[r], ref[r])
             assert state.m_len.tolist() == lens.tolist()
-            assert d._ema[1].shape[0] <= 16
+            assert d.probe._ema[1].shape[0] <= 16
 
 
 def test_ema_lambda_zero_freezes_mask():

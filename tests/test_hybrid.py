@@ -7,7 +7,8 @@ import torch
 
 from esp_worker.passes import PassPlan
 from esp_worker.drafters.base import RowsView
-from esp_worker.drafters.hybrid import HybridDrafter, hybrid_nodes, hybrid_tokens
+from esp_worker.drafters.hybrid import HybridDrafter, HybridSettings, hybrid_nodes, hybrid_tokens
+from esp_worker.drafters.mask_probe import MaskModel, MaskSettings
 from esp_worker.drafters.pld import PromptLookupDrafter
 from esp_worker.drafters.stand import StandDrafter
 from esp_worker.tree import best_nodes
@@ -19,8 +20,8 @@ def drafter(bc: int = 10, k: int = 1) -> HybridDrafter:
     table = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
     store = StandDrafter(num_nodes=bc - 1, depth=4, topk=2, max_ngram=3, min_ngram=1)
     chain = PromptLookupDrafter(max_ngram=3, min_ngram=1, depth=4)
-    return HybridDrafter(store, chain, block_complexity=bc, num_masks=k, embed=lambda ids: table[ids],
-                         logits=lambda h: h @ table.T, embedding_table=table)
+    return HybridDrafter(store, chain, MaskModel(lambda ids: table[ids], lambda h: h @ table.T, table),
+                         MaskSettings(num_masks=k), HybridSettings(bc))
 
 
 def view_with_probe(d: HybridDrafter, hist: list[int], probe: dict[int, float]) -> RowsView:
@@ -28,8 +29,8 @@ def view_with_probe(d: HybridDrafter, hist: list[int], probe: dict[int, float]) 
     n = torch.tensor([len(hist)])
     view = RowsView(h, n, n.clone(), [0], d.state_type())
     d.start_rows(view)
-    lp = torch.full((1, 1, d.num_cand), float("-inf"))
-    ids = torch.zeros((1, 1, d.num_cand), dtype=torch.long)
+    lp = torch.full((1, 1, d.probe.num_cand), float("-inf"))
+    ids = torch.zeros((1, 1, d.probe.num_cand), dtype=torch.long)
     for i, (tok, p) in enumerate(probe.items()):
         lp[0, 0, i], ids[0, 0, i] = math.log(p), tok
     view.state.update(cand_lp=lp, cand_ids=ids, has_probe=torch.ones(1, dtype=torch.bool))
@@ -131,8 +132,8 @@ def test_heads_merge_into_the_probe_and_bring_their_children():
     table = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
     store = StandDrafter(num_nodes=9, depth=4, topk=2, max_ngram=3, min_ngram=1)
     chain = PromptLookupDrafter(max_ngram=3, min_ngram=1, depth=4)
-    d = HybridDrafter(store, chain, block_complexity=10, num_masks=1, embed=lambda ids: table[ids],
-                      logits=lambda h: h @ table.T, embedding_table=table, heads=FakeHeads())
+    d = HybridDrafter(store, chain, MaskModel(lambda ids: table[ids], lambda h: h @ table.T, table),
+                      MaskSettings(num_masks=1), HybridSettings(10), heads=FakeHeads())
     assert d.proposers == ("ngram", "store", "esp", "heads") and d.heads_source == 3
     # no repeated suffix (no chain); the probe says 7 (0.5). The heads' 7 (0.6) is the probe's 7 under the root:
     # one node, estimate max(0.5, 0.6); the heads' 5 moves under it (0.6 * 0.5); the heads' 9 (0.2) stays.

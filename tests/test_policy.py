@@ -9,7 +9,9 @@ import torch
 from engine_helpers import ARCHS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams
 from esp_worker.auto.cost_model import CostCurve
-from esp_worker.auto.policy import BlockPolicy, calibrate
+from esp_worker.auto.policy import BlockPolicy, _Prepared, calibrate
+from esp_worker.auto.sizer import DraftSizer
+from esp_worker.passes import PassPlan
 
 BLOCKS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -24,8 +26,20 @@ FLAT = curve(lambda q: 1.0)  # a GPU at small batch: the block is free
 STEEP = curve(lambda q: float(q))  # pure compute-bound: a block of Q costs Q passes
 
 
-def policy(c: CostCurve, k: int = 1) -> BlockPolicy:
-    return BlockPolicy(c, lambda n: 1 if n < 0 else (k + 1) * (n + 1), max_nodes=29, max_block=64)
+class _Sizer(DraftSizer):
+    """A sized drafter stand-in: trees of up to 29 nodes, each slot with k masks; no estimate of its own."""
+
+    max_nodes = 29
+
+    def __init__(self, k: int = 1):
+        self.k = k
+
+    def block_tokens(self, n: int) -> int:
+        return 1 if n < 0 else (self.k + 1) * (n + 1)
+
+
+def policy(c: CostCurve, k: int = 1, sizer: "DraftSizer | None" = None) -> BlockPolicy:
+    return BlockPolicy(c, sizer or _Sizer(k), max_block=64)
 
 
 def test_flat_cost_picks_the_largest_tree():
@@ -91,26 +105,18 @@ def test_calibration_is_cached(tmp_path, monkeypatch):
     assert c1.seconds == c2.seconds and c1.block_sizes == [1, 2, 4, 8] and c1.batch_sizes == [1, 2]
 
 
-class _Drafter:
+class _Drafter(_Sizer):
     """A drafter stand-in: fixed mass, drafts without a probe."""
 
-    num_masks = 0
-    drafts_without_probe = False
-    needs_probe_to_draft = False
-    variants = ("",)
-    depth_limit = None
-
     def __init__(self, mass: torch.Tensor):
+        super().__init__()
         self.mass = mass
 
-    def needs_probe(self, view) -> bool:
-        return False
-
-    def draft_mass(self, view) -> torch.Tensor:
+    def draft_mass(self, view, variant: str = "") -> torch.Tensor:
         return self.mass
 
 
-def _run(p: BlockPolicy, drafter: _Drafter, passes: int, seconds) -> list[int]:
+def _run(p: BlockPolicy, passes: int, seconds) -> list[int]:
     """Plan `passes` passes; each takes seconds(n) and commits 2 tokens per row when it drafts (one draft
     accepted), 1 when plain."""
     from types import SimpleNamespace
@@ -118,7 +124,7 @@ def _run(p: BlockPolicy, drafter: _Drafter, passes: int, seconds) -> list[int]:
     view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
     plans = []
     for _ in range(passes):
-        n = p.plan(drafter, view)
+        n = p.plan(view).num_nodes
         plans.append(n)
         p.observe_pass(torch.full((2,), 1 + int(n > 0)), seconds(n))
     return plans
@@ -126,8 +132,8 @@ def _run(p: BlockPolicy, drafter: _Drafter, passes: int, seconds) -> list[int]:
 
 def test_measured_overhead_turns_a_costly_drafter_off_and_explores():
     # the curve says a block is free, but every drafting pass (2 tokens per row) really takes 3x a plain one
-    p = policy(FLAT)
-    plans = _run(p, _Drafter(torch.full((2, 29), 0.5)), 300, lambda n: 1.1 if n < 0 else 3.3)
+    p = policy(FLAT, sizer=_Drafter(torch.full((2, 29), 0.5)))
+    plans = _run(p, 300, lambda n: 1.1 if n < 0 else 3.3)
     assert all(n > 0 for n in plans[:3])  # the first looks draft: both modes get measured
     model_s = FLAT.time(2, 1, 100)  # the curve's pass time at batch 2 (the same for every block)
     assert p.overhead("draft") == pytest.approx(3.3 - model_s) and p.overhead("plain") == 0.0
@@ -137,15 +143,15 @@ def test_measured_overhead_turns_a_costly_drafter_off_and_explores():
 
 
 def test_cheap_drafter_keeps_drafting_and_measures_plain():
-    p = policy(FLAT)
-    plans = _run(p, _Drafter(torch.full((2, 29), 0.5)), 200, lambda n: 1.3 if n < 0 else 1.35)
+    p = policy(FLAT, sizer=_Drafter(torch.full((2, 29), 0.5)))
+    plans = _run(p, 200, lambda n: 1.3 if n < 0 else 1.35)
     assert 0 < plans.count(-1) <= 200 // p.explore_every + 1  # only the exploring plain passes
     assert p.overhead("plain") == pytest.approx(1.3 - FLAT.time(2, 1, 100))  # which measured the plain path
 
 
 def test_nothing_to_draft_looks_again_next_pass_but_one():
-    p = policy(FLAT)
-    plans = _run(p, _Drafter(torch.zeros((2, 29))), 10, lambda n: 1.0)
+    p = policy(FLAT, sizer=_Drafter(torch.zeros((2, 29))))
+    plans = _run(p, 10, lambda n: 1.0)
     assert plans == [-1] * 10
 
 
@@ -154,25 +160,20 @@ class _TwoSets(_Drafter):
 
     variants = ("slow", "fast")
 
-    def __init__(self, mass: torch.Tensor):
-        super().__init__(mass)
-        self.variant = "slow"
-
-    def use_variant(self, variant: str):
-        self.variant = variant
+    def sizes(self, variant: str):
         return (lambda n: 1 + max(n, 0)), 29
 
 
 def test_proposer_set_with_more_tokens_per_second_wins_and_the_other_is_explored():
-    p = policy(FLAT)
     d = _TwoSets(torch.full((2, 29), 0.5))
+    p = policy(FLAT, sizer=d)
     used = []
 
     def seconds(n: int) -> float:
-        used.append(d.variant if n > 0 else "plain")
-        return 1.3 if n < 0 else (2.0 if d.variant == "slow" else 1.4)  # same tokens, "slow" costs more
+        used.append(p.variant if n > 0 else "plain")
+        return 1.3 if n < 0 else (2.0 if p.variant == "slow" else 1.4)  # same tokens, "slow" costs more
 
-    _run(p, d, 400, seconds)
+    _run(p, 400, seconds)
     late = used[100:]
     assert late.count("fast") > 0.8 * len(late)
     assert 0 < late.count("slow") < 0.1 * len(late)  # explored now and then
@@ -186,16 +187,16 @@ def test_proposer_sets_are_compared_on_the_same_text():
     outran the other's record from hard text and ran on; the paired comparison keeps "slow" to its trials."""
     from types import SimpleNamespace
 
-    p = policy(FLAT)
-    d = _TwoSets(torch.full((2, 29), 0.5))
+    p = policy(FLAT, sizer=_TwoSets(torch.full((2, 29), 0.5)))
     view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
     used = []
     for i in range(3000):
-        n = p.plan(d, view)
+        plan = p.plan(view)
+        n = plan.num_nodes
         easy = (i // 150) % 2 == 0
         tokens = 1.0 if n < 0 else (4.0 if easy else 1.5)
-        used.append(d.variant if n > 0 else "plain")
-        secs = 1.3 if n < 0 else (1.4 / 0.75 if d.variant == "slow" else 1.4)
+        used.append(plan.variant if n > 0 else "plain")
+        secs = 1.3 if n < 0 else (1.4 / 0.75 if plan.variant == "slow" else 1.4)
         p.observe_pass(int(2 * tokens), secs)
     late = used[300:]
     assert late.count("slow") < 0.05 * len(late)
@@ -213,31 +214,30 @@ def test_an_exploring_look_drafts_even_with_a_low_alpha():
 
 
 def test_a_trial_of_the_other_proposer_set_starts_no_back_off():
-    p = policy(STEEP)  # every tree loses on the curve; "fast" is the best set, "slow" the one on trial
     d = _TwoSets(torch.full((2, 29), 0.5))
+    p = policy(STEEP, sizer=d)  # every tree loses on the curve; "fast" is the best set, "slow" the one on trial
     from types import SimpleNamespace
 
     view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
     p.arm_min_passes = 0
-    p.arms["slow"] = _arm = type(p.arm)(*d.use_variant("slow"), p.max_block, *p._prior)
-    p.arms["fast"] = type(p.arm)(*d.use_variant("fast"), p.max_block, *p._prior)
+    p.arms["slow"] = _arm = type(p.arm)(*d.sizes("slow"), p.max_block, *p._prior)
+    p.arms["fast"] = type(p.arm)(*d.sizes("fast"), p.max_block, *p._prior)
     p.arms["fast"].lead = math.log(2.0)  # twice as fast as "slow" (lead 0)
     p.arm = p.arms["fast"]
     for a in p.arms.values():
         a.over.extend([0.0] * p.min_samples)  # measured: no exploring looks
     p._looks = int(p._trial_interval(p.arms, "fast", "slow")) - 1  # the next look is the trial of "slow"
-    assert p.plan(d, view, [100, 100]) == -1 and d.variant == "slow"
+    assert p.plan(view, [100, 100]) == PassPlan(-1, "slow")
     assert p._wait == 0  # the best set looks again at the next pass
     p.observe_pass(2, 1.0)
-    assert p.plan(d, view, [100, 100]) == -1 and d.variant == "fast"
+    assert p.plan(view, [100, 100]) == PassPlan(-1, "fast")
     assert p._wait >= 1  # the best set's own plain choice backs off
 
 
 def test_proposer_sets_compare_speed_relative_to_plain_not_raw_tokens_per_second():
     """The same per-row speed (1.5x plain) at batch 8 and at batch 2 (a job's tail) rates the same."""
-    p = policy(FLAT)
-    d = _TwoSets(torch.full((8, 29), 0.5))
-    p._pick_arm(d)
+    p = policy(FLAT, sizer=_TwoSets(torch.full((8, 29), 0.5)))
+    p._pick_arm()
     rates = []
     for batch in (8, 2):
         plain_s = FLAT.time(batch, 1, 96)  # the curve's plain pass at this batch (cache bucket of 100 tokens)
@@ -249,7 +249,7 @@ def test_proposer_sets_compare_speed_relative_to_plain_not_raw_tokens_per_second
     assert rates[0] == pytest.approx(rates[1]) == pytest.approx(1.5)
 
 
-def _run_timed(p: BlockPolicy, drafter, passes: int, speed, draft_excess: float = 1.0) -> list[int]:
+def _run_timed(p: BlockPolicy, passes: int, speed, draft_excess: float = 1.0) -> list[int]:
     """Like _run, with the model's own time reported: pass i's model takes the curve's time x speed(i) (the
     machine drifting), x draft_excess when drafting, and its host work 0.3 s x speed(i) when drafting,
     0.1 s x speed(i) when plain."""
@@ -258,7 +258,7 @@ def _run_timed(p: BlockPolicy, drafter, passes: int, speed, draft_excess: float 
     view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
     plans = []
     for i in range(passes):
-        n = p.plan(drafter, view)
+        n = p.plan(view).num_nodes
         plans.append(n)
         model_s = p._last[1] * speed(i) * (draft_excess if n >= 0 else 1.0)
         host = (0.3 if n > 0 else 0.1) * speed(i)
@@ -272,14 +272,14 @@ def test_machine_drift_is_not_taken_for_a_mode_overhead():
     wall time beyond the curve to the mode that ran (without the model's own time) made drafting look 1.5 s
     dearer per pass and switched it off."""
     mass = torch.full((2, 29), 0.5)
-    p = policy(FLAT)
-    plans = _run_timed(p, _Drafter(mass), 200, lambda i: 1.0 if i < 100 else 2.5)
+    p = policy(FLAT, sizer=_Drafter(mass))
+    plans = _run_timed(p, 200, lambda i: 1.0 if i < 100 else 2.5)
     assert p.drift == pytest.approx(2.5, rel=1e-3)
     assert p.overhead("draft") == pytest.approx(0.3, rel=1e-3) and p.overhead("plain") == pytest.approx(0.1, rel=1e-3)
     assert sum(n > 0 for n in plans[100:]) > 0.95 * 100  # drafting pays on this curve, drift or not
     # without the model's time the slowdown lands on drafting's overhead
-    q = policy(FLAT)
-    _run(q, _Drafter(mass), 100, lambda n: 2.5 * (FLAT.time(2, 60, 100) + 0.3))
+    q = policy(FLAT, sizer=_Drafter(mass))
+    _run(q, 100, lambda n: 2.5 * (FLAT.time(2, 60, 100) + 0.3))
     assert q.overhead("draft") > 1.5
 
 
@@ -289,17 +289,17 @@ def test_drafting_passes_slower_than_the_curve_turn_drafting_off():
     invisible to the host overheads). The measured excess makes plain decoding win; with no excess the same
     policy drafts; a machine slowing down as a whole is not taken for an excess (the drift test above)."""
     mass = torch.full((2, 29), 0.5)
-    p = policy(FLAT)
-    plans = _run_timed(p, _Drafter(mass), 400, lambda i: 1.0, draft_excess=7.0)
+    p = policy(FLAT, sizer=_Drafter(mass))
+    plans = _run_timed(p, 400, lambda i: 1.0, draft_excess=7.0)
     assert p.model_excess() == pytest.approx(7.0, rel=1e-3)
     assert sum(n > 0 for n in plans[100:]) < 0.1 * 300  # only the exploration passes draft
     assert p.drift == pytest.approx(1.0, rel=1e-3)  # the excess is not taken for the machine's speed
-    q = policy(FLAT)
-    plans = _run_timed(q, _Drafter(mass), 400, lambda i: 1.0)
+    q = policy(FLAT, sizer=_Drafter(mass))
+    plans = _run_timed(q, 400, lambda i: 1.0)
     assert q.model_excess() == 1.0 and sum(n > 0 for n in plans[100:]) > 0.95 * 300
     # an excess within the VM's noise is not counted
-    r = policy(FLAT)
-    _run_timed(r, _Drafter(mass), 200, lambda i: 1.0, draft_excess=1.2)
+    r = policy(FLAT, sizer=_Drafter(mass))
+    _run_timed(r, 200, lambda i: 1.0, draft_excess=1.2)
     assert r.model_excess() == 1.0
 
 
@@ -307,13 +307,12 @@ def test_a_slower_proposer_set_is_tried_less_often():
     """Trials of the set that is not the best: every explore_every // 2 looks when it measured as fast,
     a quarter as often when half as fast."""
     def trials(slow_rate: float) -> int:
-        p = policy(STEEP)
-        d = _TwoSets(torch.full((2, 29), 0.5))
-        p._pick_arm(d)  # creates both sets
+        p = policy(STEEP, sizer=_TwoSets(torch.full((2, 29), 0.5)))
+        p._pick_arm()  # creates both sets
         for name, rate in (("fast", 2.0), ("slow", slow_rate)):
             a = p.arms[name]
             a.passes, a.lead = p.arm_min_passes, math.log(rate)
-        picks = [p._pick_arm(d) for _ in range(1024)]
+        picks = [p._pick_arm() for _ in range(1024)]
         return sum(picks)
 
     base = 1024 // (policy(STEEP).explore_every // 2)
@@ -336,14 +335,14 @@ class _Probing(_Drafter):
 
 
 def _probes(c: CostCurve, passes: int = 2000) -> int:
-    p = policy(c)
     d = _Probing(torch.full((2, 29), 0.03))
+    p = policy(c, sizer=d)
     from types import SimpleNamespace
 
     view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
     probes = 0
     for _ in range(passes):
-        n = p.plan(d, view, [100, 100])
+        n = p.plan(view, [100, 100]).num_nodes
         probes += n == 0
         d.fresh = n >= 0  # a probe or a tree feeds masks; a plain pass leaves the probe stale
         model_s = p._last[1]
@@ -425,11 +424,11 @@ def test_next_is_plain_during_a_back_off_and_after_a_prepared_plain_decision():
     p._wait = 2  # a back-off: the next pass decodes plainly whatever happens
     assert p.next_is_plain()
     p._wait = 0
-    p._prepared = [("plain",), None, None, None]
+    p._prepared = _Prepared(("plain",))
     assert p.next_is_plain()
-    p._prepared = [("look", False), None, None, None]
+    p._prepared = _Prepared(("look", False))
     assert not p.next_is_plain()
-    p._prepared = [("probe",), None, None, None]
+    p._prepared = _Prepared(("probe",))
     assert not p.next_is_plain()  # a probe pass is no lookup either, but only a plain one is promised
 
 

@@ -1,8 +1,7 @@
-"""engine.compile_host=true (esp_worker/settle.py): a greedy pass's verification, stops, commit and counters
+"""engine.compile_host=true (esp_worker/kernels/settle.py): a greedy pass's verification, stops, commit and counters
 as one AOTInductor kernel give exactly the eager engine's tokens, finish reasons and statistics."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 
@@ -10,7 +9,8 @@ import pytest
 import torch
 
 from engine_helpers import PROMPTS, reference, tiny
-from esp_worker import Engine, EngineConfig, GenerationParams, Request, aot
+from esp_worker import Engine, EngineConfig, GenerationParams, Request
+from esp_worker.kernels import aot
 from esp_worker.model.errors import ModelLoadError
 from esp_worker.kernels.settle import Settler
 
@@ -157,7 +157,7 @@ def test_probe_candidates_rank_by_logits_and_exclude_the_root():
     the root's own token (pruning), padded with NEG past a small vocabulary; the kernel's function builds the
     static tree and the block's embeddings from them exactly as the eager drafter does."""
     from esp_worker.drafters.common import NEG
-    from esp_worker.drafters.esp import probe_block, probe_candidates, static_tree_tokens
+    from esp_worker.drafters.esp import ProbeSpec, probe_block, probe_candidates, static_tree_tokens
 
     torch.manual_seed(0)
     logits = torch.randn(3, 2, 50)
@@ -172,9 +172,8 @@ def test_probe_candidates_rank_by_logits_and_exclude_the_root():
     assert small_lp.shape == (3, 1, 6) and (small_lp[..., 4:] == NEG).all() and (small_ids[..., 4:] == 0).all()
 
     weight, m = torch.randn(50, 8), torch.randn(3, 1, 8)
-    c_lp, c_ids, tokens, valid, embeds = probe_block(logits.clone(), root, m, weight, num_cand=6, prune=True,
-                                                     branches=[3, 2], num_masks=2,
-                                                     mask_dtype=torch.float32)
+    c_lp, c_ids, tokens, valid, embeds = probe_block(logits.clone(), root, m, weight,
+                                                     ProbeSpec(6, True, (3, 2), 2, torch.float32))
     assert torch.equal(c_lp, lp) and torch.equal(c_ids, ids)
     t_ref, v_ref = static_tree_tokens(root, lp, ids, [3, 2], prune=True)
     assert torch.equal(tokens, t_ref) and torch.equal(valid, v_ref) and tokens.shape == (3, 6)
@@ -200,15 +199,16 @@ def test_auto_block_sizes_with_compile_host(compile_at_once, slope):
     cfg = EngineConfig(method="esp", block_complexity="auto", num_masks=1, max_batch_size=2, auto_probe_interval=2,
                        compile_host=True)
     eng = Engine(lm, cfg, cost_curve=_curve(slope))
-    timed, observe_pass = [], eng.policy.observe_pass
+    timed, observe_pass, compiled = [], eng.policy.observe_pass, [eng.compile_s]
 
-    def spy(committed, seconds=None, model_seconds=None):
-        timed.append(seconds)
+    def spy(committed, seconds=None, model_seconds=None):  # (seconds handed to the policy, the pass compiled)
+        timed.append((seconds, eng.compile_s != compiled[-1]))
+        compiled.append(eng.compile_s)
         observe_pass(committed, seconds, model_seconds)
 
     eng.policy.observe_pass = spy
     outs = eng.generate([Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)])
     assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
-    assert eng.drafter.kernel_probes > 0 and eng.compile_s > 5.0  # kernels compiled inside passes (> 1 s each)
-    passes = [t for t in timed if t is not None]
-    assert len(passes) > len(timed) // 2 and max(passes) < 1.0, sorted(passes)[-3:]
+    assert eng.drafter.kernel_probes > 0 and eng.compile_s > 0  # kernels compiled inside passes
+    assert any(c for _, c in timed) and len(timed) == eng.stats.decode_passes
+    assert all((seconds is None) == c for seconds, c in timed)  # exactly the passes that compiled are not timed

@@ -5,6 +5,7 @@ from ..config import EngineConfig
 from ..model.runner import ModelRunner
 from ..passes import Block, PassRecord, RowsView
 from .base import Drafter, PlainDrafter
+from .mask_probe import MaskModel, MaskSettings
 
 
 def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
@@ -18,13 +19,11 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
     if cfg.method == "esp":
         from .esp import ESPDrafter
 
-        d = ESPDrafter(**_esp_kwargs(cfg, runner), block_complexity=cfg.block_complexity, tree=cfg.tree,
-                       branches=list(cfg.branches))
-        d.set_model_dtype(runner.dtype)
-        return d
+        return ESPDrafter(_mask_model(runner), _mask_settings(cfg), cfg.block_complexity, tree=cfg.tree,
+                          branches=list(cfg.branches), expansion=cfg.expansion)
     if cfg.method == "hybrid":
         from .corpus import CorpusNgrams
-        from .hybrid import HybridDrafter
+        from .hybrid import HybridDrafter, HybridSettings
         from .pld import PromptLookupDrafter
         from .stand import StandDrafter
 
@@ -35,11 +34,10 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
         chain = PromptLookupDrafter(cfg.stand_max_ngram, cfg.stand_min_ngram, min(cfg.stand_depth, cfg.block_complexity - 1),
                                     corpus=corpus)
         heads = _cp_heads(cfg, runner, min(HYBRID_HEADS_NODES, cfg.block_complexity - 1)) if cfg.heads_path else None
-        d = HybridDrafter(store, chain, **_esp_kwargs(cfg, runner), block_complexity=cfg.block_complexity,
-                          mask_every=cfg.hybrid_mask_every,
-                          mask_min_nodes=cfg.hybrid_mask_min_nodes, corpus=corpus, heads=heads)
-        d.set_model_dtype(runner.dtype)
-        return d
+        settings = HybridSettings(cfg.block_complexity, mask_every=cfg.hybrid_mask_every,
+                                  mask_min_nodes=cfg.hybrid_mask_min_nodes, expansion=cfg.expansion)
+        return HybridDrafter(store, chain, _mask_model(runner), _mask_settings(cfg), settings, corpus=corpus,
+                             heads=heads)
     if cfg.method == "stand":
         from .stand import StandDrafter
 
@@ -67,21 +65,16 @@ def _cp_heads(cfg: EngineConfig, runner: ModelRunner, num_nodes: int):
     return CPHeadsDrafter(heads, lambda z: runner.logits(z.to(runner.dtype)), num_nodes)
 
 
-def _esp_kwargs(cfg: EngineConfig, runner: ModelRunner) -> dict:
+def _mask_model(runner: ModelRunner) -> MaskModel:
+    """What ESP's probe needs of the model (esp and hybrid)."""
+    return MaskModel(runner.embed_ids, runner.logits, runner.embed.weight.detach(), runner.dtype)
+
+
+def _mask_settings(cfg: EngineConfig) -> MaskSettings:
     """ESP's mask settings (esp and hybrid)."""
-    return dict(
-        embed=runner.embed_ids,
-        logits=runner.logits,
-        embedding_table=runner.embed.weight.detach(),
-        num_masks=cfg.num_masks,
-        expansion=cfg.expansion,
-        prune=cfg.prune,
-        mask_init=cfg.mask_init,
-        mask_init_last_k=cfg.mask_init_last_k,
-        mask_init_offset=cfg.mask_init_offset,
-        ema_lambda=cfg.ema_lambda,
-        probe_prefill=cfg.probe_prefill,
-    )
+    return MaskSettings(num_masks=cfg.num_masks, mask_init=cfg.mask_init, mask_init_last_k=cfg.mask_init_last_k,
+                        mask_init_offset=cfg.mask_init_offset, ema_lambda=cfg.ema_lambda,
+                        probe_prefill=cfg.probe_prefill, prune=cfg.prune)
 
 
 __all__ = ["Block", "Drafter", "PassRecord", "PlainDrafter", "RowsView", "make_drafter"]

@@ -55,7 +55,7 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         self.heads, self.unembed = heads, unembed
         self.num_nodes = num_nodes
         self.depth = heads.cfg.num_positions - 1
-        self._pool_cache = None
+        self._pool_cache: Optional[tuple] = None  # (RowsView.version, the pool): draft_mass, then propose
 
     @property
     def max_nodes(self) -> int:
@@ -68,7 +68,11 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         view.state.cp_ok = torch.zeros(b, dtype=torch.bool, device=dev)
         return None
 
+    def start_job(self) -> None:
+        self._pool_cache = None
+
     def observe(self, view: RowsView, result: PassRecord) -> None:
+        self._pool_cache = None  # a new hidden state
         st = view.state
         if result.prefill or result.hidden is None or result.last_slot is None:
             st.cp_ok = torch.zeros_like(st.cp_ok)
@@ -87,8 +91,7 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         best 2 children (a tree of 3 nodes holds at most 2 nodes below depth 1); P = 3 + 2 * 2.
         """
         st = view.state
-        key = (st.cp_h, view.hist_len)
-        if self._pool_cache is not None and self._pool_cache[0][0] is key[0] and self._pool_cache[0][1] is key[1]:
+        if self._pool_cache is not None and self._pool_cache[0] == view.version:
             return self._pool_cache[1]
         h, root = st.cp_h, view.root  # [B, E], [B]
         b, dev, n = h.shape[0], h.device, self.num_nodes
@@ -127,7 +130,7 @@ class CPHeadsDrafter(Drafter, DraftSizer):
             node_lw = child_lw.reshape(b, -1, r).gather(1, best[..., None].expand(-1, -1, r))
             node_idx = level_idx.gather(1, best)
         out = (torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(deps, 1))
-        self._pool_cache = (key, out)
+        self._pool_cache = (view.version, out)
         return out
 
     def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:

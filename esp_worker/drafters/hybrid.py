@@ -50,8 +50,12 @@ from .base import FULL
 from .calibration import AcceptanceCalibration
 from .common import NEG, pool_depth
 from .corpus import CorpusNgrams
+from ..auto.sizer import DraftSizer
+from ..kernels.hooks import KernelHooks
+from .base import Drafter
 from .cp_heads import CPHeadsDrafter, CPHeadsState
-from .esp import ESPDrafter, ESPState
+from .esp import candidate_pool
+from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings
 from .pld import PromptLookupDrafter
 from .stand import StandDrafter, StandState
 
@@ -85,25 +89,39 @@ class HybridState(ESPState, StandState, CPHeadsState):
     """ESP's probe and mask vector, STAND's logit store and (with heads) the heads' hidden state."""
 
 
-class HybridDrafter(ESPDrafter):
+@dataclass(frozen=True)
+class HybridSettings:
+    block_complexity: int  # tokens fed per row of the largest tree, masks included
+    mask_every: int = 4  # in trees of mask_min_nodes nodes or more, one mask owner per this many nodes
+    mask_min_nodes: int = 0
+    prior: tuple[float, ...] = (0.8, 0.5, 1.0, 0.6)  # calibration priors of ngram, store, esp, corpus
+    decay: float = 0.99  # of the calibration's running counts
+    heads_prior: float = 1.0
+    expansion: str = "top1"  # the ESP pool's expansion (Algorithm 1)
+
+
+class HybridDrafter(Drafter, DraftSizer, KernelHooks):
     name = "hybrid"
     state_type = HybridState
     proposers = ("ngram", "store", "esp")
     needs_probe_to_draft = False  # the n-gram proposers draft without a probe
     variants = ("merged", "ngram")
 
-    def __init__(self, store: StandDrafter, chain: PromptLookupDrafter, block_complexity: int, num_masks: int,
-                 mask_every: int = 4, mask_min_nodes: int = 0,
-                 prior: tuple[float, ...] = (0.8, 0.5, 1.0, 0.6), decay: float = 0.99,
-                 corpus: Optional[CorpusNgrams] = None, heads: Optional[CPHeadsDrafter] = None,
-                 heads_prior: float = 1.0, **esp_kwargs):
+    def __init__(self, store: StandDrafter, chain: PromptLookupDrafter, model: MaskModel, mask: MaskSettings,
+                 settings: HybridSettings, corpus: Optional[CorpusNgrams] = None,
+                 heads: Optional[CPHeadsDrafter] = None):
+        super().__init__()
+        num_masks, block_complexity = mask.num_masks, settings.block_complexity
+        mask_every, mask_min_nodes, prior = settings.mask_every, settings.mask_min_nodes, settings.prior
         n = hybrid_nodes(block_complexity, num_masks, mask_every, mask_min_nodes)
         if (store.max_ngram, store.min_ngram) != (chain.max_ngram, chain.min_ngram):
             raise ValueError("hybrid's store and chain must match n-grams of the same lengths (they share one lookup)")
         if n < 1:
             raise ValueError(f"block_complexity={block_complexity} leaves no draft node for hybrid with num_masks={num_masks}")
-        # the ESP part: a dynamic pool sized for the whole node budget (its masks are this drafter's masks)
-        super().__init__(num_masks=num_masks, block_complexity=(num_masks + 1) * (n + 1), tree="dynamic", **esp_kwargs)
+        self.num_masks = num_masks
+        # ESP's probe with a dynamic pool sized for the whole node budget (n + 1 slots)
+        self.probe = MaskProbe(model, mask, num_cand=max(1, n))
+        self.expansion, self.prune = settings.expansion, mask.prune
         self.num_nodes = n
         self.store = store
         self.chain = chain  # the "ngram" variant
@@ -119,10 +137,11 @@ class HybridDrafter(ESPDrafter):
         self.depth_bound = max(store.depth, num_masks, heads.depth if heads is not None else 0)
         d = self.depth_bound
         # calibration per (proposer, depth), flattened [proposers * D] (cell = proposer * D + depth - 1)
-        priors = dict(zip(("ngram", "store", "esp", "corpus"), prior), heads=heads_prior)
+        priors = dict(zip(("ngram", "store", "esp", "corpus"), prior))
+        priors["heads"] = settings.heads_prior
         self.calibration = AcceptanceCalibration(torch.tensor([priors[p] for p in self.proposers]).repeat_interleave(d),
-                                                 decay)
-        self._pool_key = None
+                                                 settings.decay)
+        self._pool_key: Optional[tuple] = None  # (RowsView.version, corpus consulted, the merged pool)
         self._last = None
 
     # ---- sizes -------------------------------------------------------------------------------------
@@ -148,6 +167,7 @@ class HybridDrafter(ESPDrafter):
 
     # ---- state -------------------------------------------------------------------------------------
     def start_job(self) -> None:
+        self._pool_key = None
         if self.corpus is not None:
             self.corpus.reset()
 
@@ -155,8 +175,8 @@ class HybridDrafter(ESPDrafter):
         if self.corpus is not None:
             self.corpus.add(token_ids)
 
-    def use_compiled(self, kernels, embed_weight: torch.Tensor) -> None:
-        """Eager: the hybrid proposes merged trees, never ESP's prepared static block (`ESPDrafter._probe`)."""
+    def settle_ema(self, view: RowsView, block: Block) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return self.probe.settle_ema(view, block)
 
     def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
         return self.chain.row_hints(view)  # with a corpus: whether any row needs it next pass
@@ -168,22 +188,28 @@ class HybridDrafter(ESPDrafter):
         self.store.start_rows(view)
         if self.heads is not None:
             self.heads.start_rows(view)
-        return super().start_rows(view)
+        return self.probe.start_rows(view)
 
     def observe(self, view: RowsView, result: PassRecord) -> None:
+        self._pool_key = None  # the probe, the store and the calibration change
         if self.heads is not None:  # every pass: the last accepted slot's hidden state (a gather)
             self.heads.observe(view, result)
         if self.variant == "ngram" and not result.prefill:  # no masks fed, store not consulted
-            super().observe(view, result)  # the probe goes stale; the EMA waits for the next masks
+            self.probe.observe(view, result)  # the probe goes stale; the EMA waits for the next masks
             if self._chain_pass:
                 self.chain.observe(view, result)
             self._chain_pass, self._last = False, None
             return
-        super().observe(view, result)  # the probe and the mask EMA
+        self._probe(view, result)  # the probe and the mask EMA
         self.store.observe(view, result)  # the logit store
         if result.block is not None and result.block.source is not None and self._last is not None:
             self._calibrate(result)
         self._last = None
+
+    def _probe(self, view: RowsView, result: PassRecord) -> None:
+        logits = self.probe.observe(view, result)
+        if logits is not None:
+            self.probe.candidates(view, logits)
 
     def _calibrate(self, result: PassRecord) -> None:
         cell, q = self._last  # [B, T] flat (proposer, depth) index, proposer probability
@@ -194,10 +220,9 @@ class HybridDrafter(ESPDrafter):
         """(rank, valid, tok, par, src, cell, q) [B, P] of the merged pool; cached for one history and probe (and
         whether the corpus is consulted: the policy's look may have built it with the previous read's hints)."""
         corpus = self.corpus is not None and self.chain.corpus_needed(view)
-        key = (view.hist_len, view.state.cand_lp, corpus)
-        if self._pool_key is not None and self._pool_key[0] is key[0] and self._pool_key[1] is key[1] \
-                and self._pool_key[2] == corpus:
-            return self._pool_key[3]
+        key = (view.version, corpus)
+        if self._pool_key is not None and self._pool_key[:2] == key:
+            return self._pool_key[2]
         st = view.state
         root = view.root
         b, dev = root.shape[0], root.device
@@ -221,7 +246,7 @@ class HybridDrafter(ESPDrafter):
             kind = torch.where(from_corpus[:, None] & (kind == NGRAM), CORPUS, kind)
         ng_cell = kind * dmax + d
         # esp pool (Algorithm 1, top-1 expansion), parents offset behind the n-gram pool
-        score, e_tok, e_par = self._pool(root, st.cand_lp, st.cand_ids)
+        score, e_tok, e_par = candidate_pool(root, st.cand_lp, st.cand_ids, self.num_nodes + 1, self.expansion, self.prune)
         p2 = score.shape[1]
         e_valid = (score > NEG) & st.has_probe[:, None]
         e_depth = pool_depth(e_par, k)
@@ -303,12 +328,9 @@ class HybridDrafter(ESPDrafter):
             block.source = torch.where(self.chain.from_corpus(view), CORPUS, NGRAM)[:, None]  # [B, 1]: the whole chain
             self._chain_pass = True
             return block
-        if self._lag:
-            self._catch_up(view, self._lag)  # after plain passes m still owes their tokens
-            self._lag = 0
-        st = view.state
         if n == 0:
-            return self.blocks.build(DraftTree.root_only(view.root), self._mask_embeds(st.m, 1), self.num_masks, max_depth=0)
+            return self.blocks.build(DraftTree.root_only(view.root), self.probe.mask_inputs(view, self.num_masks),
+                                     self.num_masks, max_depth=0)
         rank, valid, tok, par, src, cell, q = self._merged_pool(view)
         tree, keep = best_nodes(view.root, rank, valid, tok, par, n)
         b, t, dev = tree.tokens.shape[0], tree.num_slots, tree.tokens.device
@@ -326,6 +348,6 @@ class HybridDrafter(ESPDrafter):
         mask_owner = torch.full((b, t), -1, dtype=torch.long, device=dev)
         mask_owner.scatter_(1, owners, torch.arange(m, device=dev).expand(b, -1))
         layout = block_layout(tree.parents, self.num_masks, owners)
-        aux = self._mask_embeds(st.m, m)
+        aux = self.probe.mask_inputs(view, m * self.num_masks)
         return Block(tree=tree, layout=layout, aux_embeds=aux, max_depth=min(n, self.depth_bound),
                      mask_owner=mask_owner, source=source)

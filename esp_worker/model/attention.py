@@ -63,20 +63,21 @@ class StaticBlockBias:
     MAX_ENTRIES = 16  # layouts kept (a job uses a handful: one per block size)
 
     def __init__(self) -> None:
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(in_block) -> (in_block, [1, 1, Q, C])
+        self._buffers: dict[tuple, torch.Tensor] = {}  # layout key -> [1, 1, Q, C]
 
-    def __call__(self, in_block: torch.Tensor, uniform_len: int, batch: int, dtype: torch.dtype) -> torch.Tensor:
-        """[B, 1, Q, S] with S = uniform_len + Q; in_block [1, Q, Q] of a cached layout."""
+    def __call__(self, key: tuple, in_block: torch.Tensor, uniform_len: int, batch: int, dtype: torch.dtype
+                 ) -> torch.Tensor:
+        """[B, 1, Q, S] with S = uniform_len + Q; in_block [1, Q, Q] of the static layout named `key` (the tree's
+        static_key and masks per slot: one layout per key)."""
         q = in_block.shape[-1]
         view_len = uniform_len + q
-        entry = self._buffers.get(id(in_block))
-        if entry is None or entry[0] is not in_block or entry[1].dtype != dtype or entry[1].shape[-1] < view_len:
+        buf = self._buffers.get(key)
+        if buf is None or buf.dtype != dtype or buf.shape[-1] < view_len:
             if len(self._buffers) >= self.MAX_ENTRIES:
                 self._buffers.clear()
             cap = max(256, 1 << view_len.bit_length())  # next power of two above the view
             buf = torch.zeros((1, 1, q, cap), dtype=dtype, device=in_block.device)
             buf[0, :, :, cap - q:].masked_fill_(~in_block.expand(1, q, q), torch.finfo(dtype).min)
-            entry = self._buffers[id(in_block)] = (in_block, buf)
-        buf = entry[1]
+            self._buffers[key] = buf
         bias = buf.narrow(3, buf.shape[-1] - view_len, view_len)  # [1, 1, Q, S]
         return bias if batch == 1 else bias.expand(batch, 1, q, view_len)
