@@ -39,7 +39,7 @@ class EngineConfig:
     block_complexity: Union[int, str] = "auto"
     num_masks: int = 1  # k: mask tokens per input token (ESP)
     tree: str = "dynamic"  # static | dynamic
-    # Static branch list [K_1..K_k]; empty = derived from block_complexity (see tree_shapes.static_branches).
+    # Static branch list [K_1..K_k]; empty = derived from block_complexity (see tree.static_branches).
     branches: list[int] = field(default_factory=list)
     expansion: str = "top1"  # dynamic trees: top1 (paper, Appendix D) | frontier (literal Algorithm 1)
     prune: bool = True  # replace a candidate equal to its parent's token by the next best
@@ -56,12 +56,12 @@ class EngineConfig:
     auto_max_block: int = 64  # largest block (tokens per sequence) the policy may choose
     auto_probe_interval: int = 8  # esp: after this many plain passes, one pass re-probes (root + masks)
     cost_curve_path: str = ""  # "" = measure at start and cache under $ESP_BATCH_CACHE (~/.cache/esp-batch)
-    # torch.compile of the decoder layers' projections, norms, rotary and MLP (esp_worker/compiled.py); off:
-    # on a CPU it runs slower than eager (README), on a GPU it is the place to start
+    # torch.compile of the decoder layers' projections, norms, rotary and MLP (esp_worker/model/compiled.py); off:
+    # on a CPU it runs slower than eager (docs/design/model-forward.md), on a GPU it is the place to start
     compile: bool = False
     compile_mode: str = ""  # torch.compile mode ("" = its default), e.g. max-autotune-no-cudagraphs
     # CPU: a greedy pass's verification, stops, commit and counters as one AOTInductor kernel per block shape
-    # that recurs (esp_worker/settle.py); ~6-10 s to compile each, needs a C++ compiler
+    # that recurs (esp_worker/kernels/settle.py); ~6-10 s to compile each, needs a C++ compiler
     compile_host: bool = False
     # Batching
     max_batch_size: int = 8

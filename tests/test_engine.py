@@ -261,15 +261,3 @@ def test_flash_attention_refused_with_one_line():
         load_model(ModelConfig(name_or_path="tiny-random-llama", attn_implementation="flash_attention_2"))
     with pytest.raises(ValueError, match="engine.method"):
         EngineConfig(method="nope").validate()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_runs_and_reports_exact_match():
-    from esp_worker import ModelConfig
-    from esp_worker.model.load import load_model
-
-    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda", dtype="bfloat16"))
-    ar = run(lm, EngineConfig(method="ar"), GenerationParams(max_new_tokens=32))
-    esp = run(lm, EngineConfig(method="esp"), GenerationParams(max_new_tokens=32))
-    assert all(o.error is None for o in ar + esp)

@@ -104,54 +104,25 @@ class _Arm:
 
 
 class BlockPolicy:
-    """Owns the per-pass budget under block_complexity=auto: the engine asks `plan` for the pass's draft nodes
-    and reports what was accepted and how long the pass took with `observe_pass`; the cost curve, the
-    calibration of the drafter's probabilities, the measured overheads, the choice of proposer set and the
-    back-off of looks (and probes) while plain decoding wins live here.
+    """block_complexity=auto's planner: each pass it picks the draft size (plain decoding included) that maximises
+    committed tokens per second, and learns from what the pass committed and how long it took (`observe_pass`).
 
-    Measured overheads: the cost curve times the model alone; a real pass also runs the drafter (tree
-    building, lookups, verification) and the engine's bookkeeping. Each pass's host time (its wall time
-    minus the time the model itself took, which the engine measures) is kept per proposer set and mode (plain,
-    drafting), in units of the curve's machine speed; the median of the last few is added to the
-    curve when choosing, so a drafter whose own work eats its gain loses to plain decoding on measured time.
-    Machine speed drifts (a shared VM: +-20% within minutes; clocks, other tenants): the ratio of measured to
-    predicted model time is tracked as one drift factor for every mode, and host times are divided by it.
-    Measuring wall time minus the curve instead (without the model's own time) turned each drift into a
-    per-mode overhead: whichever mode ran while the machine slowed down looked expensive, and the policy
-    then avoided it for hundreds of passes, with nothing to correct the estimate. Both modes stay measured:
-    the first `min_samples` looks draft whatever the estimate says,
-    and while one mode wins, the other gets one pass in `explore_every` (plain; or a tree, when a look finds
-    something to draft).
-
-    Model-time excess: the curve times the forward on the shapes it measured; a drafting pass's forward may cost
-    more (a shape that selects a slower kernel, a tree mask, a probe's extra rows). Each drafting pass's
-    measured model time over the curve's is kept per proposer set; the median of the last few, over the same
-    ratio of the latest plain pass (the machine's speed divides out), is the excess. When it is above
-    `EXCESS_TOLERANCE` (beyond the VM's noise), drafting sizes cost that factor times the curve, and a plain
-    pass runs at least every `EXCESS_REFRESH` passes to keep the plain ratio current: a machine that slowed
-    down while the policy drafted would otherwise look like an excess of drafting until the next plain pass.
-
-    Proposer sets (`drafter.variants`, hybrid: merged | ngram): each look uses the set that measured fastest
-    in paired comparisons on the same text. A pass's speed is the tokens it committed per row over its time
-    in units of the curve's plain pass at that batch and cache length (relative to plain decoding, so batch
-    occupancy and context length do not bias it; its time is the curve's model time plus its drift-corrected
-    host time, so drift does not favour the set that ran while the machine was fast). Whenever the set changes
-    from one pass to the next, the new set's pass is compared with the other's latest passes (`local_decay`
-    per pass of the job: after a run of the other set only its newest passes count), and the log of the ratio
-    moves their `lead`s (an EMA over `pair_weight` comparisons; a running mean before that). The sets take
-    turns, one look each, for their first `arm_min_passes` passes; after that every `explore_every // 2`
-    looks the other set gets one trial (less often the slower it measured: see `_trial_interval`), and each
-    trial gives two comparisons (into the trial and back). Why paired: comparing each set's speed decayed
-    over its own passes compared text with text. The set in charge is measured on the text at hand while the
-    other's record is frozen from its last trials: on easy text (code) the set in charge looked faster than
-    the other's record from harder text, whichever was faster, and kept running (the merged tree, ~0.75x as
-    fast as the chains at batch 1 on this CPU, ran ~9% of passes and cost the hybrid ~3.5% of its speed).
-
-    Back-off: a look (draft_mass, and for mask drafters a probe pass first) costs time too. After a look
-    chooses plain decoding although there was something to draft, the next look waits `wait` plain passes,
-    doubling up to 64x the base while looks keep choosing plain; a look that drafts resets it. A trial look
-    of a proposer set that is not the best (sampling or exploring it) starts no back-off: the best set looks
-    again at the next pass."""
+    - Cost: the model's cost curve (`cost_model`), plus each mode's (plain, drafting) measured host time per pass
+      (the wall time minus the model's own time, in the curve's units), plus a drafting pass's model-time excess
+      over the curve (a slower kernel for the block's shape) once it exceeds `EXCESS_TOLERANCE`. Machine-wide
+      slowdowns are tracked as one drift factor for every mode: charged to the mode that happened to run, they
+      would switch a mode off with nothing to correct the estimate later.
+    - Gain: 1 + alpha * the drafter's own mass of the n best nodes per row (`DraftSizer.draft_mass`), alpha being a
+      running ratio of accepted drafts to predicted mass.
+    - Exploration: the first `min_samples` looks draft whatever the estimate says, and while one mode wins the
+      other runs one pass in `explore_every`, so neither cost goes stale.
+    - Proposer sets (`DraftSizer.variants`, hybrid: merged | ngram): each look uses the set with the best speed
+      relative to plain decoding, from paired comparisons on the same text (when the set changes between two
+      passes); comparing each set's speed over its own passes compared easy text with hard text. The sets take
+      turns for `arm_min_passes` passes, then the others get trials, rarer the slower they measured.
+    - Back-off: a look costs time too (a mask drafter's look costs a probe pass). After a look chooses plain
+      decoding although there was something to draft, the next look waits, doubling up to 64x while looks keep
+      choosing plain; a look that drafts resets the wait. A look that cannot pay at the best alpha is skipped."""
 
     def __init__(self, curve: CostCurve, sizer: DraftSizer, max_block: int, settings: PolicySettings = PolicySettings()):
         self.curve = curve

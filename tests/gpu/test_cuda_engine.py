@@ -1,0 +1,48 @@
+"""The engine on CUDA: lossless in float32 (every method's tokens are plain decoding's and `generate`'s), and
+bfloat16 runs that finish every row with consistent statistics. Skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import PROMPTS
+from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request, load_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+METHODS = [dict(method="ar"), dict(method="esp", block_complexity=30), dict(method="pld", block_complexity=10),
+           dict(method="hybrid", block_complexity=30), dict(method="hybrid", block_complexity="auto")]
+
+
+def _generate(lm, cfg: EngineConfig, max_new_tokens: int = 32):
+    eng = Engine(lm, cfg)
+    params = GenerationParams(max_new_tokens=max_new_tokens)
+    return eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_float32_on_cuda_is_plain_decoding_and_generate(arch):
+    lm = load_model(ModelConfig(name_or_path=f"tiny-random-{arch}", device="cuda", dtype="float32"))
+    ref = []
+    for p in PROMPTS:
+        ids = lm.tokenizer(p, return_tensors="pt").input_ids.to("cuda")
+        with torch.inference_mode():
+            out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                    eos_token_id=list(lm.eos_token_ids), pad_token_id=2)
+        ref.append(out[0, ids.shape[1]:].tolist())
+    for setting in METHODS:
+        outs = _generate(lm, EngineConfig(max_batch_size=4, **setting))
+        for o, r in zip(outs, ref):
+            assert o.error is None, o.error
+            assert o.token_ids == r, (setting, o.id)
+
+
+def test_bfloat16_on_cuda_finishes_every_row_with_consistent_statistics():
+    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda", dtype="bfloat16"))
+    for setting in METHODS:
+        for o in _generate(lm, EngineConfig(max_batch_size=4, **setting)):
+            st = o.stats
+            assert o.error is None and o.finish_reason in ("stop", "length"), (setting, o.error)
+            assert 0 < len(o.token_ids) <= 32 and st.num_generated_tokens == len(o.token_ids)
+            assert st.num_accepted_drafts <= st.num_drafted_tokens
+            assert st.num_decode_tokens <= st.num_accepted_drafts + st.num_decode_passes  # a pass: drafts + bonus
