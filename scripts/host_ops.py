@@ -5,7 +5,7 @@
 Runs the prompts of `--data` once to warm up, then once with every dispatched tensor operation counted and
 attributed to the engine phase that issued it (propose, forward inputs, verify, stops, keep, commit, observe,
 count, read_back, other), then `--repeats` more times timed (no counting): host time per pass is decode time
-outside the model's forward and LM head (`Engine.timing`), as the benchmark's `host overhead` column. The
+outside the model's forward and LM head (`Engine.stats`), as the benchmark's `host overhead` column. The
 model's own operations (forward, LM head, the drafter's LM-head calls) are listed apart and not counted as
 host work. One torch thread; batch `--batch`. A development tool: the numbers are this machine's.
 """
@@ -57,8 +57,8 @@ def main() -> None:
         label(eng, name, name.strip("_"))
     label(eng.runner, "forward", "model")
     label(eng.runner, "logits", "model")
-    if hasattr(eng.drafter, "logits"):  # ESP-like drafters hold the runner's LM head
-        label(eng.drafter, "logits", "model")
+    if hasattr(eng.drafter, "probe"):  # ESP-like drafters' probe holds the runner's LM head
+        label(eng.drafter.probe, "logits", "model")
     label(batch_mod.Rows, "count", "count")
     label(batch_mod.Rows, "read_back", "read_back")
 
