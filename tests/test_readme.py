@@ -226,3 +226,21 @@ def test_relative_links_resolve(page):
         if re.match(r"^[a-z]+://|^mailto:", target):
             continue
         assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: broken link {target}"
+
+
+def _leaves(schema: type) -> list[str]:
+    keys, open_dicts = _keys(schema)
+    parents = {k.rpartition(".")[0] for k in keys}
+    return sorted(k for k in keys if "." in k and (k not in parents or k in open_dicts))
+
+
+@pytest.mark.parametrize("kind,page,skip", [
+    ("generate", "docs/guide/configuration.md", ()),
+    ("bench", "docs/guide/benchmarking.md", ("model.", "storage.", "data.", "engine.", "generation.", "output.",
+                                             "ray.", "fault.")),
+    ("train-heads", "docs/guide/training-heads.md", ("model.",)),
+])
+def test_the_reference_pages_document_every_key(kind, page, skip):
+    text = (ROOT / page).read_text()
+    missing = [k for k in _leaves(_schemas()[kind]) if not k.startswith(skip) and f"`{k}`" not in text]
+    assert not missing, f"{page} does not document {missing}"
