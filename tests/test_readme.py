@@ -244,3 +244,25 @@ def test_the_reference_pages_document_every_key(kind, page, skip):
     text = (ROOT / page).read_text()
     missing = [k for k in _leaves(_schemas()[kind]) if not k.startswith(skip) and f"`{k}`" not in text]
     assert not missing, f"{page} does not document {missing}"
+
+
+def test_every_job_and_bench_command_loads_as_a_config():
+    """Values too: each generate / bench command's overrides (and its config file, where it exists) load and
+    validate as that command would load them."""
+    from jobs.config import ConfigError, load_config
+
+    load_bench = _import_first("jobs.bench.config:load_bench_config", "jobs.bench_config:load_bench_config")
+    problems, checked = [], 0
+    for page, line, block in _blocks(SHELL_LANGS):
+        for cmd in _commands(block):
+            kind = _kind(cmd)
+            if kind not in ("generate", "bench"):
+                continue
+            overrides = [tok for tok in cmd if OVERRIDE.match(tok)]
+            files = [tok for tok in cmd if tok.endswith(".yaml") and (ROOT / tok).is_file()]
+            try:
+                (load_config if kind == "generate" else load_bench)(str(ROOT / files[0]) if files else None, overrides)
+            except ConfigError as exc:
+                problems.append(f"{page.relative_to(ROOT)}:{line}: {exc} in: {' '.join(cmd)[:120]}")
+            checked += 1
+    assert checked >= 10 and not problems, "\n".join(problems)
