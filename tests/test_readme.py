@@ -17,7 +17,7 @@ import pytest
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # wherever tests/ nests this file
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
 PAGES = [README, *DOCS]
