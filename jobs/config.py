@@ -6,6 +6,7 @@ Every key is typed; an unknown or mistyped key raises ConfigError with a one-lin
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -19,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from esp_worker.config import EngineConfig, ModelConfig
 
-from .storage import StorageConfig, looks_local, normalize
+from .io.storage import StorageConfig, looks_local, normalize
 
 FORMATS = ("auto", "parquet", "jsonl", "json", "csv", "hf_disk", "hf_hub")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
@@ -139,11 +140,19 @@ def load_config(
     """Defaults <- YAML file <- `key=value` overrides, then validated. Raises ConfigError.
 
     schema: the structured config class (default JobConfig; the benchmark passes its BenchConfig)."""
+    cfg = merge_config(schema or JobConfig, path, overrides)
+    validate(cfg)
+    return cfg
+
+
+def merge_config(schema: type, path: Optional[str], overrides: typing.Sequence[str]) -> DictConfig:
+    """The dataclass `schema`'s defaults <- YAML file <- `key=value` overrides, type-checked (no semantic
+    checks). Raises ConfigError naming the key."""
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not key=value")
     try:
-        cfg = OmegaConf.structured(schema or JobConfig)
+        cfg = OmegaConf.structured(schema)
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path!r} does not exist")
@@ -152,8 +161,30 @@ def load_config(
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
-    validate(cfg)
     return cfg
+
+
+@dataclass
+class CommandLine:
+    """`[CONFIG.yaml] [key=value ...] [--print-config]`, the command line of every config-driven command."""
+
+    config: Optional[str]  # the YAML file: the first argument, when it is not key=value
+    overrides: list[str]  # dotted key=value overrides, applied after the file
+    print_config: bool  # print the merged config as YAML and exit
+
+
+def parse_command_line(argv: Optional[typing.Sequence[str]], prog: str, description: str, epilog: str = "") -> CommandLine:
+    """Parse `[CONFIG.yaml] [key=value ...] [--print-config]` (argv None = sys.argv[1:]); --help prints
+    `description` and `epilog` and exits. Used by `jobs.generate`, `jobs.bench` and `jobs.train_heads`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog or None,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value",
+                        help="an optional YAML config file, then dotted overrides such as engine.method=ar")
+    parser.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
+    ns = parser.parse_args(argv)
+    args = list(ns.args)
+    config = args.pop(0) if args and "=" not in args[0] else None
+    return CommandLine(config, args, ns.print_config)
 
 
 def engine_config(cfg: DictConfig) -> EngineConfig:

@@ -247,8 +247,8 @@ def test_cp_heads_needs_heads_path():
 def test_bench_grid_has_one_cp_heads_setting_per_heads_dir():
     from omegaconf import OmegaConf
 
-    from jobs.bench import grid
-    from jobs.bench_config import BenchSection
+    from jobs.bench.settings import grid
+    from jobs.bench.config import BenchSection
 
     b = OmegaConf.structured(BenchSection(methods=["ar", "cp_heads"], block_complexities=[10, 30],
                                           heads_paths=["heads/a-rank1", "heads/a-rank4"], hf_baseline=False))
@@ -296,8 +296,8 @@ def test_hybrid_with_heads_auto_and_sampling(heads_dir):
 def test_bench_settings_hybrid_with_each_heads_dir():
     from omegaconf import OmegaConf
 
-    from jobs.bench import grid
-    from jobs.bench_config import BenchSection, load_bench_config
+    from jobs.bench.settings import grid
+    from jobs.bench.config import BenchSection, load_bench_config
     from jobs.config import ConfigError
 
     b = OmegaConf.structured(BenchSection(settings=["hybrid:auto", "hybrid+heads:auto"], hf_baseline=False,

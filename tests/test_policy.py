@@ -373,7 +373,7 @@ def test_engine_stops_drafting_when_its_drafting_forwards_are_slow(monkeypatch):
     import json
     import time
 
-    from conftest_jobs import SHARED_DATA, TINY_PROMPTS, shared
+    from shared_data import SHARED_DATA, TINY_PROMPTS, shared
     from esp_worker import ModelConfig, Request
     from esp_worker.model_io import ModelRunner, load_model
 

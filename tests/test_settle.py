@@ -119,7 +119,7 @@ def test_compiled_settle_on_the_trained_model(compile_at_once):
     """The trained esp-tiny-llama accepts drafts (random models accept nothing): ESP BC 30 at batch 1, pld at
     batch 4 and the hybrid at batch 2 on dev prompts, compiled and eager, agree in tokens and statistics (the
     hybrid's accepted drafts per proposer too), with drafts accepted."""
-    from conftest_jobs import SHARED_DATA, TINY_PROMPTS, shared
+    from shared_data import SHARED_DATA, TINY_PROMPTS, shared
     from esp_worker import ModelConfig
     from esp_worker.model_io import load_model
 

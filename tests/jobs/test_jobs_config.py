@@ -1,0 +1,105 @@
+"""Config loading, validation, hashing, presets, and the command line (no Ray needed)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobs_helpers import REPO, run_cli
+from jobs import cli
+from jobs.config import ConfigError, config_hash, engine_config, load_config, to_yaml
+
+PRESETS = sorted((REPO / "configs").glob("*_bc*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.bogus=1"], "unknown config key 'data.bogus'"),
+        (["nosuchsection.x=1"], "unknown config key 'nosuchsection'"),
+        (["engine.block_complexty=30"], "unknown config key 'engine.block_complexty'"),
+        (["ray.num_actors=two"], "config key 'ray.num_actors'"),
+        (["generation.max_new_tokens=1.5"], "config key 'generation.max_new_tokens'"),
+        (["engine.method=beam"], "engine.method='beam' is unknown"),
+        (["engine.tree=bushy"], "engine.tree"),
+        (["data.format=xml"], "data.format='xml' is unknown"),
+        (["data.chat_template=maybe"], "data.chat_template"),
+        (["generation.top_p=0"], "generation.top_p"),
+        (["ray.num_actors=0"], "ray.num_actors=0"),
+        (["data.shard_size=0"], "data.shard_size=0"),
+        (["engine.block_complexity=3", "engine.num_masks=2"], "engine.block_complexity=3"),
+        (["engine.method"], "not key=value"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_yaml_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  paht: x.jsonl\n")
+    with pytest.raises(ConfigError, match="unknown config key 'data.paht'"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_default_yaml_is_the_embedded_default():
+    assert load_config(str(REPO / "configs" / "default.yaml")) == load_config(None)
+
+
+def test_presets_are_valid_and_carry_the_paper_settings():
+    assert len(PRESETS) == 12
+    for path in PRESETS:
+        cfg = load_config(str(path))
+        bc = int(path.stem.split("_bc")[1])
+        assert cfg.engine.block_complexity == bc and cfg.engine.method == "esp"
+        assert cfg.model.device == "cuda" and cfg.ray.num_gpus_per_actor == 1
+        engine_config(cfg).validate()
+    names = {p.stem.split("_bc")[0] for p in PRESETS}
+    assert names == {"llama-3.2-3b-instruct", "llama-3.1-8b-instruct", "qwen3-8b", "qwen3-32b"}
+
+
+def test_hash_covers_output_determining_keys_only():
+    base = config_hash(load_config(None))
+    assert config_hash(load_config(None, ["engine.block_complexity=10"])) != base
+    assert config_hash(load_config(None, ["generation.seed=1"])) != base
+    assert config_hash(load_config(None, ["ray.num_actors=4", "output.dir=/x", "fault.kill_shard=2"])) == base
+
+
+def test_generation_seed_is_the_engine_seed():
+    assert engine_config(load_config(None, ["generation.seed=7"])).seed == 7
+
+
+def test_cli_help_and_print_config(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "generate" in capsys.readouterr().out
+    assert cli.main(["generate", "--print-config", "engine.block_complexity=60"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["engine"]["block_complexity"] == 60 and printed["model"]["name_or_path"] == "tiny-random-llama"
+    assert cli.main(["frobnicate"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "--help"])
+    assert exit_.value.code == 0 and "key=value" in capsys.readouterr().out
+
+
+def test_module_entry_points_exit_codes(tmp_path):
+    res = run_cli("data.bogus=1")
+    assert res.returncode == 2 and "data.bogus" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli(f"data.path={tmp_path / 'missing.jsonl'}", f"output.dir={tmp_path / 'o'}")
+    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run([sys.executable, "-m", "jobs.cli", "generate", "--print-config", "ray.num_actors=3"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "num_actors: 3" in res.stdout
+
+
+def test_to_yaml_round_trips(tmp_path):
+    cfg = load_config(None, ["data.carry_columns=[a,b]", "data.chat_template_kwargs.enable_thinking=false"])
+    path = Path(tmp_path / "c.yaml")
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)) == cfg
