@@ -13,6 +13,7 @@ REQUIRED = {"method", "block_complexity", "num_masks", "tree", "category", "num_
             "speedup_vs_ar", "exact_match_rate"}
 
 
+@pytest.mark.slow
 def test_bench_end_to_end(tmp_path):
     data = tmp_path / "prompts.jsonl"
     rows = [
@@ -89,6 +90,7 @@ def test_explicit_settings_replace_the_grid():
     assert [s.compile_host for s in settings] == [False] * 5 + [True] * 2
 
 
+@pytest.mark.slow
 def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch):
     """bench.settings with :compile_host: the setting runs under engine.compile_host (its compile time is
     reported) beside the eager one, and matches ar token for token."""
@@ -194,6 +196,7 @@ def test_auto_settings_are_compared_with_the_fastest_fixed_setting_of_their_batc
     assert _paired_cell({"x": 1.0}, "x") == "1.00"
 
 
+@pytest.mark.slow
 def test_warmup_rounds_run_every_setting_untimed_first(tmp_path, monkeypatch):
     """bench.warmup_rounds=1: one untimed round of every setting over every prompt before the timed repeats."""
     import jobs.bench.runner as bench
@@ -226,6 +229,7 @@ def test_rounds_start_one_setting_further_on():
     assert rotated([], 3) == []
 
 
+@pytest.mark.slow
 def test_bench_profile_writes_op_tables(tmp_path):
     """bench.profile: one more run of the named settings under torch.profiler; the model's calls are marked."""
     data = tmp_path / "prompts.jsonl"

@@ -20,6 +20,8 @@ from jobs.io.output import OutputDir
 from jobs.run.runner import run_job
 from s3_helpers import FAKE_KEY_ID, FAKE_SECRET, s3  # noqa: F401
 
+pytestmark = pytest.mark.slow  # an S3 server (moto), and Ray for the jobs
+
 
 def _upload_prompts(s3, prefix: str, n_files: int, per_file: int) -> list[str]:
     ids = []

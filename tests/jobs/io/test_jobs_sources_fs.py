@@ -33,6 +33,7 @@ def _parquet_bytes(rows: list[dict]) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+@pytest.mark.slow
 def test_s3_prefix_of_many_files_reads_in_sorted_order(s3):
     a, b, c = _rows("a", 4), _rows("b", 5), _rows("c", 3)
     # uploaded out of order, plus files a reader must skip
@@ -59,6 +60,7 @@ def test_s3_prefix_of_many_files_reads_in_sorted_order(s3):
     assert _read(s3.uri("in/pq"))[1] == _read(s3.uri("in/pq"), batch=5)[1] == a + b + c
 
 
+@pytest.mark.slow
 def test_s3_missing_prefix_and_mixed_formats(s3):
     with pytest.raises(SourceError, match="does not exist"):
         open_source(s3.uri("nothing/here"), "auto", "train", None)

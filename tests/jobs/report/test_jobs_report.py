@@ -93,6 +93,7 @@ def test_report_without_summary_or_categories(tmp_path):
     assert "No `_summary.json`" in md and "no category column" in md and "No row has an error." in md
 
 
+@pytest.mark.slow
 def test_report_in_an_object_store(s3, tmp_path):
     _write_output(tmp_path / "out")
     for f in (tmp_path / "out").iterdir():

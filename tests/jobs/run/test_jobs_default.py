@@ -13,6 +13,7 @@ import pytest
 from jobs_helpers import REPO, read_output
 
 
+@pytest.mark.slow
 def test_default_job_without_arguments(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"

@@ -4,11 +4,8 @@ several shards in flight, start-up separated from generation, and errors that co
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -20,6 +17,7 @@ from jobs.config import config_hash, load_config
 from jobs.run.rows import parse_params
 from jobs.run.runner import JobError, run_job
 from esp_worker import GenerationParams
+from esp_worker.feed import RequestFeed
 
 
 def _prompts(n: int, prefix: str = "p", start: int = 0) -> list[dict]:
@@ -31,16 +29,65 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "_summary.json").read_text())
 
 
-def test_small_shards_still_fill_the_engine_batch(ray_head, tmp_path):
+class _GatedFeed(RequestFeed):
+    """A feed the test controls: the engine takes nothing until `expected` requests are queued."""
+
+    def __init__(self, expected: int):
+        super().__init__()
+        self.expected, self.ready = expected, threading.Event()
+
+    def put(self, requests):
+        super().put(requests)
+        if len(self) >= self.expected:
+            self.ready.set()
+
+    def take(self, n, wait):
+        assert self.ready.wait(timeout=300), "the shards never queued their rows"
+        return super().take(n, wait)
+
+
+def test_small_shards_still_fill_the_engine_batch(tmp_path):
+    """Worker without Ray: 20 shards of 4 rows in flight at once (the driver keeps several per actor), batch 16.
+    The engine batches rows across shards, so it runs at 16 until fewer rows are left. Passes are counted,
+    with every row queued before the first pass: no clock."""
+    from test_jobs_worker import _worker
+
+    from jobs.run.rows import RowNormalizer
+
+    worker, _ = _worker(tmp_path, "engine.max_batch_size=16", "generation.max_new_tokens=24", "generation.ignore_eos=true")
+    turns = [{"id": f"t{i}", "turns": ["Say one thing.", "Now another."], "params": {"max_new_tokens": 3}}
+             for i in range(4)]
+    norm = RowNormalizer("id", "", "params", "category", [])
+    rows = [norm(i, r) for i, r in enumerate(_prompts(76) + turns)]
+    worker.feed = _GatedFeed(expected=len(rows))
+    tables = {}
+    threads = [threading.Thread(target=lambda k: tables.__setitem__(k, worker.run_shard(k, rows[4 * k: 4 * k + 4])), args=(k,))
+               for k in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    hist = dict(worker.engine.batch_histogram)
+    assert max(hist) == 16, hist  # shards of 4 rows, yet the engine ran at its full batch
+    # 76 rows x 23 decode passes + 4 rows x 2 turns x 2: at most 15 rows' last 23 passes run below 16
+    assert hist[16] >= sum(hist.values()) / 2, hist
+    assert sorted(tables) == list(range(20)) and all(t.num_rows == 4 for t in tables.values())
+    got = {r["id"]: r for t in tables.values() for r in t.to_pylist()}
+    assert len(got) == 80 and all(len(got[f"t{i}"]["generated_turns"]) == 2 for i in range(4))
+    assert all(got[r["id"]]["num_generated_tokens"] == 24 for r in _prompts(76))
+
+
+@pytest.mark.slow
+def test_small_shards_on_ray_write_every_row(ray_head, tmp_path):
+    """The same job on Ray: 20 parts, every row, both turns (the batch it reaches depends on when shards arrive:
+    see the test above for the batch itself)."""
     turns = [{"id": f"t{i}", "turns": ["Say one thing.", "Now another."], "params": {"max_new_tokens": 3}}
              for i in range(4)]
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(76) + turns)
     out = tmp_path / "out"
     res = run_job(job_cfg(out, f"data.path={data}", "data.shard_size=4", "engine.max_batch_size=16",
                           "ray.num_actors=1", "generation.max_new_tokens=24", "generation.ignore_eos=true"))
-    hist = {int(k): v for k, v in res.summary["this_run"]["batch_histogram"].items()}
-    assert max(hist) == 16, hist  # shards of 4 rows, yet the engine ran at its full batch
-    assert hist[16] >= sum(hist.values()) / 2, hist  # most passes (ramp-up and tail aside)
+    assert sum(res.summary["this_run"]["batch_histogram"].values()) > 0
     rows = {r["id"]: r for r in read_output(out).to_pylist()}
     assert len(rows) == 80 and res.summary["complete"] and len(list(out.glob("part-*.parquet"))) == 20
     assert all(len(rows[f"t{i}"]["generated_turns"]) == 2 for i in range(4))
@@ -80,6 +127,7 @@ def test_turns_reenter_the_batch_as_soon_as_their_previous_turn_ends(tmp_path):
     assert max(worker.engine.batch_histogram) == 5  # both shards' rows in one batch
 
 
+@pytest.mark.slow
 def test_edited_input_ends_with_one_row_per_id(ray_head, tmp_path):
     rows = _prompts(20)
     data = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -114,6 +162,7 @@ def test_edited_input_ends_with_one_row_per_id(ray_head, tmp_path):
     assert runs[2]["generation_tokens_per_s"] is None and runs[0]["generation_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_final_ids_check_catches_a_planted_part(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))
     out = tmp_path / "out"
@@ -127,6 +176,7 @@ def test_final_ids_check_catches_a_planted_part(ray_head, tmp_path):
     assert s["check"]["duplicated_ids"] == ["p001"]
 
 
+@pytest.mark.slow
 def test_actor_killed_with_several_shards_in_flight(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(24))
     out = tmp_path / "out"
@@ -137,6 +187,7 @@ def test_actor_killed_with_several_shards_in_flight(ray_head, tmp_path):
     assert len(ids) == len(set(ids)) == 24 and res.summary["complete"]
 
 
+@pytest.mark.slow
 def test_actor_dying_too_often_names_the_shard_and_cause(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))
     out = tmp_path / "out"
@@ -146,13 +197,12 @@ def test_actor_dying_too_often_names_the_shard_and_cause(ray_head, tmp_path):
     assert _summary(out)["complete"] is False
 
 
+@pytest.mark.slow
 def test_cluster_too_small_fails_with_resources(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(4))
-    t0 = time.monotonic()
     with pytest.raises(ClusterError, match=r"could not place 3 actors x \(1 CPU\).*CPU .* free of 2"):
         run_job(job_cfg(tmp_path / "out", f"data.path={data}", "ray.num_actors=3", "ray.num_cpus_per_actor=1",
                         "data.shard_size=1", "ray.placement_timeout_s=3"))
-    assert time.monotonic() - t0 < 60
 
 
 def test_errors_before_ray_starts(tmp_path):
@@ -167,12 +217,10 @@ def test_errors_before_ray_starts(tmp_path):
         (["engine.method=hybrid", f"engine.heads_path={tmp_path}", f"output.dir={tmp_path}/o4"], 2, "holds no heads.json"),
     ]
     for args, code, needle in cases:
-        t0 = time.monotonic()
         res = run_cli(*FAST, *args)
         line = res.stderr.strip().splitlines()[-1]
         assert res.returncode == code and needle in line and line.startswith("esp-batch: error:"), (args, res.stderr[-800:])
-        assert "Traceback" not in res.stderr and "Ray" not in res.stderr, args
-        assert time.monotonic() - t0 < 30, args  # no Ray start, no hub lookup
+        assert "Traceback" not in res.stderr and "Ray" not in res.stderr, args  # failed before Ray started
 
 
 def test_paths_and_stop_strings_mean_what_users_mean(tmp_path, monkeypatch):
@@ -193,6 +241,7 @@ def test_no_absolute_machine_paths_in_the_repository():
     assert out.stdout == "", out.stdout
 
 
+@pytest.mark.slow
 def test_hive_partitioned_output_reads_as_one_table(ray_head, tmp_path):
     import duckdb
 

@@ -21,6 +21,8 @@ from jobs.config import ConfigError
 from jobs.run.runner import run_job
 from jobs.run.schema import BASE_FIELDS
 
+pytestmark = pytest.mark.slow  # every test runs a job on a local Ray head
+
 
 def _prompts(n: int, prefix: str = "p") -> list[dict]:
     cats = ["qa", "code", "math"]

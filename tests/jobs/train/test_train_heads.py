@@ -39,6 +39,7 @@ def _history(out):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_few_steps_write_heads_that_load_and_draft(corpus, tmp_path, capfd):
     out = tmp_path / "heads"
     assert main(_args(corpus, out, 3)) == 0
@@ -68,6 +69,7 @@ def test_few_steps_write_heads_that_load_and_draft(corpus, tmp_path, capfd):
     assert "Failed to query Ray Train Controller" not in logged.out + logged.err
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_its_checkpoint(corpus, tmp_path, caplog):
     out = tmp_path / "heads"
     # a worker dies right after the checkpoint of step 2: the run fails (exit 1) and keeps that checkpoint
