@@ -165,7 +165,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     from esp_worker.cost_model import measure_cost_curve, powers_of_two
     from esp_worker.model_io import ModelRunner, load_model
 
-    from ..config import engine_config, model_config
+    from ..config import engine_config, generation_defaults, model_config
 
     b = cfg.bench
     if b.torch_threads:
@@ -184,8 +184,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     if b.mixed_max_new_tokens:
         mix_lengths(prompts, b.mixed_max_new_tokens)
     g = cfg.generation
-    generation = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                      stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos)
+    generation = generation_defaults(cfg)
     base = engine_config(cfg)
     curve = None
     if b.cost_curve:

@@ -27,7 +27,8 @@ from typing import Any, Iterator, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from .cluster import ClusterError, check_resources, connect
-from ..config import ConfigError, config_hash, engine_config, hashed_part, looks_local, shards_in_flight
+from ..config import (ConfigError, config_hash, engine_config, generation_defaults, hashed_part, looks_local,
+                      shards_in_flight)
 from ..io.output import SUMMARY, OutputDir, PartInfo
 from .progress import Progress
 from .rows import INPUT_COLUMNS, JobRow, RowNormalizer, shard_fingerprint
@@ -113,12 +114,10 @@ def _check_partitioning(cfg: DictConfig, schema: Any) -> None:
 
 
 def _worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
-    g = cfg.generation
     return WorkerSpec(
         model=OmegaConf.to_container(cfg.model, resolve=True),
         engine=vars(engine_config(cfg)),
-        generation=dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                        stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos),
+        generation=generation_defaults(cfg),
         chat_template=cfg.data.chat_template,
         chat_template_kwargs=OmegaConf.to_container(cfg.data.chat_template_kwargs, resolve=True),
         schema=schema,

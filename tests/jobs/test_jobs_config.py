@@ -53,6 +53,41 @@ def test_default_yaml_is_the_embedded_default():
     assert load_config(str(REPO / "configs" / "default.yaml")) == load_config(None)
 
 
+def _flat(tree: dict) -> dict:
+    """{"data": {"path": ""}} -> {"data.path": ""} (sections, then their keys)."""
+    return {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()}
+
+
+def test_default_yaml_lists_every_key_of_the_dataclasses_with_its_default():
+    """configs/default.yaml against JobConfig's defaults (EngineConfig's and ModelConfig's included), key for key."""
+    from omegaconf import OmegaConf
+
+    from jobs.config import DEFAULT_YAML, JobConfig
+
+    expected = _flat(OmegaConf.to_container(OmegaConf.structured(JobConfig)))
+    text = DEFAULT_YAML.read_text()
+    got = _flat(yaml.safe_load(text))
+    hint = "configs/default.yaml is out of date with the dataclasses: rewrite it with python -m jobs.config --write-default"
+    assert sorted(got) == sorted(expected), f"{hint}; missing {sorted(set(expected) - set(got))}, extra {sorted(set(got) - set(expected))}"
+    wrong = {k: (got[k], expected[k]) for k in expected if got[k] != expected[k] or type(got[k]) is not type(expected[k])}
+    assert not wrong, f"{hint}; (file, default): {wrong}"
+    assert len(expected) > 80  # every engine key, not the six the file used to list
+    # and each key says what it is: a comment on its line or right above it
+    lines = text.splitlines()
+    bare = [line.strip() for i, line in enumerate(lines) if line.startswith("  ") and not line.strip().startswith("#")
+            and "#" not in line and not lines[i - 1].strip().startswith("#")]
+    assert not bare, f"keys without a comment: {bare}"
+
+
+def test_generation_defaults_are_the_engines():
+    """One max_new_tokens (and sampling) default: a job's generation.* defaults are GenerationParams'."""
+    from esp_worker import GenerationParams
+
+    from jobs.config import generation_defaults
+
+    assert GenerationParams(**generation_defaults(load_config(None))) == GenerationParams()
+
+
 def test_presets_are_valid_and_carry_the_paper_settings():
     assert len(PRESETS) == 12
     for path in PRESETS:
