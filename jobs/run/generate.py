@@ -14,7 +14,7 @@ DESCRIPTION = ("Offline batch generation with ESP speculative decoding on Ray: "
 HELP_EPILOG = """\
 examples:
   python -m jobs.generate                                   # embedded default: tiny model, bundled prompts
-  python -m jobs.generate configs/llama-3.1-8b-instruct_bc30.yaml data.path=prompts.parquet
+  python -m jobs.generate configs/llama-3.1-8b-instruct.yaml engine.block_complexity=30 data.path=prompts.parquet
   python -m jobs.generate data.path=q.jsonl engine.method=ar ray.num_actors=1 output.dir=out/q
   python -m jobs.generate --print-config engine.block_complexity=60
 
