@@ -18,6 +18,7 @@ import collections
 import hashlib
 import logging
 import math
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -205,7 +206,7 @@ class _Dispatcher:
     failures as (shard, cause)."""
 
     def __init__(self, actors: list[Any], cap: int, out: OutputDir, compression: str, progress: Progress,
-                 max_restarts: int):
+                 max_restarts: int, exit_after_parts: int = -1):
         self.actors = actors
         self.cap = cap
         self.out = out
@@ -218,6 +219,7 @@ class _Dispatcher:
         self.failures: list[tuple[int, str]] = []
         self.finished: list[tuple[int, Any, str]] = []  # (shard, table, fingerprint) returned, not yet written
         self.shards_written = 0
+        self.exit_after_parts = exit_after_parts  # fault injection (tests): the driver dies after this many parts
 
     @property
     def can_submit(self) -> bool:
@@ -273,6 +275,8 @@ class _Dispatcher:
     def write(self, shard_index: int, table: Any, fingerprint: str) -> None:
         self.out.write_part(shard_index, table, self.compression, fingerprint)
         self.shards_written += 1
+        if self.shards_written == self.exit_after_parts:
+            os._exit(1)  # as a killed driver: no cleanup, no summary
         self.progress.run.add(table)
         self.progress.update()
 
@@ -369,7 +373,8 @@ def run_job(cfg: DictConfig) -> JobResult:
                 if total_rows is not None:  # no more actors than shards left to run
                     n = max(1, min(n, -(-(total_rows - shard_index * cfg.data.shard_size) // cfg.data.shard_size)))
                 actors, pg = _start_actors(cfg, _worker_spec(cfg, schema, out), n, cap)
-                dispatcher = _Dispatcher(actors, cap, out, cfg.output.compression, progress, cfg.ray.max_restarts)
+                dispatcher = _Dispatcher(actors, cap, out, cfg.output.compression, progress, cfg.ray.max_restarts,
+                                         cfg.fault.driver_exit_after_parts)
                 t_ready = time.monotonic()
                 progress.restart()
             if not dispatcher.can_submit:
