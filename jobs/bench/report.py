@@ -8,7 +8,7 @@ from ..report.plots import REPORT, Sink, fmt, grouped_bars, pyplot, save
 from .settings import ALL, Setting
 
 
-def _paired_cell(rec: dict, key: str) -> str:
+def paired_cell(rec: dict, key: str) -> str:
     """'median [q1-q3]' of a paired ratio (just the median when the quartiles are missing or equal)."""
     mid, q1, q3 = rec.get(key), rec.get(key + "_q1"), rec.get(key + "_q3")
     if mid is None or q1 is None or q3 is None or q1 == q3:
@@ -133,7 +133,7 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
             f"| {r['setting']} | {r['batch_size']} | {fmt(r['tau'])} | {fmt(r['accepted_per_pass'])} | "
             f"{fmt(r['calls_saved'])} | {fmt(r['mean_block_size'], 1)} | {fmt(r['tokens_per_s'], 1)} | "
             f"{fmt(r['speedup_vs_ar'])} | {fmt(r.get('speedup_vs_hf'))} | "
-            f"{_paired_cell(r, 'speedup_vs_ar_paired')} / {fmt(r.get('speedup_vs_hf_paired'))} | {fmt(r['predicted_speedup'])} | "
+            f"{paired_cell(r, 'speedup_vs_ar_paired')} / {fmt(r.get('speedup_vs_hf_paired'))} | {fmt(r['predicted_speedup'])} | "
             f"{fmt(r['host_overhead'], 3)} | {mem} | {fmt(r['exact_match_rate'])} | {fmt(r.get('token_mismatch_rate'), 4)} |"
         )
     auto = [r for r in overall if r["block_complexity"] == "auto"]
@@ -144,7 +144,7 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
                   "and paired (per-round ratios: median [quartiles]).", "",
                   "| setting | batch | block sizes | fastest fixed setting | vs it | paired |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['setting']} | {r['batch_size']} | {r['block_sizes']} | {r.get('fastest_fixed') or '-'} | "
-                  f"{fmt(r.get('vs_fastest_fixed'))} | {_paired_cell(r, 'vs_fastest_fixed_paired')} |" for r in auto]
+                  f"{fmt(r.get('vs_fastest_fixed'))} | {paired_cell(r, 'vs_fastest_fixed_paired')} |" for r in auto]
     if cats:
         lines += ["", "## tau by category", "", "| setting | batch | " + " | ".join(cats) + " |",
                   "|---|---|" + "---|" * len(cats)]

@@ -69,7 +69,7 @@ def _iter_shards(source: Source, normalizer: RowNormalizer, shard_size: int) -> 
         yield index, rows
 
 
-def _plan_schema(cfg: DictConfig, source: Source) -> Any:
+def plan_schema(cfg: DictConfig, source: Source) -> Any:
     """Output schema from the input's schema / first rows; refuses inputs without an input column."""
     sample = next(source.batches(_SAMPLE_ROWS), [])
     schema = source.schema()
@@ -114,7 +114,8 @@ def _check_partitioning(cfg: DictConfig, schema: Any) -> None:
                               "integer or boolean column")
 
 
-def _worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
+def worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
+    """What each engine actor is built from (a ShardWorker takes it without Ray too, as the tests do)."""
     return WorkerSpec(
         model=OmegaConf.to_container(cfg.model, resolve=True),
         engine=vars(engine_config(cfg)),
@@ -342,7 +343,7 @@ def run_job(cfg: DictConfig) -> JobResult:
     out = OutputDir(cfg.output.dir or default_output_dir(cfg, chash), cfg.storage, tuple(cfg.output.partition_by))
     try:
         source = open_source(cfg.data.path, cfg.data.format, cfg.data.split, cfg.data.limit, cfg.storage)
-        schema = _plan_schema(cfg, source)
+        schema = plan_schema(cfg, source)
         _check_partitioning(cfg, schema)
         total_rows = source.num_rows()
     except SourceError as exc:
@@ -372,7 +373,7 @@ def run_job(cfg: DictConfig) -> JobResult:
                 n = cfg.ray.num_actors
                 if total_rows is not None:  # no more actors than shards left to run
                     n = max(1, min(n, -(-(total_rows - shard_index * cfg.data.shard_size) // cfg.data.shard_size)))
-                actors, pg = _start_actors(cfg, _worker_spec(cfg, schema, out), n, cap)
+                actors, pg = _start_actors(cfg, worker_spec(cfg, schema, out), n, cap)
                 dispatcher = _Dispatcher(actors, cap, out, cfg.output.compression, progress, cfg.ray.max_restarts,
                                          cfg.fault.driver_exit_after_parts)
                 t_ready = time.monotonic()

@@ -169,7 +169,7 @@ def test_paired_quartiles():
 
 def test_auto_settings_are_compared_with_the_fastest_fixed_setting_of_their_batch():
     from jobs.bench.results import against_fastest_fixed
-    from jobs.bench.report import _paired_cell
+    from jobs.bench.report import paired_cell
 
     def rec(setting, method, bc, batch, tps, cat="all"):
         return dict(setting=setting, method=method, block_complexity=bc, batch_size=batch, tokens_per_s=tps,
@@ -192,8 +192,8 @@ def test_auto_settings_are_compared_with_the_fastest_fixed_setting_of_their_batc
     assert b1["vs_fastest_fixed_paired_q3"] == pytest.approx((2.0 / 1.8 + 2.0) / 2)
     assert b16["fastest_fixed"] == "pld BC10" and b16["vs_fastest_fixed"] == pytest.approx(0.75)
     assert "fastest_fixed" not in records[-1] and "fastest_fixed" not in records[2]
-    assert _paired_cell(b1, "vs_fastest_fixed_paired") == "1.11 [1.08-1.56]"
-    assert _paired_cell({"x": 1.0}, "x") == "1.00"
+    assert paired_cell(b1, "vs_fastest_fixed_paired") == "1.11 [1.08-1.56]"
+    assert paired_cell({"x": 1.0}, "x") == "1.00"
 
 
 @pytest.mark.slow

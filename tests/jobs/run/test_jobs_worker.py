@@ -10,7 +10,7 @@ from esp_worker.model_io import load_model
 from jobs.io.output import OutputDir
 from jobs.run.prompts import render_plain
 from jobs.run.rows import RowNormalizer
-from jobs.run.runner import _plan_schema, _worker_spec
+from jobs.run.runner import plan_schema, worker_spec
 from jobs.io.sources import open_source
 from jobs.run.worker import ShardWorker
 
@@ -18,7 +18,7 @@ from jobs.run.worker import ShardWorker
 def _worker(tmp_path, *overrides):
     cfg = job_cfg(tmp_path / "out", *overrides)
     source = open_source(cfg.data.path, cfg.data.format, cfg.data.split, cfg.data.limit)
-    spec = _worker_spec(cfg, _plan_schema(cfg, source), OutputDir(str(tmp_path / "out")))
+    spec = worker_spec(cfg, plan_schema(cfg, source), OutputDir(str(tmp_path / "out")))
     norm = RowNormalizer(cfg.data.id_column, cfg.data.prompt_column, cfg.data.params_column,
                          cfg.data.category_column, list(cfg.data.carry_columns))
     rows = [norm(i, r) for i, r in enumerate(next(source.batches(1000)))]
