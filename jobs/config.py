@@ -195,7 +195,7 @@ def parse_command_line(argv: Optional[typing.Sequence[str]], prog: str, descript
     parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value",
                         help="an optional YAML config file, then dotted overrides such as engine.method=ar")
     parser.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
-    ns = parser.parse_args(argv)
+    ns = parser.parse_intermixed_args(argv)  # --print-config may come anywhere
     args = list(ns.args)
     config = args.pop(0) if args and "=" not in args[0] else None
     return CommandLine(config, args, ns.print_config)

@@ -135,6 +135,30 @@ def test_module_entry_points_exit_codes(tmp_path):
     assert res.returncode == 0 and "num_actors: 3" in res.stdout
 
 
+@pytest.mark.parametrize("module, args, expect", [
+    ("jobs.generate", ["--print-config", "engine.block_complexity=30"], "block_complexity: 30"),
+    ("jobs.bench", ["--print-config", "bench.repeats=2"], "repeats: 2"),
+    ("jobs.train_heads", ["--print-config", "data.text_dir=docs"], "text_dir: docs"),
+    ("jobs.job_bench", ["--help"], "--shard-sizes"),
+    ("jobs.memory_bench", ["--help"], "--prompt-tokens"),
+    ("jobs.loss_plot", ["--help"], "--smooth"),
+    ("jobs.config", ["--help"], "--write-default"),
+])
+def test_python_m_entry_points_still_run(module, args, expect):
+    """The `python -m jobs.X` commands that scripts and the README use, from before jobs/ had rooms."""
+    res = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and expect in res.stdout, res.stderr[-2000:]
+
+
+def test_one_command_line_parser_for_every_config_command():
+    from jobs.config import parse_command_line
+
+    ns = parse_command_line(["my.yaml", "a.b=1", "--print-config", "c=2"], "x", "")
+    assert (ns.config, ns.overrides, ns.print_config) == ("my.yaml", ["a.b=1", "c=2"], True)
+    ns = parse_command_line(["a.b=1"], "x", "")
+    assert (ns.config, ns.overrides, ns.print_config) == (None, ["a.b=1"], False)
+
+
 def test_to_yaml_round_trips(tmp_path):
     cfg = load_config(None, ["data.carry_columns=[a,b]", "data.chat_template_kwargs.enable_thinking=false"])
     path = Path(tmp_path / "c.yaml")
