@@ -95,7 +95,8 @@ def test_small_shards_on_ray_write_every_row(ray_head, tmp_path):
 
 def test_turns_reenter_the_batch_as_soon_as_their_previous_turn_ends(tmp_path):
     """Worker without Ray: two shards in flight at once; a multi-turn row's second turn runs while the
-    long single-turn rows of its shard are still decoding (not after the whole shard's round)."""
+    long single-turn rows of its shard are still decoding (not after the whole shard's round). Passes and
+    finish order are counted, with every row queued before the first pass: no clock."""
     from test_jobs_worker import _worker
 
     worker, _ = _worker(tmp_path, "engine.max_batch_size=8", "generation.max_new_tokens=40")
@@ -115,6 +116,7 @@ def test_turns_reenter_the_batch_as_soon_as_their_previous_turn_ends(tmp_path):
             finished.append(s.row.id)
 
     worker._absorb = record
+    worker.feed = _GatedFeed(expected=5)  # both shards' rows queued before the first pass: no race with the threads
     tables = {}
     threads = [threading.Thread(target=lambda k, rows: tables.__setitem__(k, worker.run_shard(k, rows)), args=(k, rows))
                for k, rows in ((0, long_rows[:2] + turn_rows[:1]), (1, long_rows[2:] + turn_rows[1:]))]
