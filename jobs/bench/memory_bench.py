@@ -30,8 +30,7 @@ def _rss_kib(field: str) -> int:
 def _child(model: str, method: str, extra: dict[str, Any], batch: int, prompt_tokens: int, new: int) -> dict[str, Any]:
     import torch
 
-    from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request
-    from esp_worker.model_io import load_model
+    from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request, load_model
 
     torch.set_num_threads(1)
     lm = load_model(ModelConfig(name_or_path=model))

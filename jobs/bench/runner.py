@@ -162,8 +162,9 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     """Run the whole benchmark; returns the output directory."""
     import torch
 
+    from esp_worker import load_model
     from esp_worker.cost_model import measure_cost_curve, powers_of_two
-    from esp_worker.model_io import ModelRunner, load_model
+    from esp_worker.model_io import ModelRunner
 
     from ..config import engine_config, generation_defaults, model_config
 

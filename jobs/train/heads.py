@@ -270,7 +270,7 @@ def train_loop(config: dict) -> None:
     import torch
 
     from esp_worker.cp_heads import CPHeads, CPHeadsConfig, heads_loss, new_heads
-    from esp_worker.model_io import load_model
+    from esp_worker import load_model
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -419,7 +419,7 @@ def run_training(cfg: DictConfig, command: str = "python -m jobs.train_heads") -
     from ray.train.torch import TorchTrainer
 
     from esp_worker.cp_heads import CPHeadsConfig, CPHeads, save_heads, unembedding_fingerprint
-    from esp_worker.model_io import load_model
+    from esp_worker import load_model
 
     out = Path(cfg.output.dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

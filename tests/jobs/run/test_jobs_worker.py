@@ -6,7 +6,7 @@ import torch
 
 from jobs_helpers import SPEC_BENCH, shared, job_cfg
 from esp_worker import ModelConfig
-from esp_worker.model_io import load_model
+from esp_worker import load_model
 from jobs.io.output import OutputDir
 from jobs.run.prompts import render_plain
 from jobs.run.rows import RowNormalizer
