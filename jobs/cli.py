@@ -24,8 +24,8 @@ REPORT_KEYS = ("endpoint", "region", "anonymous")
 
 def report(args: list[str]) -> int:
     """`esp-batch report OUTPUT_DIR [storage.key=value ...]`: exit 0 written, 2 bad arguments or no parts."""
-    from .report import write_job_report
-    from .storage import StorageConfig, StorageError
+    from .io.storage import StorageConfig, StorageError
+    from .report.job_report import write_job_report
 
     if len(args) < 1 or args[0].startswith("-") or "=" in args[0]:
         sys.stderr.write(f"esp-batch report: error: expected OUTPUT_DIR\n{USAGE}")
@@ -55,13 +55,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args[0] == "report":
         return report(args[1:])
     if args[0] == "train-heads":
-        from .train_heads import main as train_heads
+        from .train.heads import main as train_heads
 
         return train_heads(args[1:])
     if args[0] != "generate":
         sys.stderr.write(f"esp-batch: error: unknown command {args[0]!r}\n{USAGE}")
         return 2
-    from .generate import main as generate
+    from .run.generate import main as generate
 
     return generate(args[1:])
 

@@ -2,13 +2,23 @@
 
 Every key is typed; an unknown or mistyped key raises ConfigError with a one-line message naming it.
 `model.*` is the engine's ModelConfig and `engine.*` mirrors EngineConfig (its base seed comes from
-`generation.seed`), so new engine settings appear here without edits.
+`generation.seed`), so new engine settings appear here without edits; `generation.*` takes its defaults from
+the engine's GenerationParams. These dataclasses are the one source of the defaults: configs/default.yaml is
+written from them (`python -m jobs.config --write-default`) and a test keeps the two equal.
 """
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 import hashlib
+import inspect
+import io
 import json
+import re
+import sys
+import textwrap
+import tokenize
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +27,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from esp_worker.config import EngineConfig, ModelConfig
+from esp_worker import EngineConfig, GenerationParams, ModelConfig
 
-from .storage import StorageConfig, looks_local, normalize
+from .io.storage import StorageConfig, looks_local, normalize
 
 FORMATS = ("auto", "parquet", "jsonl", "json", "csv", "hf_disk", "hf_hub")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
@@ -69,20 +79,23 @@ class DataConfig:
 
 @dataclass
 class GenerationConfig:
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0  # base seed; each request derives its own from it and the row id
-    stop_strings: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+    """Each request's defaults (a row's params column overrides them per row); the engine's GenerationParams
+    gives the default values, so a job and the Python API generate alike."""
+
+    max_new_tokens: int = GenerationParams.max_new_tokens  # new tokens per request (per turn of a multi-turn row)
+    temperature: float = GenerationParams.temperature  # 0 = greedy
+    top_p: float = GenerationParams.top_p  # nucleus sampling, in (0, 1]; 1 = off
+    top_k: int = GenerationParams.top_k  # 0 = off
+    seed: int = EngineConfig.seed  # base seed; each request derives its own from it and the row id
+    stop_strings: list[str] = field(default_factory=list)  # stop after any of these (the string is kept)
+    ignore_eos: bool = GenerationParams.ignore_eos  # true: generate max_new_tokens even past EOS
 
 
 @dataclass
 class OutputConfig:
     dir: str = ""  # local path or URI (s3://, gs://, ...); "" = outputs/<model>-<method>-<config hash>
     overwrite: bool = False  # true: delete this job's files in dir and start over
-    compression: str = "zstd"
+    compression: str = "zstd"  # Parquet codec of the parts: zstd | snappy | gzip | lz4 | brotli | none
     progress_interval_s: float = 10.0  # seconds between progress lines when stderr is not a terminal
     # hive partitioning of the parts by output columns, e.g. [category]: <dir>/category=code/part-000000.parquet
     partition_by: list[str] = field(default_factory=list)
@@ -91,9 +104,9 @@ class OutputConfig:
 @dataclass
 class RayConfig:
     address: str = ""  # "" = RAY_ADDRESS, else the running local cluster, else start one | "local" | host:port
-    num_actors: int = 2
-    num_cpus_per_actor: float = 1.0
-    num_gpus_per_actor: float = 0.0
+    num_actors: int = 2  # engine actors, each with its own copy of the model
+    num_cpus_per_actor: float = 1.0  # Ray CPUs reserved per actor
+    num_gpus_per_actor: float = 0.0  # Ray GPUs reserved per actor (1 = one GPU each)
     torch_threads: int = 0  # per actor; 0 = max(1, floor(num_cpus_per_actor))
     num_cpus: Optional[int] = None  # CPUs of a local Ray instance this job starts (None = all cores)
     max_restarts: int = 3  # restarts of a dead actor; the shards it held are retried as many times
@@ -106,10 +119,12 @@ class RayConfig:
 @dataclass
 class FaultConfig:
     """Fault injection for tests: the actor running shard `kill_shard` calls os._exit after its first
-    finished request, on each of the first `kill_attempts` attempts."""
+    finished request, on each of the first `kill_attempts` attempts; the driver calls os._exit right after
+    writing its `driver_exit_after_parts`-th part (a driver killed mid-job, at a known point)."""
 
     kill_shard: int = -1  # -1 = off
-    kill_attempts: int = 1
+    kill_attempts: int = 1  # attempts of kill_shard that die (its retries after that run normally)
+    driver_exit_after_parts: int = -1  # the driver exits (code 1, no summary) after writing this many parts; -1 = off
 
 
 @dataclass
@@ -139,11 +154,19 @@ def load_config(
     """Defaults <- YAML file <- `key=value` overrides, then validated. Raises ConfigError.
 
     schema: the structured config class (default JobConfig; the benchmark passes its BenchConfig)."""
+    cfg = merge_config(schema or JobConfig, path, overrides)
+    validate(cfg)
+    return cfg
+
+
+def merge_config(schema: type, path: Optional[str], overrides: typing.Sequence[str]) -> DictConfig:
+    """The dataclass `schema`'s defaults <- YAML file <- `key=value` overrides, type-checked (no semantic
+    checks). Raises ConfigError naming the key."""
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not key=value")
     try:
-        cfg = OmegaConf.structured(schema or JobConfig)
+        cfg = OmegaConf.structured(schema)
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path!r} does not exist")
@@ -152,8 +175,30 @@ def load_config(
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
-    validate(cfg)
     return cfg
+
+
+@dataclass
+class CommandLine:
+    """`[CONFIG.yaml] [key=value ...] [--print-config]`, the command line of every config-driven command."""
+
+    config: Optional[str]  # the YAML file: the first argument, when it is not key=value
+    overrides: list[str]  # dotted key=value overrides, applied after the file
+    print_config: bool  # print the merged config as YAML and exit
+
+
+def parse_command_line(argv: Optional[typing.Sequence[str]], prog: str, description: str, epilog: str = "") -> CommandLine:
+    """Parse `[CONFIG.yaml] [key=value ...] [--print-config]` (argv None = sys.argv[1:]); --help prints
+    `description` and `epilog` and exits. Used by `jobs.generate`, `jobs.bench` and `jobs.train_heads`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog or None,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value",
+                        help="an optional YAML config file, then dotted overrides such as engine.method=ar")
+    parser.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
+    ns = parser.parse_intermixed_args(argv)  # --print-config may come anywhere
+    args = list(ns.args)
+    config = args.pop(0) if args and "=" not in args[0] else None
+    return CommandLine(config, args, ns.print_config)
 
 
 def engine_config(cfg: DictConfig) -> EngineConfig:
@@ -198,14 +243,16 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(exc).splitlines()[0]) from None
 
 
-def _generation_problem(cfg: DictConfig) -> Optional[str]:
-    from esp_worker import GenerationParams
-
+def generation_defaults(cfg: DictConfig) -> dict[str, Any]:
+    """`generation.*` as GenerationParams keyword arguments: every request's defaults (a row's params override
+    them). The one place the job turns its generation section into the engine's terms."""
     g = cfg.generation
-    return GenerationParams(
-        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-        stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos,
-    ).problem()
+    return dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos)
+
+
+def _generation_problem(cfg: DictConfig) -> Optional[str]:
+    return GenerationParams(**generation_defaults(cfg)).problem()
 
 
 def shards_in_flight(cfg: DictConfig) -> int:
@@ -236,3 +283,87 @@ def config_hash(cfg: DictConfig) -> str:
 
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+# ---- configs/default.yaml: written from the dataclasses above ------------------------------------------
+DEFAULT_YAML = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+# keys whose dataclass field carries no comment of its own
+_MORE_COMMENTS = {
+    "model.trust_remote_code": "run the model repository's own code (hub models that need it)",
+    "model.revision": "hub revision (branch, tag or commit); null = the default branch",
+    "engine.pld_min_ngram": "shortest suffix tried",
+    "engine.pld_depth": "longest continuation drafted",
+    "engine.max_batch_size": "rows decoded together per actor",
+    "engine.stand_min_ngram": "shortest suffix tried",
+    "engine.hybrid_mask_min_nodes": "see hybrid_mask_every",
+}
+_SOURCES = {"engine": EngineConfig}  # the job's engine section is EngineConfig's fields less seed
+
+
+def field_comments(cls: type) -> dict[str, tuple[list[str], str]]:
+    """Per field of `cls`, as written in its source: (the comment lines right above it, its trailing comment)."""
+    src = textwrap.dedent(inspect.getsource(cls))
+    comments = {t.start[0]: (t.string[1:].strip(), t.line.strip().startswith("#"))
+                for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+    out = {}
+    for node in ast.parse(src).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            above, line = [], node.lineno - 1
+            while line in comments and comments[line][1]:
+                above.insert(0, comments[line][0])
+                line -= 1
+            text, alone = comments.get(node.end_lineno, ("", True))
+            out[node.target.id] = (above, "" if alone else text)
+    return out
+
+
+def _yaml_value(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, str):
+        plain = re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.+/-]*", value) and value.lower() not in (
+            "true", "false", "null", "yes", "no", "on", "off", "y", "n", "~")
+        return value if plain else json.dumps(value)
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return repr(value)
+
+
+def default_yaml() -> str:
+    """configs/default.yaml: every key of JobConfig with its default and its comment from the dataclasses."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(JobConfig))
+    lines = [
+        "# Every job key with its default: `python -m jobs.generate` with no arguments runs exactly this.",
+        "# Written by `python -m jobs.config --write-default` from the dataclasses (jobs/config.py, esp_worker's",
+        "# EngineConfig, ModelConfig and GenerationParams); edit those, then rewrite this file. Override any key:",
+        "#   python -m jobs.generate configs/default.yaml engine.method=ar generation.max_new_tokens=32",
+    ]
+    for section in dataclasses.fields(JobConfig):
+        cls = _SOURCES.get(section.name) or typing.get_type_hints(JobConfig)[section.name]
+        doc = field_comments(cls)
+        lines.append(f"{section.name}:")
+        for key, value in defaults[section.name].items():
+            above, trailing = doc.get(key, ([], ""))
+            trailing = trailing or _MORE_COMMENTS.get(f"{section.name}.{key}", "")
+            lines += [f"  # {c}" if c else "  #" for c in above]
+            item = f"  {key}: {_yaml_value(value)}"
+            lines.append(f"{item:<36}  # {trailing}" if trailing else item)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[typing.Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.config", description="Write or check configs/default.yaml.")
+    parser.add_argument("--write-default", nargs="?", const=str(DEFAULT_YAML), metavar="PATH",
+                        help=f"write the defaults of every job key (default path: configs/default.yaml)")
+    ns = parser.parse_args(argv)
+    text = default_yaml()
+    if ns.write_default:
+        Path(ns.write_default).write_text(text)
+        print(ns.write_default)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

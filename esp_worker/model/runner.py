@@ -58,7 +58,7 @@ class ModelRunner:
         # pass free of synchronisations, e.g. under torch.cuda.set_sync_debug_mode("error"))
         self.timed = True
 
-    # name the model's calls in a torch.profiler trace (jobs/bench_profile.py turns it on; off, no cost per call)
+    # name the model's calls in a torch.profiler trace (jobs/bench/profiling.py turns it on; off, no cost per call)
     profile_marks = False
 
     def _mark(self, name: str):

@@ -1,0 +1,122 @@
+"""Benchmark configuration: the job config (model.*, data.*, engine.*, generation.*, output.*) plus `bench.*`.
+
+`engine.*` gives the settings every run shares (max_batch_size is replaced by each `bench.batch_sizes`
+entry); the grid sets method, block_complexity, num_masks and tree per run.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from omegaconf import DictConfig
+
+from esp_worker.config import EXPANSIONS, METHODS, TREES
+
+from ..config import ConfigError, JobConfig, load_config
+
+HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
+AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
+
+
+@dataclass
+class BenchSection:
+    methods: list[str] = field(default_factory=lambda: ["ar", "pld", "stand", "lade", "esp", "hybrid"])
+    # numbers, or "auto" (esp, pld, hybrid, cp_heads: the engine picks the size per pass)
+    block_complexities: list[Union[int, str]] = field(default_factory=lambda: [10, 30, 60])
+    num_masks: list[int] = field(default_factory=lambda: [1, 2])  # esp only
+    trees: list[str] = field(default_factory=lambda: ["static", "dynamic"])  # esp only
+    # esp dynamic trees with k >= 2: top1 (paper, Appendix D) and/or frontier (literal Algorithm 1)
+    expansions: list[str] = field(default_factory=lambda: ["top1", "frontier"])
+    heads_paths: list[str] = field(default_factory=list)  # cp_heads: one setting per trained heads directory
+    batch_sizes: list[int] = field(default_factory=lambda: [1])  # engine.max_batch_size per run
+    warmup: int = 2  # prompts generated (untimed) by each setting before its timed run
+    repeats: int = 1  # timed runs per setting, round-robin over the settings; the median time is reported
+    # untimed rounds (every setting, every prompt) before the timed ones, per batch size: on a GPU the first
+    # round of a run's shapes cost 2-5x the next ones on an H200 (the first settings most), which one warm-up
+    # prompt does not cover
+    warmup_rounds: int = 0
+    torch_threads: int = 1  # pinned for the whole bench (0 = leave torch's default)
+    cost_curve: bool = True  # measure this hardware's pass cost and predict each method's speedup
+    cost_cache_lens: list[int] = field(default_factory=lambda: [64, 512])
+    cost_max_block: int = 128  # blocks Q = 1, 2, 4, ... up to this
+    cost_repeats: int = 5
+    tolerance: float = 0.25  # |measured / predicted speedup - 1| allowed before the report flags a setting
+    hf_baseline: bool = True  # also run Hugging Face model.generate on the same prompts (row "hf generate")
+    # [lo, hi]: each prompt asks for its own max_new_tokens in [lo, hi] (deterministic per id); [] = generation.*
+    mixed_max_new_tokens: list[int] = field(default_factory=list)
+    # explicit settings instead of the grid, "method:BC" (BC an integer >= 2 or auto; esp takes the first of
+    # num_masks, trees and expansions; cp_heads one per heads path), e.g. [pld:30,esp:auto,hybrid:auto]; ar
+    # (and hf) still run first. Fewer settings per round-robin round pair each with ar more closely in time.
+    # "method:BC:compile_host" (and "ar:1:compile_host") runs that setting with engine.compile_host=true.
+    settings: list[str] = field(default_factory=list)
+    # settings to run once more under torch.profiler after the timed runs, "method:BC" as in `settings` (or ar,
+    # hf): op tables per setting and batch size in profile-<label>-b<batch>.txt (jobs/bench/profiling.py)
+    profile: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BenchConfig(JobConfig):
+    bench: BenchSection = field(default_factory=BenchSection)
+
+
+def load_bench_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> DictConfig:
+    """Defaults <- YAML file <- `key=value` overrides, validated like a job config. Raises ConfigError."""
+    cfg = load_config(path, overrides, schema=BenchConfig)
+    validate_bench(cfg)
+    return cfg
+
+
+def validate_bench(cfg: DictConfig) -> None:
+    b = cfg.bench
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(len(b.methods) > 0, "bench.methods must name at least one method")
+    for m in b.methods:
+        need(m in METHODS, f"bench.methods: {m!r} is unknown; choose from {', '.join(METHODS)}")
+    need("cp_heads" not in b.methods or len(b.heads_paths) > 0, "bench.methods has cp_heads: give bench.heads_paths=[DIR,...]")
+    need(all(t in TREES for t in b.trees), f"bench.trees={list(b.trees)} must hold static and/or dynamic")
+    need(len(b.expansions) > 0 and all(e in EXPANSIONS for e in b.expansions),
+         f"bench.expansions={list(b.expansions)} must hold top1 and/or frontier")
+    need(
+        all(bc == "auto" or (isinstance(bc, int) and bc >= 2) for bc in b.block_complexities),
+        f"bench.block_complexities={list(b.block_complexities)} must be integers >= 2 or auto",
+    )
+    need(all(1 <= k <= 8 for k in b.num_masks), "bench.num_masks must be between 1 and 8")
+    need(len(b.batch_sizes) > 0 and all(x >= 1 for x in b.batch_sizes), "bench.batch_sizes must be >= 1")
+    need(b.warmup >= 0, "bench.warmup must be >= 0")
+    need(b.repeats >= 1, "bench.repeats must be >= 1")
+    need(b.warmup_rounds >= 0, "bench.warmup_rounds must be >= 0")
+    need(b.torch_threads >= 0, "bench.torch_threads must be >= 0")
+    need(b.cost_max_block >= 1 and b.cost_repeats >= 1, "bench.cost_max_block and bench.cost_repeats must be >= 1")
+    need(len(b.cost_cache_lens) > 0 and all(c >= 1 for c in b.cost_cache_lens), "bench.cost_cache_lens must be >= 1")
+    need(b.tolerance > 0, "bench.tolerance must be > 0")
+    for spec in b.settings:
+        method, _, rest = str(spec).partition(":")
+        bc, _, opt = rest.partition(":")
+        need(opt in ("", "compile_host"), f"bench.settings: {spec!r}: the only option after METHOD:BC is :compile_host")
+        if method == "ar":  # ar itself always runs first; an entry can only add it under engine.compile_host
+            need(bc == "1" and opt == "compile_host", f"bench.settings: {spec!r}: ar always runs; the one ar entry is "
+                 "ar:1:compile_host")
+            continue
+        heads = method == HYBRID_HEADS
+        method = "hybrid" if heads else method
+        need(method in METHODS and method != "ar" and bc != "" and (bc == "auto" or (bc.isdigit() and int(bc) >= 2)),
+             f"bench.settings: {spec!r} must be METHOD:BC with METHOD one of {', '.join(m for m in METHODS if m != 'ar')}, "
+             f"{HYBRID_HEADS} "
+             "and BC an integer >= 2 or auto (ar always runs)")
+        need(bc != "auto" or method in AUTO_METHODS, f"bench.settings: {spec!r}: auto works with {', '.join(AUTO_METHODS)} only")
+        need((method != "cp_heads" and not heads) or len(b.heads_paths) > 0,
+             f"bench.settings has {spec!r}: give bench.heads_paths=[DIR,...]")
+        need(method != "esp" or not bc.isdigit() or int(bc) >= 2 * (b.num_masks[0] + 1),
+             f"bench.settings: {spec!r} leaves no draft node with num_masks={b.num_masks[0]}; use BC >= {2 * (b.num_masks[0] + 1)}")
+    for spec in b.profile:
+        method, _, bc = str(spec).partition(":")
+        need((method in ("ar", "hf") and bc == "") or (method in (*METHODS, HYBRID_HEADS) and method != "ar"
+                                                        and (bc == "auto" or bc.isdigit())),
+             f"bench.profile: {spec!r} must be ar, hf or METHOD:BC naming one of the bench's settings")
+    m = list(b.mixed_max_new_tokens)
+    need(not m or (len(m) == 2 and 1 <= m[0] <= m[1]), "bench.mixed_max_new_tokens must be [] or [lo, hi] with 1 <= lo <= hi")

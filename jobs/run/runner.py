@@ -1,0 +1,526 @@
+"""Run a generation job: stream the input into shards, hand them to engine actors, write Parquet parts.
+
+Scheduling uses Ray core: `ray.num_actors` actors (one engine each, placed through a placement group so
+a cluster that cannot hold them fails after `ray.placement_timeout_s` instead of waiting forever), with
+`max_restarts` / `max_task_retries`, so the shards held by an actor that dies are retried on the restarted
+actor. Each actor takes several shards at once (`ray.shards_in_flight_per_actor`) and batches their rows
+in one engine loop; the driver writes each shard's part when the actor returns its table.
+
+The driver reads the input once, in order, `data.shard_size` rows at a time, and holds only the shards in
+flight. Shard i is input rows [i * shard_size, (i + 1) * shard_size). A rerun skips a shard whose part
+exists and carries the fingerprint of the shard's rows as read now; a shard whose input changed is
+regenerated (its part replaced atomically), and parts beyond the input's last shard are removed. At the
+end the output's ids are checked against the input's ids: exactly one row per input id.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from .cluster import ClusterError, check_resources, connect
+from ..config import (ConfigError, config_hash, engine_config, generation_defaults, hashed_part, looks_local,
+                      shards_in_flight)
+from ..io.output import SUMMARY, OutputDir, PartInfo
+from .progress import Progress
+from .rows import INPUT_COLUMNS, JobRow, RowNormalizer, shard_fingerprint
+from .schema import CATEGORY, carry_types, output_schema, to_table
+from ..io.sources import Source, SourceError, open_source
+from .stats import COLUMNS, Totals
+from .worker import ShardWorker, WorkerSpec
+
+log = logging.getLogger("esp_batch")
+_SAMPLE_ROWS = 256  # rows read up front to check columns and infer carried column types
+_IDS_SHOWN = 5  # ids named in a failed output check
+
+
+class JobError(RuntimeError):
+    """The job could not finish; one-line message. Finished parts are kept: a rerun resumes."""
+
+
+@dataclass
+class JobResult:
+    output_dir: str
+    summary_path: str
+    summary: dict[str, Any]
+
+
+def default_output_dir(cfg: DictConfig, chash: str) -> str:
+    """outputs/<model>-<method>-<hash8>: a changed config gets its own directory, a rerun the same one."""
+    model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(cfg.model.name_or_path.rstrip("/")).name)
+    return str(Path("outputs") / f"{model}-{cfg.engine.method}-{chash[:8]}")
+
+
+def _iter_shards(source: Source, normalizer: RowNormalizer, shard_size: int) -> Iterator[tuple[int, list[JobRow]]]:
+    """(shard index, rows) in input order; duplicate-id rows are dropped by the normalizer."""
+    position = 0
+    for index, batch in enumerate(source.batches(shard_size)):
+        rows = [r for i, raw in enumerate(batch) if (r := normalizer(position + i, raw)) is not None]
+        position += len(batch)
+        yield index, rows
+
+
+def plan_schema(cfg: DictConfig, source: Source) -> Any:
+    """Output schema from the input's schema / first rows; refuses inputs without an input column."""
+    sample = next(source.batches(_SAMPLE_ROWS), [])
+    schema = source.schema()
+    names = set(schema.names) if schema is not None else {k for row in sample for k in row}
+    data = cfg.data
+    if data.prompt_column and names and data.prompt_column not in names:
+        raise ConfigError(f"data.prompt_column={data.prompt_column!r} is not in the input (columns: {', '.join(sorted(names))})")
+    if not data.prompt_column and names and not names & set(INPUT_COLUMNS) and not names <= {"__error__"}:
+        raise ConfigError(
+            f"no input column in {source.path!r}: expected one of {', '.join(INPUT_COLUMNS)} "
+            f"(columns: {', '.join(sorted(names))}); set data.prompt_column"
+        )
+    carry = carry_types(list(data.carry_columns), schema, sample)
+    return output_schema(data.category_column in names, carry)
+
+
+def _preflight(cfg: DictConfig) -> None:
+    """Checks that need no Ray and no model load: a local model path and the heads must exist."""
+    name = cfg.model.name_or_path
+    if looks_local(name) and not Path(name).expanduser().exists():
+        raise ConfigError(
+            f"model.name_or_path={name!r} does not exist (a local path); give an existing model directory "
+            "or a hub id such as org/name"
+        )
+    heads = cfg.engine.heads_path
+    if heads and cfg.engine.method in ("cp_heads", "hybrid") and not (Path(heads).expanduser() / "heads.json").is_file():
+        raise ConfigError(f"engine.heads_path={heads!r} holds no heads.json; give the output.dir of a jobs.train_heads "
+                          "run (or a directory under heads/)")
+
+
+def _check_partitioning(cfg: DictConfig, schema: Any) -> None:
+    """output.partition_by names output columns of a scalar type (not the id)."""
+    import pyarrow as pa
+
+    for name in cfg.output.partition_by:
+        if name not in schema.names or name == "id":
+            raise ConfigError(f"output.partition_by: {name!r} is not a column the output can be partitioned by "
+                              f"(choose from: {', '.join(n for n in schema.names if n != 'id')})")
+        typ = schema.field(name).type
+        if not (pa.types.is_string(typ) or pa.types.is_integer(typ) or pa.types.is_boolean(typ)):
+            raise ConfigError(f"output.partition_by: column {name!r} has type {typ}; partition by a string, "
+                              "integer or boolean column")
+
+
+def worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
+    """What each engine actor is built from (a ShardWorker takes it without Ray too, as the tests do)."""
+    return WorkerSpec(
+        model=OmegaConf.to_container(cfg.model, resolve=True),
+        engine=vars(engine_config(cfg)),
+        generation=generation_defaults(cfg),
+        chat_template=cfg.data.chat_template,
+        chat_template_kwargs=OmegaConf.to_container(cfg.data.chat_template_kwargs, resolve=True),
+        schema=schema,
+        torch_threads=cfg.ray.torch_threads or max(1, math.floor(cfg.ray.num_cpus_per_actor)),
+        fault_dir=out.fault_dir,
+        kill_shard=cfg.fault.kill_shard,
+        kill_attempts=cfg.fault.kill_attempts,
+    )
+
+
+def _place(cfg: DictConfig, n: int) -> Any:
+    """A placement group holding n actor bundles, or None when actors ask for no resources. Raises
+    ClusterError when the cluster cannot place them within ray.placement_timeout_s."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = {k: v for k, v in (("CPU", cfg.ray.num_cpus_per_actor), ("GPU", cfg.ray.num_gpus_per_actor)) if v > 0}
+    if not bundle:
+        return None
+    pg = placement_group([bundle] * n, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=cfg.ray.placement_timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        have = ray.cluster_resources()
+        free = ray.available_resources()
+        asked = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
+        avail = ", ".join(f"{k} {free.get(k, 0):g} free of {have.get(k, 0):g}" for k in bundle)
+        raise ClusterError(
+            f"the cluster could not place {n} actors x ({asked}) within ray.placement_timeout_s="
+            f"{cfg.ray.placement_timeout_s:g}s (available: {avail}); lower ray.num_actors or the per-actor "
+            "resources, or add nodes"
+        ) from None
+    return pg
+
+
+def _start_actors(cfg: DictConfig, spec: WorkerSpec, n: int, cap: int) -> tuple[list[Any], Any]:
+    """(actors, their placement group or None); the caller releases both with _stop_actors."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = _place(cfg, n)
+    options = dict(
+        num_cpus=cfg.ray.num_cpus_per_actor,
+        num_gpus=cfg.ray.num_gpus_per_actor,
+        max_restarts=cfg.ray.max_restarts,
+        max_task_retries=cfg.ray.max_restarts,
+        max_concurrency=cap + 2,  # cap run_shard calls + info/stats
+    )
+    remote = ray.remote(ShardWorker)
+    actors = [
+        remote.options(**options, **({} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=i)})).remote(spec)
+        for i in range(n)
+    ]
+    infos = ray.get([a.info.remote() for a in actors])
+    bad = next((i["error"] for i in infos if i["error"]), None)
+    if bad:
+        _stop_actors(actors, pg)
+        raise JobError(f"the engine failed to load: {bad}")
+    log.info("%d actor(s) ready, %d shards in flight each (max_context %s, chat template %s)", n, cap,
+             infos[0]["max_context"], "on" if infos[0]["chat_template"] else "off")
+    return actors, pg
+
+
+def _stop_actors(actors: list[Any], pg: Any) -> None:
+    """Kill the actors and give their placement group's resources back to the cluster."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in actors:
+        ray.kill(actor)
+    if pg is not None:
+        remove_placement_group(pg)
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return (lines[0] if lines else "")[:limit]
+
+
+class _Dispatcher:
+    """Keeps up to `cap` shards in flight per actor, writes each finished shard's part, and records
+    failures as (shard, cause)."""
+
+    def __init__(self, actors: list[Any], cap: int, out: OutputDir, compression: str, progress: Progress,
+                 max_restarts: int, exit_after_parts: int = -1):
+        self.actors = actors
+        self.cap = cap
+        self.out = out
+        self.compression = compression
+        self.progress = progress
+        self.max_restarts = max_restarts
+        self.in_flight: dict[Any, tuple[int, int, str]] = {}  # ObjectRef -> (shard, actor index, fingerprint)
+        self.load = [0] * len(actors)
+        self.dead: set[int] = set()
+        self.failures: list[tuple[int, str]] = []
+        self.finished: list[tuple[int, Any, str]] = []  # (shard, table, fingerprint) returned, not yet written
+        self.shards_written = 0
+        self.exit_after_parts = exit_after_parts  # fault injection (tests): the driver dies after this many parts
+
+    @property
+    def can_submit(self) -> bool:
+        return not self.failures and len(self.dead) < len(self.actors)
+
+    def submit(self, shard_index: int, rows: list[JobRow], fingerprint: str) -> None:
+        while self.can_submit and min(self._live_loads()) >= self.cap:
+            self.wait_one()
+        if not self.can_submit:
+            return
+        a = min((i for i in range(len(self.actors)) if i not in self.dead), key=lambda i: self.load[i])
+        ref = self.actors[a].run_shard.remote(shard_index, rows)
+        self.in_flight[ref] = (shard_index, a, fingerprint)
+        self.load[a] += 1
+        self.flush()  # write finished parts only now: the actor got its next shard first
+
+    def _live_loads(self) -> list[int]:
+        return [n for i, n in enumerate(self.load) if i not in self.dead]
+
+    def wait_one(self) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RaySystemError, RayTaskError
+
+        ready: list[Any] = []
+        while not ready:
+            ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=1.0)
+            self.progress.update()
+        ref = ready[0]
+        shard_index, a, fingerprint = self.in_flight.pop(ref)
+        self.load[a] -= 1
+        try:
+            table = ray.get(ref)
+        except RayActorError as exc:
+            self.dead.add(a)
+            held = sorted([shard_index] + [s for s, b, _ in self.in_flight.values() if b == a])
+            self.failures.append((shard_index, f"actor died more than ray.max_restarts={self.max_restarts} times "
+                                               f"while holding shards {held} ({_first_line(getattr(exc, 'error_msg', exc), 160)})"))
+            return
+        except RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            self.failures.append((shard_index, _first_line(cause) or type(cause).__name__))
+            return
+        except (RaySystemError, ConnectionError) as exc:
+            self.failures.append((shard_index, f"cluster lost: {_first_line(exc)}"))
+            return
+        self.finished.append((shard_index, table, fingerprint))
+
+    def flush(self) -> None:
+        """Write the parts of the shards collected by wait_one."""
+        while self.finished:
+            self.write(*self.finished.pop(0))
+
+    def write(self, shard_index: int, table: Any, fingerprint: str) -> None:
+        self.out.write_part(shard_index, table, self.compression, fingerprint)
+        self.shards_written += 1
+        if self.shards_written == self.exit_after_parts:
+            os._exit(1)  # as a killed driver: no cleanup, no summary
+        self.progress.run.add(table)
+        self.progress.update()
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self.wait_one()
+            self.flush()
+        self.flush()
+
+    def failure_message(self) -> str:
+        shard, cause = self.failures[0]
+        more = len(self.failures) - 1
+        return f"shard {shard} failed: {cause}" + (f" ({more} more shard(s) failed)" if more else "")
+
+    def batch_histogram(self) -> dict[int, int]:
+        """Sum of the actors' engine batch-size histograms (actors that died lose theirs)."""
+        import ray
+
+        total: collections.Counter[int] = collections.Counter()
+        for i, actor in enumerate(self.actors):
+            if i in self.dead:
+                continue
+            try:
+                total.update({int(k): v for k, v in ray.get(actor.stats.remote(), timeout=60)["batch_histogram"].items()})
+            except Exception:  # noqa: BLE001 - statistics only
+                log.warning("could not read actor %d's batch statistics", i)
+        return dict(sorted(total.items()))
+
+
+@dataclass
+class _Plan:
+    """What a run does with the shards it reads."""
+
+    parts: dict[int, PartInfo]  # parts found in output.dir at the start
+    num_shards: int = 0
+    skipped: int = 0
+    regenerated: list[int] = field(default_factory=list)  # shards whose part existed with another fingerprint
+    fingerprints: Any = field(default_factory=hashlib.sha256)  # running hash of every shard's fingerprint
+
+    def decide(self, shard_index: int, fingerprint: str) -> bool:
+        """True when the shard must run (no part, or a part made from other input)."""
+        self.num_shards = shard_index + 1
+        self.fingerprints.update(fingerprint.encode())
+        old = self.parts.get(shard_index)
+        if old is not None and old.fingerprint == fingerprint:
+            self.skipped += 1
+            return False
+        if old is not None:
+            if not self.regenerated:
+                log.warning("shard %d changed since the last run (input edited): regenerating it, and every "
+                            "later shard whose rows changed", shard_index)
+            self.regenerated.append(shard_index)
+        return True
+
+
+def run_job(cfg: DictConfig) -> JobResult:
+    """Run (or resume) the job. Raises ConfigError (bad config/data/output dir), ClusterError or JobError."""
+    import ray
+
+    t_start = time.monotonic()
+    chash = config_hash(cfg)
+    _preflight(cfg)
+    out = OutputDir(cfg.output.dir or default_output_dir(cfg, chash), cfg.storage, tuple(cfg.output.partition_by))
+    try:
+        source = open_source(cfg.data.path, cfg.data.format, cfg.data.split, cfg.data.limit, cfg.storage)
+        schema = plan_schema(cfg, source)
+        _check_partitioning(cfg, schema)
+        total_rows = source.num_rows()
+    except SourceError as exc:
+        raise ConfigError(str(exc)) from None
+    out.claim(chash, hashed_part(cfg), OmegaConf.to_container(cfg, resolve=True), cfg.output.overwrite)
+    plan = _Plan(out.part_infos())
+    log.info("job %s: %s rows from %s (%s) -> %s; %d parts already there",
+             chash, "?" if total_rows is None else total_rows, source.path, source.format, out.path, len(plan.parts))
+
+    started = False
+    cap = shards_in_flight(cfg)
+    try:
+        progress = Progress(total_rows, sum(p.rows for p in plan.parts.values()), cfg.output.progress_interval_s)
+        normalizer = RowNormalizer(cfg.data.id_column, cfg.data.prompt_column, cfg.data.params_column,
+                                   cfg.data.category_column, list(cfg.data.carry_columns))
+        actors: list[Any] = []
+        pg: Any = None
+        dispatcher: Optional[_Dispatcher] = None
+        t_ready: Optional[float] = None
+        for shard_index, rows in _iter_shards(source, normalizer, cfg.data.shard_size):
+            fingerprint = shard_fingerprint(rows)
+            if not plan.decide(shard_index, fingerprint):
+                continue
+            if dispatcher is None:  # Ray and the engines start only when there is work
+                started = connect(cfg.ray)
+                check_resources(cfg.ray, started)
+                n = cfg.ray.num_actors
+                if total_rows is not None:  # no more actors than shards left to run
+                    n = max(1, min(n, -(-(total_rows - shard_index * cfg.data.shard_size) // cfg.data.shard_size)))
+                actors, pg = _start_actors(cfg, worker_spec(cfg, schema, out), n, cap)
+                dispatcher = _Dispatcher(actors, cap, out, cfg.output.compression, progress, cfg.ray.max_restarts,
+                                         cfg.fault.driver_exit_after_parts)
+                t_ready = time.monotonic()
+                progress.restart()
+            if not dispatcher.can_submit:
+                break
+            if rows:
+                dispatcher.submit(shard_index, rows, fingerprint)
+            else:  # every row was a duplicate: an empty part marks the shard done
+                dispatcher.write(shard_index, to_table([], schema), fingerprint)
+        histogram: dict[int, int] = {}
+        if dispatcher is not None:
+            dispatcher.drain()
+            histogram = dispatcher.batch_histogram()
+        _stop_actors(actors, pg)
+        actors, pg = [], None
+        progress.close()
+        t_end = time.monotonic()
+        run = _run_record(t_start, t_ready, t_end, progress.run, dispatcher, plan, histogram)
+        if dispatcher is not None and dispatcher.failures:
+            _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check=None)
+            raise JobError(f"{dispatcher.failure_message()}; finished parts are kept in {out.path}: "
+                           "rerun the same command to resume")
+        run["stale_parts_removed"] = _remove_stale_parts(out, plan)
+        check = _check_ids(out, normalizer.seen)
+        result = _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check)
+        _write_report(out, cfg)
+        if not check["complete"]:
+            raise JobError(f"output check failed: {check['problem']}; see {out.file(SUMMARY)}")
+        return result
+    finally:
+        if actors and ray.is_initialized():  # an exception left them running
+            _stop_actors(actors, pg)
+        if started:
+            ray.shutdown()
+
+
+def _write_report(out: OutputDir, cfg: DictConfig) -> None:
+    """report.md + PNGs in <output.dir>/_report; a plotting failure never fails a finished job."""
+    from ..report.job_report import write_job_report
+
+    try:
+        rep = write_job_report(out.location if out.location != out.path else out.path, cfg.storage)
+        log.info("report: %s", rep.path)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not write the report: %s", _first_line(exc))
+
+
+def _remove_stale_parts(out: OutputDir, plan: _Plan) -> int:
+    """Parts beyond the input's last shard, written by this job for an input that was longer, no longer
+    belong to any shard: remove them. A part without our metadata is left for the ids check to report."""
+    stale = [p for i, p in plan.parts.items() if i >= plan.num_shards and p.fingerprint is not None]
+    for p in stale:
+        log.warning("removing %s: the input has only %d shards now", p.path, plan.num_shards)
+        out.delete_part(p.shard)
+    return len(stale)
+
+
+def _check_ids(out: OutputDir, expected: set[str]) -> dict[str, Any]:
+    """Exactly one output row per input id (after de-duplication)?"""
+    counts: collections.Counter[str] = collections.Counter()
+    where: dict[str, str] = {}
+    for path, table in out.read_columns(["id"]):
+        for rid in table.column("id").to_pylist() if "id" in table.column_names else []:
+            counts[rid] += 1
+            where.setdefault(rid, path)
+    missing = sorted(expected - counts.keys())
+    extra = sorted(counts.keys() - expected)
+    dups = sorted(r for r, n in counts.items() if n > 1)
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} input id(s) have no output row ({', '.join(missing[:_IDS_SHOWN])})")
+    if extra:
+        problems.append(f"{len(extra)} output id(s) are not in the input ({', '.join(extra[:_IDS_SHOWN])}, "
+                        f"e.g. in {where[extra[0]].rsplit('/', 1)[-1]})")
+    if dups:
+        problems.append(f"{len(dups)} id(s) appear more than once ({', '.join(dups[:_IDS_SHOWN])})")
+    return {
+        "complete": not problems, "input_ids": len(expected), "output_rows": sum(counts.values()),
+        "missing_ids": missing[:100], "unexpected_ids": extra[:100], "duplicated_ids": dups[:100],
+        "problem": "; ".join(problems) or None,
+    }
+
+
+def _run_record(t_start: float, t_ready: Optional[float], t_end: float, run: Totals, dispatcher: Optional[_Dispatcher],
+                plan: _Plan, histogram: dict[int, int]) -> dict[str, Any]:
+    startup = (t_ready if t_ready is not None else t_end) - t_start
+    gen_s = t_end - t_ready if t_ready is not None else 0.0
+    passes = sum(histogram.values())
+    return {
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "startup_s": round(startup, 3),  # input planning, Ray start/connect, actor placement, model load
+        "generation_s": round(gen_s, 3),  # engines ready -> last part written
+        "rows": run.rows,
+        "generated_tokens": run.generated_tokens,
+        "generation_tokens_per_s": run.generated_tokens / gen_s if gen_s > 0 and run.rows else None,
+        "shards_written": dispatcher.shards_written if dispatcher else 0,
+        "shards_skipped": plan.skipped,
+        "shards_regenerated": len(plan.regenerated),
+        "failed_shards": sorted(s for s, _ in dispatcher.failures) if dispatcher else [],
+        "batch_histogram": {str(k): v for k, v in histogram.items()},  # rows in the engine batch -> passes
+        "mean_batch_size": sum(k * v for k, v in histogram.items()) / passes if passes else None,
+    }
+
+
+def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Optional[int], normalizer: RowNormalizer,
+                   plan: _Plan, run: dict[str, Any], check: Optional[dict[str, Any]]) -> JobResult:
+    totals = Totals()
+    for _, table in out.read_columns(COLUMNS + [CATEGORY]):
+        totals.add(table)
+    previous = out.read_json(SUMMARY) or {}
+    runs = list(previous.get("runs", [])) + [run]
+    gen_tokens = sum(r["generated_tokens"] for r in runs)
+    gen_s = sum(r["generation_s"] for r in runs)
+    summary: dict[str, Any] = {
+        "output_dir": out.path,
+        "complete": bool(check and check["complete"]),  # exactly one output row per input id
+        "check": check,
+        "parts": len(out.parts()),
+        "num_shards": plan.num_shards,
+        "input_rows": input_rows,
+        "input_fingerprint": plan.fingerprints.hexdigest()[:16],  # of every shard's rows, in order
+        "rows": totals.rows,
+        "errors": totals.errors,
+        "duplicates_dropped": normalizer.duplicates_dropped,
+        "prompt_tokens": totals.prompt_tokens,
+        "generated_tokens": totals.generated_tokens,
+        "tau": totals.tau,
+        # all runs: tokens generated / seconds the engines were generating (start-up excluded)
+        "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else None,
+        "this_run": run,
+        "runs": runs,  # one record per run, appended; earlier runs' figures are never rewritten
+        "model": cfg.model.name_or_path,
+        "method": cfg.engine.method,
+        "config_hash": chash,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    if totals.per_category:
+        summary["tau_per_category"] = totals.tau_per_category()
+    path = out.write_json(SUMMARY, summary)
+    tau = "-" if totals.tau is None else f"{totals.tau:.3f}"
+    rate = run["generation_tokens_per_s"]
+    batch = run["mean_batch_size"]
+    log.info("done: %d rows (%d errors, %d duplicate ids dropped), %s; this run: %d tokens in %.1fs = %s tok/s "
+             "generating (start-up %.1fs, mean batch %s), tau %s -> data %s/part-*.parquet, summary %s",
+             totals.rows, totals.errors, normalizer.duplicates_dropped,
+             "complete" if summary["complete"] else "INCOMPLETE", run["generated_tokens"], run["generation_s"],
+             "-" if rate is None else f"{rate:.1f}", run["startup_s"], "-" if batch is None else f"{batch:.1f}",
+             tau, out.path, path)
+    return JobResult(output_dir=out.path, summary_path=path, summary=summary)

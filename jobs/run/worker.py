@@ -1,0 +1,257 @@
+"""The engine actor: one engine loop per actor, fed by every row of every shard in flight to it.
+
+A plain class (testable without Ray); `jobs.run.runner` wraps it with `ray.remote(max_concurrency=...)`, so
+several `run_shard` calls run at once, each in its own Ray thread. Each call puts its rows' requests
+into one RequestFeed and waits; a single engine thread decodes whatever the feed holds, so the engine's
+batch stays at `engine.max_batch_size` whatever the shard size is. A finished row's slot is refilled at
+once, and the next turn of a multi-turn row goes back into the feed as soon as its previous turn ends.
+A shard's table is built and returned when its last row finishes.
+
+Heavy imports (torch, transformers, the engine) happen in `__init__`, inside the actor process.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+
+from .rows import JobRow
+from .schema import CATEGORY, to_table
+
+
+@dataclass
+class WorkerSpec:
+    """Everything an actor needs, picklable."""
+
+    model: dict[str, Any]  # ModelConfig fields
+    engine: dict[str, Any]  # EngineConfig fields
+    generation: dict[str, Any]  # GenerationParams defaults from generation.*
+    chat_template: str  # auto | always | never
+    chat_template_kwargs: dict[str, Any]
+    schema: pa.Schema
+    torch_threads: int
+    fault_dir: str  # where fault-injection attempt markers live
+    kill_shard: int = -1
+    kill_attempts: int = 0
+
+
+class EngineFailure(RuntimeError):
+    """The actor's engine loop raised: every shard in flight on it fails with this one-line message."""
+
+
+@dataclass
+class _RowState:
+    row: JobRow
+    shard: "_Shard"
+    history: list[dict[str, str]] = field(default_factory=list)  # messages so far (turns input)
+    answers: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    stats: Any = None  # RequestStats merged over turns
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+    def next_turn(self) -> Optional[int]:
+        """Index of the next turn to answer, or None when done."""
+        if self.error is not None:
+            return None
+        needed = len(self.row.input) if self.row.kind == "turns" else 1
+        return len(self.answers) if len(self.answers) < needed else None
+
+
+@dataclass
+class _Shard:
+    index: int
+    states: list[_RowState] = field(default_factory=list)
+    pending: int = 0  # rows not finished yet
+    done: threading.Event = field(default_factory=threading.Event)
+    failure: Optional[str] = None
+
+
+class ShardWorker:
+    def __init__(self, spec: WorkerSpec):
+        import torch
+
+        torch.set_num_threads(spec.torch_threads)
+        self.spec = spec
+        self.load_error: Optional[str] = None
+        self._lock = threading.Lock()  # guards _active, _shard_objs, _loop, _failure
+        self._active: dict[str, _RowState] = {}  # request id (= row id) -> row with a turn in the engine
+        self._shard_objs: dict[int, _Shard] = {}  # id(shard) -> shard in flight
+        self._loop: Optional[threading.Thread] = None
+        self._failure: Optional[str] = None
+        try:
+            from esp_worker import Engine, EngineConfig, ModelConfig
+            from esp_worker.feed import RequestFeed
+
+            from .prompts import PromptBuilder
+
+            self.engine = Engine.from_config(ModelConfig(**spec.model), EngineConfig(**spec.engine))
+            self.prompts = PromptBuilder(self.engine.tokenizer, spec.chat_template, spec.chat_template_kwargs)
+            self.feed = RequestFeed()
+        except Exception as exc:  # reported by info(): the driver prints it as one line and stops
+            text = str(exc).strip()
+            self.load_error = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+    def info(self) -> dict[str, Any]:
+        """Load status and where this actor runs."""
+        if self.load_error is not None:
+            return {"error": self.load_error}
+        return {
+            "error": None,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "max_context": self.engine.loaded.max_context,
+            "chat_template": self.prompts.use_template,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's batch-size histogram (rows in the batch -> decode passes) since the actor started."""
+        return {"pid": os.getpid(), "batch_histogram": dict(self.engine.stats.batch_histogram)}
+
+    def run_shard(self, shard_index: int, rows: list[JobRow]) -> pa.Table:
+        """One output row per input row, in input order. Safe to call from several threads at once."""
+        from esp_worker import RequestStats
+
+        shard = _Shard(shard_index)
+        shard.states = [_RowState(row=r, shard=shard, stats=RequestStats(), error=r.error) for r in rows]
+        requests = []
+        with self._lock:
+            if self._failure is not None:
+                raise EngineFailure(self._failure)
+            for s in shard.states:
+                if s.next_turn() is not None and (req := self._request(s)) is not None:
+                    if req.id in self._active:
+                        raise EngineFailure(f"row id {req.id!r} is already in flight on this actor")
+                    self._active[req.id] = s
+                    requests.append(req)
+            shard.pending = len(requests)
+            if shard.pending:
+                self._shard_objs[id(shard)] = shard
+                self._start_loop()
+        if requests:
+            self.feed.put(requests)
+            shard.done.wait()
+        if shard.failure is not None:
+            raise EngineFailure(shard.failure)
+        return to_table([self._record(s) for s in shard.states], self.spec.schema)
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+    def _start_loop(self) -> None:
+        """Start the engine thread once (called under the lock)."""
+        if self._loop is None:
+            self._loop = threading.Thread(target=self._run_engine, name="engine", daemon=True)
+            self._loop.start()
+
+    def _run_engine(self) -> None:
+        try:
+            for out in self.engine.generate_iter(self.feed):
+                self._on_output(out)
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting shard, then the actor goes on
+            text = str(exc).strip()
+            msg = f"engine error: {type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            with self._lock:
+                self._failure = msg
+                shards = list(self._shard_objs.values())
+                self._shard_objs.clear()
+            for shard in shards:
+                shard.failure = msg
+                shard.done.set()
+
+    def _on_output(self, out: Any) -> None:
+        """A turn finished: absorb it, queue the row's next turn at once, release a finished shard."""
+        with self._lock:
+            s = self._active.pop(out.id)
+        self._maybe_die(s.shard.index)
+        self._absorb(s, out)
+        nxt = self._request(s) if s.next_turn() is not None else None
+        if nxt is not None:
+            with self._lock:
+                self._active[nxt.id] = s
+            self.feed.put([nxt])
+            return
+        shard = s.shard
+        shard.pending -= 1  # only this thread decrements
+        if shard.pending == 0:
+            with self._lock:
+                self._shard_objs.pop(id(shard), None)
+            shard.done.set()
+
+    # ---- rows ----------------------------------------------------------------------------------------
+    def _request(self, s: _RowState) -> Any:
+        """The engine request for the row's next turn; None (with s.error set) if it cannot be built."""
+        from esp_worker import GenerationParams, Request
+
+        row = s.row
+        try:
+            if row.kind == "prompt":
+                ids = self.prompts.prompt_ids(row.input)
+            elif row.kind == "messages":
+                ids = self.prompts.chat_ids(list(row.input))
+            else:
+                s.history.append({"role": "user", "content": row.input[len(s.answers)]})
+                ids = self.prompts.chat_ids(s.history)
+            params = GenerationParams(**{**self.spec.generation, **row.params})
+        except Exception as exc:  # tokenizer or template failure on this row's content
+            s.error = f"cannot build the prompt: {type(exc).__name__}: {str(exc).strip()[:200]}"
+            return None
+        s.num_prompt_tokens += len(ids)
+        # the row id is the request id: the engine derives the row's sampling seed from it, so results
+        # do not depend on sharding or on which rows share a batch
+        return Request(id=row.id, prompt_ids=ids, params=params)
+
+    def _absorb(self, s: _RowState, out: Any) -> None:
+        s.stats = s.stats.merge(out.stats)
+        if out.error is not None:
+            s.error = out.error
+            return
+        s.answers.append(out.text)
+        s.token_ids.extend(out.token_ids)
+        s.finish_reason = out.finish_reason
+        if s.row.kind == "turns":
+            s.history.append({"role": "assistant", "content": out.text})
+
+    def _record(self, s: _RowState) -> dict[str, Any]:
+        st = s.stats
+        tau = st.tau
+        rec = {
+            "id": s.row.id,
+            "generated_text": s.answers[-1] if s.answers else None,
+            "generated_turns": s.answers if s.row.kind == "turns" else None,
+            "generated_token_ids": s.token_ids if s.answers else None,
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_generated_tokens": len(s.token_ids),
+            "finish_reason": s.finish_reason if s.error is None else None,
+            "method": self.spec.engine["method"],
+            "num_decode_passes": st.num_decode_passes,
+            "num_decode_tokens": st.num_decode_tokens,
+            "num_drafted_tokens": st.num_drafted_tokens,
+            "num_accepted_drafts": st.num_accepted_drafts,
+            "accepted_per_depth": list(st.accepted_per_depth),
+            "committed_histogram": list(st.committed_histogram),
+            "accepted_by_proposer": dict(st.accepted_by_proposer),
+            "tau": tau if tau is not None and math.isfinite(tau) else None,
+            "time_s": st.time_s,
+            "error": s.error,
+            CATEGORY: s.row.category,
+        }
+        rec.update({k: v for k, v in s.row.carry.items() if k not in rec})
+        return rec
+
+    def _maybe_die(self, shard_index: int) -> None:
+        """Fault injection: exit the process when a row of `kill_shard` finishes, on the first
+        `kill_attempts` attempts (markers in fault_dir count the attempts across restarts)."""
+        if shard_index != self.spec.kill_shard:
+            return
+        markers = Path(self.spec.fault_dir)
+        markers.mkdir(parents=True, exist_ok=True)
+        attempt = len(list(markers.glob(f"shard-{shard_index}.attempt-*"))) + 1
+        if attempt <= self.spec.kill_attempts:
+            (markers / f"shard-{shard_index}.attempt-{attempt}").touch()
+            os._exit(1)

@@ -1,0 +1,256 @@
+"""`python -m jobs.bench` end to end on a tiny model, plus the cost-curve arithmetic."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from esp_worker.auto.cost_model import CostCurve, predict_speedup
+from jobs.bench.runner import main
+
+REQUIRED = {"method", "block_complexity", "num_masks", "tree", "category", "num_prompts", "tau", "tokens_per_s",
+            "speedup_vs_ar", "exact_match_rate"}
+
+
+@pytest.mark.slow
+def test_bench_end_to_end(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    rows = [
+        {"id": "a", "category": "code", "prompt": "def f(x):\n    return x\n\ndef f("},
+        {"id": "b", "category": "code", "prompt": "for i in range(10):\n    print(i)\nfor i in"},
+        {"id": "c", "category": "mt-bench", "turns": ["Say hello twice.", "Now say it again."]},
+        {"id": "d", "category": "mt-bench", "prompt": "the cat sat on the mat, the cat sat on the"},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    code = main([
+        f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=16",
+        "bench.methods=[ar,pld,esp]", "bench.block_complexities=[10]", "bench.num_masks=[1]",
+        "bench.trees=[static]", "bench.warmup=1", "bench.cost_cache_lens=[16]", "bench.cost_max_block=16",
+        "bench.cost_repeats=1",
+    ])
+    assert code == 0
+    records = json.loads((out / "bench.json").read_text())
+    assert {r["setting"] for r in records} == {"ar", "hf generate", "pld BC10", "esp k1 static BC10"}
+    assert {r["category"] for r in records} == {"code", "mt-bench", "all"}
+    for r in records:
+        assert REQUIRED <= set(r)
+        assert r["exact_match_rate"] == 1.0  # float32: every method reproduces ar
+        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0
+    assert all(r["speedup_vs_ar"] == 1.0 for r in records if r["method"] == "ar")
+    assert all(r["speedup_vs_hf"] == 1.0 for r in records if r["method"] == "hf")
+    assert all(r["speedup_vs_ar_paired"] == 1.0 for r in records if r["method"] == "ar")
+    assert all(r["speedup_vs_ar_paired"] > 0 and r["speedup_vs_hf_paired"] > 0 for r in records)
+    assert all(r["peak_cache_mb"] > 0 for r in records if r["method"] != "hf")
+    assert all(len(r["time_s_rounds"]) == 1 and r["time_s_rounds"][0] == pytest.approx(r["time_s"]) for r in records)
+    assert next(r for r in records if r["setting"] == "ar" and r["category"] == "all")["num_prompts"] == 4
+    with open(out / "bench.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(records)
+    report = (out / "report.md").read_text()
+    assert "| esp k1 static BC10 | 1 |" in report and "| hf generate | 1 |" in report and "tolerance" in report
+    for name in ("tau_by_category.png", "speedup_vs_bc.png", "cost_curve.png"):
+        assert (out / name).stat().st_size > 1000 and f"]({name})" in report
+    curve = CostCurve.from_dict(json.loads((out / "cost_curve.json").read_text()))
+    assert curve.block_sizes == [1, 2, 4, 8, 16] and curve.relative_cost(1, 1, 16) == 1.0
+
+
+def test_bench_mixed_lengths_batched_hf_row(tmp_path):
+    """Per-prompt max_new_tokens in [lo, hi]; hf generate runs left-padded batches and still matches ar."""
+    data = tmp_path / "prompts.jsonl"
+    words = ["the cat sat on the mat", "def f(x):\n    return", "one two three one two", "abc abc abc", "x = 1\ny ="]
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n" for i, w in enumerate(words)))
+    out = tmp_path / "out"
+    code = main([
+        f"data.path={data}", f"output.dir={out}", "bench.methods=[ar]", "bench.batch_sizes=[3]",
+        "bench.mixed_max_new_tokens=[4,12]", "bench.warmup=0", "bench.cost_curve=false",
+    ])
+    assert code == 0
+    records = json.loads((out / "bench.json").read_text())
+    assert [r["setting"] for r in records] == ["ar", "hf generate"]
+    assert all(r["exact_match_rate"] == 1.0 and r["batch_size"] == 3 for r in records)
+    assert 5 * 4 <= records[0]["num_generated_tokens"] <= 5 * 12
+
+
+def test_bench_rejects_unknown_method(capsys):
+    assert main(["bench.methods=[ar,medusa]"]) == 2
+    assert "bench.methods" in capsys.readouterr().err
+
+
+def test_explicit_settings_replace_the_grid():
+    from jobs.bench.settings import grid
+    from jobs.bench.config import load_bench_config
+
+    cfg = load_bench_config(None, ["bench.settings=[pld:30,esp:auto,hybrid:auto,esp:30:compile_host,ar:1:compile_host]",
+                                   "bench.num_masks=[2,1]", "bench.trees=[dynamic]", "bench.expansions=[frontier]"])
+    settings = grid(cfg.bench)
+    assert [s.label for s in settings] == ["ar", "hf generate", "pld BC30", "esp k2 dynamic-frontier BCauto",
+                                           "hybrid BCauto", "esp k2 dynamic-frontier BC30 compile_host",
+                                           "ar compile_host"]
+    assert [s.compile_host for s in settings] == [False] * 5 + [True] * 2
+
+
+@pytest.mark.slow
+def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch):
+    """bench.settings with :compile_host: the setting runs under engine.compile_host (its compile time is
+    reported) beside the eager one, and matches ar token for token."""
+    from esp_worker.kernels import aot
+
+    monkeypatch.setattr(aot, "COMPILE_AFTER", 1)  # compile at the first pass (a short run)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n"
+                            for i, w in enumerate(["the cat sat on the mat, the cat", "def f(x):\n    return"])))
+    out = tmp_path / "out"
+    code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=12", "bench.hf_baseline=false",
+                 "bench.settings=[ar:1:compile_host]", "bench.warmup=0", "bench.cost_curve=false"])
+    assert code == 0
+    records = [r for r in json.loads((out / "bench.json").read_text()) if r["category"] == "all"]
+    assert [r["setting"] for r in records] == ["ar", "ar compile_host"]
+    assert records[1]["exact_match_rate"] == 1.0 and records[1]["compile_s"] > 0 and not records[0]["compile_s"]
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("pld", "METHOD:BC"), ("ar:10", "ar:1:compile_host"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
+    ("pld:10:fast", ":compile_host"),
+    ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"),
+])
+def test_bench_rejects_bad_settings(capsys, spec, words):
+    assert main([f"bench.settings=[{spec}]", "bench.num_masks=[1]"]) == 2
+    err = capsys.readouterr().err
+    assert "bench.settings" in err and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "batch,block,cache,expected",
+    [
+        (1, 1, 100, 1.0),  # the baseline
+        (1, 4, 100, 2.0),  # a grid point: 0.02 / 0.01
+        (1, 3, 100, 1.75),  # halfway between Q 2 (1.5) and Q 4 (2.0)
+        (1, 4, 300, 2.5),  # halfway between cache 100 (2.0) and 500 (3.0)
+        (1, 64, 1000, 3.0),  # clamped to the largest block and cache
+    ],
+)
+def test_cost_curve_interpolation(batch, block, cache, expected):
+    curve = CostCurve([1], [100, 500], [1, 2, 4], [[[0.01, 0.015, 0.02], [0.01, 0.02, 0.03]]])
+    assert curve.relative_cost(batch, block, cache) == pytest.approx(expected)
+
+
+def test_predict_speedup():
+    curve = CostCurve([1], [100], [1, 16], [[[0.01, 0.016]]])
+    assert predict_speedup(2.0, 16, curve) == pytest.approx(1.25)
+
+
+def test_token_mismatch_rate():
+    from jobs.bench.results import token_mismatch_rate
+
+    assert token_mismatch_rate([[1, 2, 3], [5, 6]], [[1, 2, 4], [5, 6]]) == pytest.approx(0.2)
+    assert token_mismatch_rate([[1, 2]], [[1, 2, 3]]) == 0.0
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    from jobs.bench.results import paired_quartiles
+
+    mine = [{"a": 1.0, "b": 1.0}, {"a": 4.0, "b": 4.0}, {"a": 1.5, "b": 0.5}]
+    ar = [{"a": 2.0, "b": 2.0}, {"a": 4.0, "b": 4.0}, {"a": 1.0, "b": 2.0}]
+    # per round: 4/2 = 2.0, 8/8 = 1.0, 3/2 = 1.5 -> median 1.5; category a alone: 2.0, 1.0, 0.67 -> 1.0
+    assert paired_quartiles(mine, ar, {"a", "b"})[1] == 1.5 and paired_quartiles(mine, ar, {"a"})[1] == 1.0
+    assert paired_quartiles(mine, [], {"a"}) is None
+
+
+def test_paired_quartiles():
+    from jobs.bench.results import paired_quartiles
+
+    mine = [{"a": 1.0}, {"a": 1.0}, {"a": 1.0}, {"a": 1.0}, {"a": 1.0}]
+    theirs = [{"a": 0.9}, {"a": 1.0}, {"a": 1.1}, {"a": 1.2}, {"a": 1.3}]
+    assert paired_quartiles(mine, theirs, {"a"}) == pytest.approx((1.0, 1.1, 1.2))
+    assert paired_quartiles(mine[:1], theirs[:1], {"a"}) == pytest.approx((0.9, 0.9, 0.9))
+    assert paired_quartiles([], theirs, {"a"}) is None
+
+
+def test_auto_settings_are_compared_with_the_fastest_fixed_setting_of_their_batch():
+    from jobs.bench.results import against_fastest_fixed
+    from jobs.bench.report import paired_cell
+
+    def rec(setting, method, bc, batch, tps, cat="all"):
+        return dict(setting=setting, method=method, block_complexity=bc, batch_size=batch, tokens_per_s=tps,
+                    category=cat)
+
+    records = [rec("ar", "ar", 1, 1, 100.0), rec("hf generate", "hf", 1, 1, 300.0),  # baselines are no rival
+               rec("pld BC10", "pld", 10, 1, 150.0), rec("pld BC30", "pld", 30, 1, 120.0),
+               rec("hybrid BCauto", "hybrid", "auto", 1, 165.0), rec("pld BC10", "pld", 10, 1, 999.0, cat="code"),
+               rec("pld BC10", "pld", 10, 16, 400.0), rec("hybrid BCauto", "hybrid", "auto", 16, 300.0),
+               rec("code", "code", "auto", 1, 1.0, cat="code")]
+    records[-1]["setting"] = "esp k1 static BCauto"  # a per-category record of an auto setting: left alone
+    rounds = {"pld BC10": [{"code": 1.0, "verse": 1.0}, {"code": 2.0, "verse": 2.0}, {"code": 1.0, "verse": 1.1}],
+              "hybrid BCauto": [{"code": 1.0, "verse": 0.8}, {"code": 1.0, "verse": 1.0}, {"code": 1.0, "verse": 1.0}]}
+    against_fastest_fixed(records, rounds)
+    b1, b16 = records[4], records[7]
+    assert b1["fastest_fixed"] == "pld BC10" and b1["vs_fastest_fixed"] == pytest.approx(1.1)
+    # per round: 2.0 / 1.8, 4.0 / 2.0, 2.1 / 2.0 -> median 1.111, quartiles 1.078 and 1.556
+    assert b1["vs_fastest_fixed_paired"] == pytest.approx(2.0 / 1.8)
+    assert b1["vs_fastest_fixed_paired_q1"] == pytest.approx((2.1 / 2.0 + 2.0 / 1.8) / 2)
+    assert b1["vs_fastest_fixed_paired_q3"] == pytest.approx((2.0 / 1.8 + 2.0) / 2)
+    assert b16["fastest_fixed"] == "pld BC10" and b16["vs_fastest_fixed"] == pytest.approx(0.75)
+    assert "fastest_fixed" not in records[-1] and "fastest_fixed" not in records[2]
+    assert paired_cell(b1, "vs_fastest_fixed_paired") == "1.11 [1.08-1.56]"
+    assert paired_cell({"x": 1.0}, "x") == "1.00"
+
+
+@pytest.mark.slow
+def test_warmup_rounds_run_every_setting_untimed_first(tmp_path, monkeypatch):
+    """bench.warmup_rounds=1: one untimed round of every setting over every prompt before the timed repeats."""
+    import jobs.bench.runner as bench
+
+    calls = []
+    run_setting = bench.run_setting
+
+    def counted(loaded, base, s, *a, **kw):
+        calls.append(s.label)
+        return run_setting(loaded, base, s, *a, **kw)
+
+    monkeypatch.setattr(bench, "run_setting", counted)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n" for i, w in enumerate(["a b a b", "c d c"])))
+    out = tmp_path / "out"
+    code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=4", "bench.settings=[pld:10]",
+                 "bench.warmup=0", "bench.cost_curve=false", "bench.hf_baseline=false", "bench.repeats=2",
+                 "bench.warmup_rounds=1"])
+    assert code == 0
+    assert calls == ["pld BC10", "ar", "ar", "pld BC10", "pld BC10", "ar"]  # rounds -1, 0, 1 (rotated)
+    records = json.loads((out / "bench.json").read_text())
+    assert all(len(r["time_s_rounds"]) == 2 for r in records)  # only the timed rounds are reported
+
+
+def test_rounds_start_one_setting_further_on():
+    from jobs.bench.runner import rotated
+
+    assert [rotated(["ar", "hf", "pld"], r) for r in range(4)] == [
+        ["ar", "hf", "pld"], ["hf", "pld", "ar"], ["pld", "ar", "hf"], ["ar", "hf", "pld"]]
+    assert rotated([], 3) == []
+
+
+@pytest.mark.slow
+def test_bench_profile_writes_op_tables(tmp_path):
+    """bench.profile: one more run of the named settings under torch.profiler; the model's calls are marked."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n"
+                            for i, w in enumerate(["the cat sat on the mat, the cat sat", "a b c a b c a b"])))
+    out = tmp_path / "out"
+    code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=8", "bench.settings=[pld:auto]",
+                 "bench.warmup=0", "bench.cost_curve=false", "bench.hf_baseline=false", "bench.profile=[pld:auto]"])
+    assert code == 0
+    assert sorted(p.name for p in out.glob("profile-*")) == ["profile-pld_BCauto-b1.txt"]
+    text = (out / "profile-pld_BCauto-b1.txt").read_text()
+    assert "row-passes" in text and "model.forward" in text and "model.logits" in text
+    assert "grouped by input shape" in text
+    from esp_worker.model.runner import ModelRunner
+
+    assert ModelRunner.profile_marks is False  # off again after the profiled run
+
+
+@pytest.mark.parametrize("spec,words", [("esp:30", "names none of this bench's settings"),
+                                        ("nope:3", "must be ar, hf or METHOD:BC")])
+def test_bench_rejects_a_profile_that_names_no_setting(capsys, spec, words):
+    assert main(["bench.settings=[pld:30]", f"bench.profile=[{spec}]"]) == 2
+    err = capsys.readouterr().err
+    assert "bench.profile" in err and words in err and "Traceback" not in err

@@ -1,0 +1,114 @@
+"""Shared helpers for the jobs tests: offline HF settings, a local Ray head, job configs, data files.
+
+Imported by the tests under tests/jobs/ (`from jobs_helpers import ...`; tests/jobs/conftest.py puts this
+folder on sys.path).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from shared_data import REPO, SHARED_DATA, SPEC_BENCH, TINY_PROMPTS, shared  # noqa: F401  (re-exported)
+
+
+os.environ["RAY_AUTH_MODE"] = "disabled"  # a local test head; see ARCHITECTURE.md
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+# Small, fast jobs: the tiny model, plain decoding unless a test says otherwise, 1 torch thread per actor.
+FAST = ["engine.method=ar", "generation.max_new_tokens=6", "ray.num_cpus_per_actor=0.5", "output.progress_interval_s=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayHead:
+    address: str  # host:port of the GCS
+    dashboard: str  # http://host:port, for `ray job submit`
+
+
+def start_head() -> tuple[subprocess.Popen, RayHead]:
+    """`ray start --head --block` as our own child: stopping it stops the cluster it started. Its ports are free
+    ones, the job agent's too (Ray's default 52365 is taken when another Ray instance runs on the machine, and
+    then `ray job submit` finds no agent)."""
+    port, dash = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    head = RayHead(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", dash), timeout=1):
+                return proc, head
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("ray start --head exited")
+            time.sleep(0.5)
+    stop_head(proc)
+    raise RuntimeError("Ray head did not come up in 90 s")
+
+
+def stop_head(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[RayHead]:
+    """One local head per test module, with this process connected as a driver."""
+    import ray
+
+    proc, head = start_head()
+    ray.init(address=head.address, logging_level="WARNING")
+    try:
+        yield head
+    finally:
+        ray.shutdown()
+        stop_head(proc)
+
+
+def job_cfg(out_dir: Path, *overrides: str) -> Any:
+    from jobs.config import load_config
+
+    return load_config(None, [*FAST, f"output.dir={out_dir}", *overrides])
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    """Rows are dicts (dumped as JSON) or raw strings (written as-is: bad JSON, raw escapes)."""
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def read_output(out_dir: Path) -> Any:
+    import pyarrow.dataset as ds
+
+    return ds.dataset(str(out_dir), format="parquet").to_table()
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.generate", *args], cwd=REPO, capture_output=True, text=True,
+        env={**os.environ, **(env or {})}, timeout=timeout,
+    )

@@ -1,0 +1,25 @@
+"""The shared models and data beside the checkout (../shared), for any test: `from shared_data import ...`."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"  # ../shared beside the checkout
+SPEC_BENCH = SHARED_DATA / "spec_bench_dev.jsonl"
+TINY_PROMPTS = SHARED_DATA / "tiny_prompts_dev.jsonl"
+
+# offline: nothing in the tests downloads (models and tokenizers are local or tiny-random)
+os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="hf-home-"))
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def shared(path: Path) -> Path:
+    """A file under ../shared beside the checkout; the test skips (with the reason) where it is absent."""
+    if not path.exists():
+        pytest.skip(f"shared data {path} is not present beside this checkout")
+    return path
