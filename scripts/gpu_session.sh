@@ -7,7 +7,7 @@
 # 1B shape at batch 16 and 64, then bench.profile of hybrid BC 30 and auto if time is left. Everything lands in OUTDIR/results.tgz
 # (re-packed after each stage; WORK names the folder the runs write in) and OUTDIR/session.log.
 # Before the call: `python scripts/gpu_data.py` writes the prompt files into gpu_data/ (carry it, and the wheels of
-# what the machine lacks in .whl/; see README "On a GPU").
+# what the machine lacks in .whl/; see docs/benchmarks.md, "On a GPU").
 # STAGES picks stages (default all; env always runs), B1_PROMPTS the batch-1 prompt file (default prompts8).
 # Dry run on a CPU: DEV=cpu SHAPE=tiny-random-llama DTYPE=float32 NEW=8 bash scripts/gpu_session.sh /tmp/gs 300
 set -uo pipefail

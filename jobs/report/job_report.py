@@ -8,7 +8,7 @@ as Parquet.) The job calls it at its end; `esp-batch report OUTPUT_DIR` calls th
 report can be rebuilt from the output alone, identically. The plotting helpers are in jobs/report/plots.py,
 shared with the benchmark's report (jobs/bench/report.py).
 
-Terms, as in the README: tau = tokens committed by decode passes / decode passes (bonus token included,
+Terms, as in the README and docs/methods: tau = tokens committed by decode passes / decode passes (bonus token included,
 the prefill's first token not); "tokens/s per request" = a row's generated tokens / its own time from
 admission to finish, summed per group (rows share the engine's batches, so the job's throughput is higher).
 """

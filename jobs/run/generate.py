@@ -18,7 +18,7 @@ examples:
   python -m jobs.generate data.path=q.jsonl engine.method=ar ray.num_actors=1 output.dir=out/q
   python -m jobs.generate --print-config engine.block_complexity=60
 
-config sections (see README "Config reference"): model.* data.* engine.* generation.* output.* ray.* fault.*
+config sections (docs/guide/configuration.md; configs/default.yaml lists every key): model.* data.* engine.* generation.* output.* ray.* fault.*
 """
 
 
