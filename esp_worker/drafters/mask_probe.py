@@ -93,6 +93,11 @@ class MaskProbe:
         return self._all_probed
 
     @property
+    def ema_table_size(self) -> int:
+        """Gaps the EMA's weight table covers now (it grows with the widest replay, up to EMA_TABLE_MAX)."""
+        return 0 if self._ema is None else self._ema[1].shape[0]
+
+    @property
     def owes(self) -> bool:
         """m still owes tokens committed by passes that fed no masks."""
         return self._lag > 0

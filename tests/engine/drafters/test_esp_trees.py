@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from esp_worker.passes import PassRecord, RowsView
+from esp_worker.passes import PassPlan, PassRecord, RowsView
 from esp_worker.drafters.common import topk_excluding
 from esp_worker.drafters.esp import ESPDrafter, ESPState
 from esp_worker.drafters.mask_probe import MaskModel, MaskSettings
@@ -21,12 +21,13 @@ def drafter(num_masks: int, block_complexity: int, tree: str = "dynamic", branch
                       expansion=expansion)
 
 
-def dynamic_tree(d: ESPDrafter, root: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor, n: int):
-    """ESP's dynamic tree of n nodes over known candidates lp, ids [1, k, C] under `root` [1]."""
+def proposed_tree(d: ESPDrafter, root: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor, n: int):
+    """The tree ESP proposes with at most n nodes from known candidates lp, ids [1, k, C] under `root` [1]."""
     view = RowsView(torch.stack([root, root], 1), torch.tensor([2]), torch.ones(1, dtype=torch.long), [0], ESPState(),
                     known_root=root)
-    view.state.update(cand_lp=lp, cand_ids=ids)
-    return d._dynamic_tree(view, n)
+    view.state.update(cand_lp=lp, cand_ids=ids, m=torch.zeros(1, 1, D), m_len=torch.tensor([2]),
+                      has_probe=torch.ones(1, dtype=torch.bool))
+    return d.propose(view, PassPlan(n)).tree
 
 
 def cands(rows):
@@ -66,7 +67,7 @@ def test_static_tree_top1_expansion_with_pruning():
     lp, ids = observed(d, 5, [[(5, 0.5), (6, 0.3), (7, 0.1)], [(6, 0.6), (9, 0.2), (5, 0.1)]])
     # the root's token never becomes a depth-1 candidate; deeper it may (it is not their parent)
     assert 5 not in ids[0, 0].tolist() and ids[0, 0, :2].tolist() == [6, 7] and 5 in ids[0, 1].tolist()
-    tree = d._static_tree(torch.tensor([5]), lp, ids, [2, 1])  # root token 5 is pruned at depth 1
+    tree = proposed_tree(d, torch.tensor([5]), lp, ids, d.num_nodes)  # root token 5 is pruned at depth 1
     assert tree.tokens.tolist() == [[5, 6, 7, 9]]  # depth-2 child of 6 skips 6
     assert tree.parents.tolist() == [[-1, 0, 0, 1]]
     assert tree.valid.all()
@@ -76,7 +77,7 @@ def test_dynamic_tree_top1_by_cumulative_probability():
     # budget B = BC/(k+1) = 4 slots -> 3 nodes. depth1: a .5, b .3, c .2; depth2 under a: x .9, y .1
     d = drafter(num_masks=2, block_complexity=12, tree="dynamic", expansion="top1", prune=False)
     lp, ids = cands([[(1, 0.5), (2, 0.3), (3, 0.2), (4, 0.0001)], [(8, 0.9), (9, 0.1), (10, 0.0001), (11, 0.00001)]])
-    tree = dynamic_tree(d, torch.tensor([0]), lp, ids, d.num_nodes)
+    tree = proposed_tree(d, torch.tensor([0]), lp, ids, d.num_nodes)
     # scores: a .5, b .3, c .2, a->x .45, a->y .05 -> keep a, x(.45), b(.3) in topological order
     assert tree.tokens.tolist() == [[0, 1, 2, 8]]
     assert tree.parents.tolist() == [[-1, 0, 0, 1]]
@@ -85,13 +86,13 @@ def test_dynamic_tree_top1_by_cumulative_probability():
 def test_dynamic_tree_frontier_expands_several_parents():
     d = drafter(num_masks=2, block_complexity=15, tree="dynamic", expansion="frontier", prune=False)  # 5 slots
     lp, ids = cands([[(1, 0.4), (2, 0.4), (3, 0.2), (4, 0.001), (5, 0.001)], [(8, 0.9), (9, 0.1), (10, 0.001), (11, 0.001), (12, 0.001)]])
-    tree = dynamic_tree(d, torch.tensor([0]), lp, ids, d.num_nodes)
+    tree = proposed_tree(d, torch.tensor([0]), lp, ids, d.num_nodes)
     # a .4, b .4, a->x .36, b->x .36, c .2 -> 4 nodes: a, b, a->x, b->x
     assert tree.tokens.tolist() == [[0, 1, 2, 8, 8]]
     assert tree.parents.tolist() == [[-1, 0, 0, 1, 2]]
     # with top-1 expansion only a expands: a, b, a->x, c
     d1 = drafter(num_masks=2, block_complexity=15, tree="dynamic", expansion="top1", prune=False)
-    t1 = dynamic_tree(d1, torch.tensor([0]), lp, ids, d1.num_nodes)
+    t1 = proposed_tree(d1, torch.tensor([0]), lp, ids, d1.num_nodes)
     assert t1.tokens.tolist() == [[0, 1, 2, 3, 8]]
     assert t1.parents.tolist() == [[-1, 0, 0, 0, 1]]
 
@@ -99,9 +100,9 @@ def test_dynamic_tree_frontier_expands_several_parents():
 def test_dynamic_tree_pruning_skips_root_token():
     probs = [[(3, 0.6), (4, 0.3), (5, 0.1)]]
     d = drafter(num_masks=1, block_complexity=6, tree="dynamic", prune=True)  # 3 slots -> 2 nodes
-    assert dynamic_tree(d, torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 4, 5]]
+    assert proposed_tree(d, torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 4, 5]]
     d = drafter(num_masks=1, block_complexity=6, tree="dynamic", prune=False)
-    assert dynamic_tree(d, torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 3, 4]]
+    assert proposed_tree(d, torch.tensor([3]), *observed(d, 3, probs), d.num_nodes).tokens.tolist() == [[3, 3, 4]]
 
 
 def test_ema_update_per_committed_token_in_order():
@@ -185,7 +186,7 @@ def test_ema_owed_for_longer_than_its_window_or_table_replays_in_bounded_work(mo
                 seen[r] = int(lens[r])
                 assert torch.allclose(state.m[r].double(), ref[r], atol=1e-5), (lam, length, r, state.m[r], ref[r])
             assert state.m_len.tolist() == lens.tolist()
-            assert d.probe._ema[1].shape[0] <= 16
+            assert d.probe.ema_table_size <= 16
 
 
 def test_ema_lambda_zero_freezes_mask():
