@@ -362,18 +362,19 @@ def test_a_look_that_cannot_pay_costs_no_probe_pass():
 def test_engine_stops_drafting_when_its_drafting_forwards_are_slow(monkeypatch):
     """End to end on the engine with the trained esp-tiny-llama (random models accept nothing, so auto would
     not draft anyway): the curve says a block is free, but every decode forward of more than one token per row
-    (a drafting pass) sleeps 60 ms. The engine reports each pass's model time, the policy measures the excess
-    and decodes plainly except for its exploration passes; without the sleep the same job drafts.
+    (a drafting pass) takes 20 plain passes' time. The engine reports each pass's model time, the policy
+    measures the excess and decodes plainly except for its exploration passes; without the excess the same
+    job drafts. The engine's clocks read a fake clock that only the model's calls advance (one plain pass:
+    the curve's 1.1 s), so the decisions do not depend on how busy the machine is.
 
-    Why 60 ms: a drafting pass then costs ~20 plain ones, more than a chain of at most 10 drafts can commit,
-    so no pass may draft on the estimate. At 20 ms (~7 plain passes) a long match on repeated text can pay
-    for its pass, and the policy rightly drafted in bursts there (a drafting share of 0.12-0.24 in ~1 run
-    in 4 against the bound of 0.15, depending on the calibration at the moment such text came)."""
+    Why 20x: a drafting pass then costs more than a chain of at most 10 drafts can commit, so no pass may
+    draft on the estimate."""
     import json
-    import time
+    import types
 
     from shared_data import SHARED_DATA, TINY_PROMPTS, shared
-    from esp_worker import ModelConfig, Request
+    from esp_worker import ModelConfig, Request, stats
+    from esp_worker.model import runner as runner_module
     from esp_worker.model.runner import ModelRunner
     from esp_worker.model.load import load_model
 
@@ -381,25 +382,29 @@ def test_engine_stops_drafting_when_its_drafting_forwards_are_slow(monkeypatch):
     prompts = [json.loads(line)["prompt"] for line in shared(TINY_PROMPTS).read_text().splitlines()[:4]]
     torch.set_num_threads(1)
     lm = load_model(ModelConfig(name_or_path=str(model_dir)))
+    clock = [0.0]
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(runner_module, "time", fake_time)
+    monkeypatch.setattr(stats, "time", fake_time)
 
     def drafting_share(slow: bool) -> float:
         cfg = EngineConfig(method="pld", block_complexity="auto", max_batch_size=1)
         eng = Engine(lm, cfg, cost_curve=FLAT)
         forward, sync = ModelRunner.forward, ModelRunner._sync
 
-        def slow_forward(self, inputs_embeds, *a, **kw):
-            # a decode forward of more than one token per row (the prefill passes `keep`)
-            self.slow_now = slow and inputs_embeds.shape[1] > 1 and kw.get("keep") is None
+        def timed_forward(self, inputs_embeds, *a, **kw):
+            # a decode forward of more than one token per row (the prefill passes `keep`) drafts
+            drafting = inputs_embeds.shape[1] > 1 and kw.get("keep") is None
+            self.cost_now = FLAT.time(1, 1, 100) * (20 if slow and drafting else 1)
             return forward(self, inputs_embeds, *a, **kw)
 
-        def slow_sync(self):  # inside the forward's timed region: the sleep counts as model time
-            if getattr(self, "slow_now", False):
-                self.slow_now = False
-                time.sleep(0.06)
+        def timed_sync(self):  # inside the forward's timed region: the model's time
+            clock[0] += getattr(self, "cost_now", 0.0)
+            self.cost_now = 0.0
             return sync(self)
 
-        monkeypatch.setattr(ModelRunner, "forward", slow_forward)
-        monkeypatch.setattr(ModelRunner, "_sync", slow_sync)
+        monkeypatch.setattr(ModelRunner, "forward", timed_forward)
+        monkeypatch.setattr(ModelRunner, "_sync", timed_sync)
         try:
             reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=96)) for i, p in enumerate(prompts)]
             outs = eng.generate(reqs)
