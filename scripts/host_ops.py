@@ -3,8 +3,8 @@
     python scripts/host_ops.py --model ../shared/models/esp-tiny-llama --method esp --bc 30 [--prompts 12]
 
 Runs the prompts of `--data` once to warm up, then once with every dispatched tensor operation counted and
-attributed to the engine phase that issued it (propose, forward inputs, verify, stops, keep, commit, observe,
-count, read_back, other), then `--repeats` more times timed (no counting): host time per pass is decode time
+attributed to the engine phase that issued it (plan, propose, forward inputs, verify, stops, keep, commit,
+count, record, observe, end_pass, read_back, other), then `--repeats` more times timed (no counting): host time per pass is decode time
 outside the model's forward and LM head (`Engine.stats`), as the benchmark's `host overhead` column. The
 model's own operations (forward, LM head, the drafter's LM-head calls) are listed apart and not counted as
 host work. One torch thread; batch `--batch`. A development tool: the numbers are this machine's.
@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from devrun import add_run_args, engine_and_requests
 from esp_worker import batch as batch_mod  # importable once devrun put the repository on the path
 
-PHASES = ("_propose", "_forward", "_verify", "_stops", "_keep", "_commit", "_observe", "_prefill", "_retire")
+PHASES = ("_forward", "_verify", "_stops", "_commit", "_record", "_end_pass", "_prefill", "_retire")  # Engine's
 NOT_HOST = ("model", "prefill", "retire")
 
 
@@ -55,6 +55,10 @@ def main() -> None:
 
     for name in PHASES:
         label(eng, name, name.strip("_"))
+    label(eng.planner, "plan", "plan")
+    label(eng.drafter, "propose", "propose")
+    label(eng.drafter, "observe", "observe")
+    label(batch_mod.Rows, "keep_path", "keep")
     label(eng.runner, "forward", "model")
     label(eng.runner, "logits", "model")
     if hasattr(eng.drafter, "probe"):  # ESP-like drafters' probe holds the runner's LM head
