@@ -29,7 +29,7 @@ def test_feed_from_another_thread_matches_generate_and_fills_the_batch():
     feed.put([Request(id=f"a{i}", prompt=p, params=params) for i, p in enumerate(PROMPTS[:2])])
     feed.put([Request(id=f"b{i}", prompt=p, params=params) for i, p in enumerate(PROMPTS[2:], 2)])
     feed.close()
-    thread.join(timeout=120)
+    thread.join(timeout=600)
     assert not thread.is_alive()
     ref = reference("llama", "sdpa")
     got = {int(k[1:]): tuple(v) for k, v in outs.items()}

@@ -107,7 +107,7 @@ def read_output(out_dir: Path) -> Any:
     return ds.dataset(str(out_dir), format="parquet").to_table()
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:  # a hang guard, not a speed bound
     return subprocess.run(
         [sys.executable, "-m", "jobs.generate", *args], cwd=REPO, capture_output=True, text=True,
         env={**os.environ, **(env or {})}, timeout=timeout,

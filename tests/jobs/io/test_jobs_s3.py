@@ -77,7 +77,7 @@ def test_driver_killed_then_rerun_resumes_on_s3(ray_head, s3, tmp_path):
     args = [*FAST, f"data.path={s3.uri('in2')}", f"output.dir={out_uri}", "data.shard_size=4", "ray.num_actors=1",
             "generation.max_new_tokens=8", "engine.max_batch_size=2", "ray.shards_in_flight_per_actor=1"]
     proc = subprocess.run([sys.executable, "-m", "jobs.generate", *args, "fault.driver_exit_after_parts=2"], cwd=REPO,
-                          env={**os.environ, "RAY_ADDRESS": ray_head.address}, capture_output=True, text=True, timeout=300)
+                          env={**os.environ, "RAY_ADDRESS": ray_head.address}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert len(_parts(s3, "out/job2")) == 2 and len(_ids(s3, "out/job2")) == 8
     res = run_job(job_cfg(tmp_path / "unused", *args[len(FAST):]))

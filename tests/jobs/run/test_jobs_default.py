@@ -19,7 +19,7 @@ def test_default_job_without_arguments(tmp_path):
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "jobs.generate"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=180)
+                         text=True, timeout=900)
     elapsed = time.monotonic() - t0
     assert res.returncode == 0, res.stderr[-3000:]
     last = [line for line in res.stderr.splitlines() if "done:" in line][-1]

@@ -141,7 +141,7 @@ def test_driver_killed_then_restarted_resumes(ray_head, tmp_path):
     args = [*FAST, f"data.path={data}", f"output.dir={out}", "data.shard_size=4", "ray.num_actors=1",
             "generation.max_new_tokens=8", "engine.max_batch_size=2", "ray.shards_in_flight_per_actor=1"]
     proc = subprocess.run([sys.executable, "-m", "jobs.generate", *args, "fault.driver_exit_after_parts=3"], cwd=REPO,
-                          env={**os.environ, "RAY_ADDRESS": ray_head.address}, capture_output=True, text=True, timeout=300)
+                          env={**os.environ, "RAY_ADDRESS": ray_head.address}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1 and not (out / "_summary.json").exists(), proc.stderr[-2000:]
     assert len(list(out.glob("part-*.parquet"))) == 3
     res = run_job(job_cfg(out, *args[len(FAST):]))
@@ -158,7 +158,7 @@ def test_ray_job_submit(ray_head, tmp_path):
     cmd = ["ray", "job", "submit", "--address", ray_head.dashboard, "--working-dir", str(work), "--",
            "python", "-m", "jobs.generate", *FAST, "data.limit=8", "ray.num_actors=1", f"output.dir={out}"]
     ray_bin = str(Path(sys.executable).parent / "ray")
-    res = subprocess.run([ray_bin, *cmd[1:]], capture_output=True, text=True, timeout=240)
+    res = subprocess.run([ray_bin, *cmd[1:]], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "done: 8 rows" in res.stdout + res.stderr
     assert len(read_output(out)) == 8
