@@ -300,7 +300,7 @@ class Engine:
     @inference
     def _step(self, rows: Rows) -> None:
         """One decode pass over every row; the host reads the device once, at its end."""
-        clock = self.stats.start(self.runner.model_s, self.compile_s, rows.lens)
+        clock = self.stats.start(self.runner.model_s, self.compile_s if self.policy is not None else 0.0, rows.lens)
         view = rows.view()
         block = self.drafter.propose(view, self.planner.plan(view, rows.lens))
         out = self._forward(rows, block)
@@ -399,9 +399,10 @@ class Engine:
         hints = None if self.planner.next_is_plain() else self.drafter.row_hints(view)
         self.planner.receive(rows.read_back(hints, look))
         seconds, model_s = self.stats.finish(clock, self.runner.model_s)
-        timed = self.compile_s == clock.compile_s  # a pass that compiled a kernel says nothing of its mode's cost
-        self.planner.observe_pass(sum(rows.lens) - clock.tokens, seconds if timed else None,
-                                  model_s if timed else None)
+        if self.policy is not None:  # a pass that compiled a kernel says nothing of its mode's cost: not timed
+            timed = self.compile_s == clock.compile_s
+            self.policy.observe_pass(sum(rows.lens) - clock.tokens, seconds if timed else None,
+                                     model_s if timed else None)
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _chooser(self, rows: Rows):

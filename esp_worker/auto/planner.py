@@ -1,7 +1,8 @@
 """The engine's side of block sizing: a planner says what each pass drafts and hears how it went.
 
 `FixedPlanner` (a fixed block complexity) plans the drafter's configured tree every pass;
-`policy.BlockPolicy` (block_complexity=auto) chooses from measured costs and the drafter's own estimates.
+`policy.BlockPolicy` (block_complexity=auto) chooses from measured costs and the drafter's own estimates, and the
+engine hands it each pass's committed tokens and times (`observe_pass`).
 """
 from __future__ import annotations
 
@@ -28,9 +29,6 @@ class Planner(Protocol):
     def rows_changed(self) -> None:
         """Rows joined or left the batch."""
 
-    def observe_pass(self, num_committed: int, seconds: Optional[float], model_seconds: Optional[float]) -> None:
-        """The pass's committed tokens and its times (None: not timed)."""
-
 
 class FixedPlanner:
     """A fixed block complexity: the configured tree every pass."""
@@ -48,7 +46,4 @@ class FixedPlanner:
         return False
 
     def rows_changed(self) -> None:
-        pass
-
-    def observe_pass(self, num_committed: int, seconds: Optional[float], model_seconds: Optional[float]) -> None:
         pass
