@@ -119,11 +119,14 @@ class RayConfig:
 @dataclass
 class FaultConfig:
     """Fault injection for tests: the actor running shard `kill_shard` calls os._exit after its first
-    finished request, on each of the first `kill_attempts` attempts; the driver calls os._exit right after
+    finished request, on each of the first `kill_attempts` attempts; the actor that gets shard `hold_shard`
+    writes `<output.dir>/_faults/hold-N.json` (its node id, IP and pid) and waits until `_faults/release`
+    exists (a test removes its node, or the head, at a known point); the driver calls os._exit right after
     writing its `driver_exit_after_parts`-th part (a driver killed mid-job, at a known point)."""
 
     kill_shard: int = -1  # -1 = off
     kill_attempts: int = 1  # attempts of kill_shard that die (its retries after that run normally)
+    hold_shard: int = -1  # the actor holding this shard waits for _faults/release before running it; -1 = off
     driver_exit_after_parts: int = -1  # the driver exits (code 1, no summary) after writing this many parts; -1 = off
 
 

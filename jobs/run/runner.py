@@ -127,6 +127,7 @@ def worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
         fault_dir=out.fault_dir,
         kill_shard=cfg.fault.kill_shard,
         kill_attempts=cfg.fault.kill_attempts,
+        hold_shard=cfg.fault.hold_shard,
     )
 
 

@@ -1,0 +1,126 @@
+"""Node and head loss on a real multi-node Ray cluster on one machine (`ray.cluster_utils.Cluster`): a worker
+node lost mid-job with and without a spare node, the last actor lost for good, and the head lost then a rerun
+on a fresh cluster. Each ends with every input id exactly once.
+
+The job runs as `python -m jobs.generate` against the cluster (the head has no CPUs, one engine actor per
+one-CPU worker node). The loss happens at a known point, not after a sleep: `fault.hold_shard` makes the
+actor that gets that shard write where it runs and wait; the test kills that actor's node (or the head), then
+releases the shard, whose retry runs at once wherever it lands. Ray's own timeouts are left at their
+defaults: a node is marked dead after its health checks miss (~15 s), which is what the job must live with.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster_helpers import Driver, LocalCluster, clusters, drivers, held_by, job_lines, ray_tmpdir, release  # noqa: F401
+from jobs_helpers import read_output, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+ROWS = 24
+HELD = 3  # the shard whose actor's node is lost while it runs it
+
+
+def _ids() -> list[str]:
+    return [f"r{i:03d}" for i in range(ROWS)]
+
+
+def _args(tmp_path, *more: str) -> list[str]:
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": rid, "prompt": f"Question {i}: what is {i} plus {i}?"}
+                                              for i, rid in enumerate(_ids())])
+    # 12 shards of 2 rows, 2 shards in flight per actor, one actor per one-CPU node
+    return ["engine.method=ar", "generation.max_new_tokens=4", "output.progress_interval_s=1",
+            f"data.path={data}", f"output.dir={tmp_path / 'out'}", "data.shard_size=2", "engine.max_batch_size=2",
+            "ray.num_cpus_per_actor=1", "ray.shards_in_flight_per_actor=2", *more]
+
+
+def _assert_complete(out) -> None:
+    ids = read_output(out).column("id").to_pylist()
+    assert sorted(ids) == _ids()  # every input id exactly once
+    summary = json.loads((out / "_summary.json").read_text())
+    assert summary["complete"] and summary["check"]["output_rows"] == ROWS
+
+
+def test_worker_node_lost_with_a_spare_node(tmp_path, clusters, drivers):
+    cluster = LocalCluster(workers=3)  # two actors, one spare node
+    clusters.append(cluster)
+    out = tmp_path / "out"
+    driver = Driver(_args(tmp_path, "ray.num_actors=2", f"fault.hold_shard={HELD}"), cluster.address, tmp_path / "a.log")
+    drivers.append(driver)
+    where = held_by(out, HELD, driver)
+    cluster.kill_node(cluster.node(where["node_id"]))
+    release(out)
+    assert driver.wait() == 0, driver.report()
+    _assert_complete(out)
+    log = "\n".join(job_lines(driver.text()))
+    node = f"node {where['node_id'][:8]}"
+    assert node in log.split("lost", 1)[0], log  # the start-up log names the actor's node ...
+    assert any("lost" in ln and node in ln for ln in log.splitlines()), log  # ... and its loss
+
+
+def test_worker_node_lost_without_a_spare_node_the_job_finishes_on_the_others(tmp_path, clusters, drivers):
+    cluster = LocalCluster(workers=2)  # two actors, no room to restart the lost one
+    clusters.append(cluster)
+    out = tmp_path / "out"
+    driver = Driver(_args(tmp_path, "ray.num_actors=2", f"fault.hold_shard={HELD}"), cluster.address, tmp_path / "b.log")
+    drivers.append(driver)
+    where = held_by(out, HELD, driver)
+    cluster.kill_node(cluster.node(where["node_id"]))
+    release(out)
+    assert driver.wait() == 0, driver.report()  # the default ray.placement_timeout_s (300 s) is not waited for
+    _assert_complete(out)
+
+
+def test_last_actor_lost_for_good_stops_with_one_line_then_resumes(tmp_path, clusters, drivers):
+    cluster = LocalCluster(workers=1)
+    clusters.append(cluster)
+    out = tmp_path / "out"
+    args = _args(tmp_path, "ray.num_actors=1", "ray.placement_timeout_s=20")
+    driver = Driver([*args, f"fault.hold_shard={HELD}"], cluster.address, tmp_path / "c.log")
+    drivers.append(driver)
+    where = held_by(out, HELD, driver)
+    cluster.kill_node(cluster.node(where["node_id"]))
+    release(out)
+    assert driver.wait() == 1, driver.report()
+    last = job_lines(driver.text())[-1]
+    assert last.startswith("esp-batch: job failed:") and "ray.placement_timeout_s=20" in last, last
+    assert f"node {where['node_id'][:8]}" in last and "CPU" in last, last  # the node lost, the resources missing
+    assert "Traceback" not in driver.text()
+    run = json.loads((out / "_summary.json").read_text())["runs"][-1]
+    assert run["failure"] == last.split("job failed: ", 1)[1].split("; finished parts", 1)[0]
+    done = len(list(out.glob("part-*.parquet")))
+    assert 0 < done < ROWS // 2  # the finished parts are kept
+
+    cluster.add_worker()  # a node comes back: the same command resumes
+    rerun = Driver(args, cluster.address, tmp_path / "c2.log")
+    drivers.append(rerun)
+    assert rerun.wait() == 0, rerun.report()
+    _assert_complete(out)
+    assert json.loads((out / "_summary.json").read_text())["this_run"]["shards_skipped"] == done
+
+
+def test_head_lost_one_line_then_a_fresh_cluster_resumes(tmp_path, clusters, drivers):
+    cluster = LocalCluster(workers=2)
+    clusters.append(cluster)
+    out = tmp_path / "out"
+    args = _args(tmp_path, "ray.num_actors=2")
+    driver = Driver([*args, f"fault.hold_shard={HELD}"], cluster.address, tmp_path / "d.log")
+    drivers.append(driver)
+    held_by(out, HELD, driver)
+    cluster.kill_node(cluster.cluster.head_node)
+    assert driver.wait() == 1, driver.report()
+    last = job_lines(driver.text())[-1]
+    assert last.startswith("esp-batch: job failed:") and "head" in last, last
+    assert "Traceback" not in driver.text()
+    run = json.loads((out / "_summary.json").read_text())["runs"][-1]  # the run is on record
+    assert "head" in run["failure"]
+    cluster.shutdown()
+
+    fresh = LocalCluster(workers=2)
+    clusters.append(fresh)
+    rerun = Driver(args, fresh.address, tmp_path / "d2.log")
+    drivers.append(rerun)
+    assert rerun.wait() == 0, rerun.report()
+    _assert_complete(out)
