@@ -6,6 +6,7 @@ parts are kept; rerun to resume), 2 bad command line, config, input or output di
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -35,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if ns.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
-    from .cluster import ClusterError
+    from .cluster import ClusterError, HeadLost
     from .runner import JobError, run_job
 
     try:
@@ -43,6 +44,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"esp-batch: error: {exc}", file=sys.stderr)
         return 2
+    except HeadLost as exc:  # Ray's shutdown (also at interpreter exit) would wait for the lost head: exit now
+        print(f"esp-batch: job failed: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
     except (JobError, ClusterError) as exc:
         print(f"esp-batch: job failed: {exc}", file=sys.stderr)
         return 1
