@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from . import reaper
+
 log = logging.getLogger("esp_batch")
+_HAS_PROC = Path("/proc/self/stat").exists()
+_reaper: Optional[Any] = None  # the reaper of the local instance connect() started
 
 
 class ClusterError(RuntimeError):
@@ -64,9 +68,23 @@ def connect(ray_cfg: Any) -> bool:
             raise ClusterError(f"cannot connect to Ray at {address!r}: {str(exc).splitlines()[0]}") from None
         log.info("connected to Ray cluster at %s", address)
         return False
+    global _reaper
+    before = reaper.children(os.getpid()) if _HAS_PROC else set()
     ray.init(address="local", num_cpus=ray_cfg.num_cpus, include_dashboard=False, **common)
+    if _HAS_PROC:  # the instance's processes die with this driver, however it ends (see reaper.py)
+        _reaper = reaper.start(reaper.children(os.getpid()) - before)
     log.info("started a local Ray instance (%s CPUs)", int(ray.cluster_resources().get("CPU", 0)))
     return True
+
+
+def stop_local() -> None:
+    """Shut down the local instance connect() started, and its reaper."""
+    import ray
+
+    global _reaper
+    ray.shutdown()
+    reaper.release(_reaper)
+    _reaper = None
 
 
 @dataclass

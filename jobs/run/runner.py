@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from .actors import ActorPool, StartError
-from .cluster import HeadLost, HeadWatch, actor_resources, check_resources, connect
+from .cluster import HeadLost, HeadWatch, actor_resources, check_resources, connect, stop_local
 from ..config import (ConfigError, config_hash, engine_config, generation_defaults, hashed_part, looks_local,
                       shards_in_flight)
 from ..io.output import SUMMARY, OutputDir, PartInfo
@@ -247,7 +247,7 @@ def run_job(cfg: DictConfig) -> JobResult:
         if pool is not None and not lost and ray.is_initialized():  # an exception left them running
             pool.stop()
         if started and not lost:
-            ray.shutdown()
+            stop_local()
 
 
 def _write_report(out: OutputDir, cfg: DictConfig) -> None:
