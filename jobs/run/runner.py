@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import logging
 import math
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ from .progress import Progress
 from .rows import INPUT_COLUMNS, JobRow, RowNormalizer, shard_fingerprint
 from .schema import CATEGORY, carry_types, output_schema, to_table
 from ..io.sources import Source, SourceError, open_source
+from ..io.storage import is_uri
 from .stats import COLUMNS, Totals
 from .dispatch import Dispatcher, first_line
 from .worker import WorkerSpec
@@ -99,6 +102,22 @@ def _preflight(cfg: DictConfig) -> None:
     if heads and cfg.engine.method in ("cp_heads", "hybrid") and not (Path(heads).expanduser() / "heads.json").is_file():
         raise ConfigError(f"engine.heads_path={heads!r} holds no heads.json; give the output.dir of a jobs.train_heads "
                           "run (or a directory under heads/)")
+
+
+def _check_output_location(cfg: DictConfig) -> None:
+    """Under `ray job submit --working-dir` the job runs in Ray's temporary copy of the working dir, deleted
+    with the cluster's session: refuse a relative (or unset) output.dir, which would be written there."""
+    try:
+        runtime_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return
+    where = cfg.output.dir
+    if not runtime_env.get("working_dir") or is_uri(where) or (where and Path(where).expanduser().is_absolute()):
+        return
+    given = f"output.dir={where!r} is relative" if where else "output.dir is unset"
+    raise ConfigError(f"{given}: under `ray job submit --working-dir` it would be written into Ray's temporary copy "
+                      "of the working dir, deleted when the cluster stops; give an absolute output.dir (on the head "
+                      "node or shared storage) or an object-store URL (s3://...)")
 
 
 def _check_partitioning(cfg: DictConfig, schema: Any) -> None:
@@ -167,6 +186,7 @@ def run_job(cfg: DictConfig) -> JobResult:
     t_start = time.monotonic()
     chash = config_hash(cfg)
     _preflight(cfg)
+    _check_output_location(cfg)
     out = OutputDir(cfg.output.dir or default_output_dir(cfg, chash), cfg.storage, tuple(cfg.output.partition_by))
     try:
         source = open_source(cfg.data.path, cfg.data.format, cfg.data.split, cfg.data.limit, cfg.storage)
