@@ -118,13 +118,16 @@ class ActorPool:
         while any(a.state in (STARTING, LOST) for a in self.actors):
             self.wait([], 1.0)
         bad = next((a.info["error"] for a in self.actors if a.info.get("error")), None)
+        if not bad and not self.live():
+            self.head.confirm("no engine actor started")
         if bad or not self.live():
             self.stop()
             raise StartError(f"the engine failed to load: {bad}" if bad else self.none_left())
         info = self.live()[0].info
-        log.info("%d actor(s) ready (%s each%s), %d shards in flight each (max_context %s, chat template %s): %s",
-                 len(self.live()), self.resources, f"; {self.resources.note}" if self.resources.note else "",
-                 self.cap, info["max_context"], "on" if info["chat_template"] else "off",
+        log.info("%d actor(s) ready (%s each%s), %d shards in flight each (engine on %s, max_context %s, chat "
+                 "template %s): %s", len(self.live()), self.resources,
+                 f"; {self.resources.note}" if self.resources.note else "", self.cap, info.get("device", "?"),
+                 info["max_context"], "on" if info["chat_template"] else "off",
                  ", ".join(f"actor {a.index} on {a.place}" for a in self.live()))
 
     def _place(self) -> Any:
@@ -148,8 +151,8 @@ class ActorPool:
                     f"the cluster could not place {self.n} actors x ({self.resources}) within ray.placement_timeout_s="
                     f"{self.timeout_s:g}s (available: {self._free()}); lower ray.num_actors or the per-actor "
                     "resources, or add nodes")
-            self._note(f"waiting for the cluster to place {self.n} actors x ({self.resources}) ({waited:.0f}s of "
-                       f"ray.placement_timeout_s={self.timeout_s:g}s; available: {self._free()})")
+            self._note(lambda: f"waiting for the cluster to place {self.n} actors x ({self.resources}) ({waited:.0f}s "
+                               f"of ray.placement_timeout_s={self.timeout_s:g}s; available: {self._free()})")
         return pg
 
     def stop(self) -> None:
@@ -297,36 +300,41 @@ class ActorPool:
         lost = [a for a in self.actors if a.state == LOST]
         starting = [a.index for a in self.actors if a.state == STARTING]
         if lost:
-            self._note("waiting for " + "; ".join(
+            self._note(lambda: "waiting for " + "; ".join(
                 f"actor {a.index} (lost {f'with {a.place}' if a.place else 'during start-up'} {now - a.lost_at:.0f}s "
                 f"ago; given up after ray.placement_timeout_s={self.timeout_s:g}s)" for a in lost))
         elif starting:
-            self._note(f"waiting for actor(s) {', '.join(map(str, starting))} to start (placing, loading the engine)")
+            self._note(lambda: f"waiting for actor(s) {', '.join(map(str, starting))} to start (placing, loading "
+                               "the engine)")
 
     def _gone(self, actor: Actor, reason: str, died: bool) -> None:
         held = actor.held
         actor.state, actor.end, actor.ask, actor.held = GONE, reason, None, []
-        _kill(actor.handle)
+        if not self.head.down:  # ray.kill goes through the GCS
+            _kill(actor.handle)
         rest = "its shards go to the live actors" if self.any_left else "no engine actor is left"
         log.error("%s; %s", reason, rest)
         if died:
             self.on_death(actor, held)
 
     def _free(self) -> str:
+        """The cluster's free resources of the kinds an actor needs (a GCS call: not while the head is silent)."""
         import ray
 
+        if self.head.down:
+            return "unknown: the cluster's head does not answer"
         try:
             have, free = ray.cluster_resources(), ray.available_resources()
         except Exception:  # noqa: BLE001 - for the message only
             return "unknown"
         return ", ".join(f"{k} {free.get(k, 0):g} free of {have.get(k, 0):g}" for k in self.resources.bundle()) or "-"
 
-    def _note(self, text: str) -> None:
+    def _note(self, text: Callable[[], str]) -> None:
         """A 'waiting for ...' line, at most every output.progress_interval_s."""
         now = time.monotonic()
         if now - self._noted >= self.note_every_s:
             self._noted = now
-            log.info("%s", text)
+            log.info("%s", text())
 
 
 def _kill(handle: Any) -> None:

@@ -111,11 +111,11 @@ def actor_resources(ray_cfg: Any) -> Resources:
     asked = ray_cfg.num_gpus_per_actor
     if asked == "auto":
         gpus = 1.0 if have > 0 else 0.0
-        note = (f"ray.num_gpus_per_actor=auto: the cluster has {have:g} GPUs" if have
-                else "ray.num_gpus_per_actor=auto: the cluster has no GPU, the engines run on CPU")
+        note = (f"ray.num_gpus_per_actor=auto: the cluster has {have:g} GPU{'s' if have != 1 else ''}" if have
+                else "ray.num_gpus_per_actor=auto: the cluster has no GPU")
         return Resources(float(ray_cfg.num_cpus_per_actor), gpus, note)
     if float(asked) == 0 and have > 0:
-        log.warning("ray.num_gpus_per_actor=0 on a cluster with %g GPUs: the engines run on CPU "
+        log.warning("ray.num_gpus_per_actor=0 on a cluster with %g GPU(s): the engines run on CPU "
                     "(ray.num_gpus_per_actor=auto or 1 gives each actor a GPU)", have)
     return Resources(float(ray_cfg.num_cpus_per_actor), float(asked))
 
@@ -157,17 +157,34 @@ class HeadWatch:
         self._checked = 0.0
         self._down_since: Optional[float] = None
 
+    @property
+    def down(self) -> bool:
+        """Whether the GCS did not answer the last check (calls through it would wait for Ray's 60 s)."""
+        return self._down_since is not None
+
+    def _answers(self) -> Optional[OSError]:
+        """None when the GCS accepts a connection now, else the error."""
+        host, port = self.address.rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return None
+        except OSError as exc:
+            return exc
+
+    def confirm(self, what: str) -> None:
+        """Raises HeadLost when the GCS does not answer now: `what` (every actor gone, say) is then the head's loss."""
+        if self.address is not None and (exc := self._answers()) is not None:
+            raise HeadLost(f"lost the cluster's head: its GCS at {self.address} does not answer "
+                           f"({exc.strerror or type(exc).__name__}) and {what}")
+
     def check(self) -> None:
         """Raises HeadLost once the GCS has not answered for ray.head_timeout_s."""
         now = time.monotonic()
         if self.address is None or now - self._checked < self.every_s:
             return
         self._checked = now
-        host, port = self.address.rsplit(":", 1)
-        try:
-            with socket.create_connection((host, int(port)), timeout=1.0):
-                pass
-        except OSError as exc:
+        exc = self._answers()
+        if exc is not None:
             if self._down_since is None:
                 self._down_since = now
                 log.warning("the cluster's head (GCS at %s) does not answer (%s); waiting up to "

@@ -95,6 +95,7 @@ class Dispatcher:
             self._collect(ref)
         self.progress.update()
         if not self.pool.any_left and self.stopped is None:
+            self.pool.head.confirm("no engine actor is left")
             self.stopped = self.pool.none_left()
 
     def _collect(self, ref: Any) -> None:

@@ -126,6 +126,7 @@ class ShardWorker:
             **where(),
             "max_context": self.engine.loaded.max_context,
             "chat_template": self.prompts.use_template,
+            "device": str(self.engine.loaded.device),
         }
 
     def stats(self) -> dict[str, Any]:

@@ -50,11 +50,12 @@ class LocalCluster:
     """A head with no CPUs (it runs the driver only, as ray_cluster.yaml's head) and `workers` nodes with one CPU
     each: one engine actor per worker node."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, gpus_per_worker: int = 0):
         from ray.cluster_utils import Cluster
 
         self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-        self.workers = [self.cluster.add_node(num_cpus=1) for _ in range(workers)]
+        # GPUs as Ray resources only (Ray schedules what a node declares): an actor given one sees no CUDA device
+        self.workers = [self.cluster.add_node(num_cpus=1, num_gpus=gpus_per_worker) for _ in range(workers)]
         self.cluster.wait_for_nodes()
         self.address = self.cluster.address
 
@@ -133,6 +134,14 @@ class Driver:
             assert time.monotonic() < deadline, f"no {path.name} after {timeout:.0f} s:\n{self.report()}"
             time.sleep(0.1)
         return json.loads(path.read_text())
+
+    def wait_for_line(self, text: str, timeout: float = 600) -> None:  # a hang guard, not a speed bound
+        """Until the driver has logged a line containing `text`; fails if it exits first."""
+        deadline = time.monotonic() + timeout
+        while not any(text in ln for ln in job_lines(self.text())):
+            assert self.proc.poll() is None, f"the driver exited ({self.proc.returncode}) first:\n{self.report()}"
+            assert time.monotonic() < deadline, f"no line with {text!r} after {timeout:.0f} s:\n{self.report()}"
+            time.sleep(0.1)
 
     def wait(self, timeout: float = 600) -> int:  # a hang guard, not a speed bound
         try:

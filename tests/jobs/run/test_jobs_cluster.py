@@ -57,7 +57,7 @@ def test_worker_node_lost_with_a_spare_node(tmp_path, clusters, drivers):
     assert driver.wait() == 0, driver.report()
     _assert_complete(out)
     lines = job_lines(driver.text())
-    assert any("ready" in ln and f"actor 0 on {lost}" in ln for ln in lines), lines  # where each actor runs
+    assert any("actor(s) ready" in ln and f"actor 0 on {lost}" in ln for ln in lines), lines  # where it runs
     assert any(f"actor 0 lost on {lost}" in ln for ln in lines), lines  # its loss
     assert any(f"actor 0 back on {spare}" in ln and "restarted (1 of ray.max_restarts=3)" in ln for ln in lines), lines
 
@@ -126,3 +126,36 @@ def test_head_lost_one_line_then_a_fresh_cluster_resumes(tmp_path, clusters, dri
     drivers.append(rerun)
     assert rerun.wait() == 0, rerun.report()
     _assert_complete(out)
+
+
+def test_head_lost_during_start_up_one_line(tmp_path, clusters, drivers):
+    cluster = LocalCluster(workers=0)  # no room for the actor: the driver waits for the cluster to place it
+    clusters.append(cluster)
+    driver = Driver(_args(tmp_path, "ray.num_actors=1"), cluster.address, tmp_path / "e.log")
+    drivers.append(driver)
+    driver.wait_for_line("waiting for the cluster to place 1 actors")  # it says what it waits for
+    cluster.kill_node(cluster.cluster.head_node)
+    assert driver.wait() == 1, driver.report()
+    last = job_lines(driver.text())[-1]
+    assert last.startswith("esp-batch: job failed: lost the cluster's head"), last
+    assert "Traceback" not in driver.text()
+
+
+def test_gpus_by_default_where_the_cluster_has_them(tmp_path, clusters, drivers):
+    """ray.num_gpus_per_actor=auto reserves one GPU per actor on a cluster with GPUs (declared as Ray resources
+    here: the engine itself then runs on CPU), and says so; an explicit 0 there is warned about."""
+    cluster = LocalCluster(workers=1, gpus_per_worker=1)
+    clusters.append(cluster)
+    auto = Driver(_args(tmp_path, "ray.num_actors=1"), cluster.address, tmp_path / "auto.log")
+    drivers.append(auto)
+    assert auto.wait() == 0, auto.report()
+    ready = next(ln for ln in job_lines(auto.text()) if "actor(s) ready" in ln)
+    assert "(1 CPU, 1 GPU each; ray.num_gpus_per_actor=auto: the cluster has 1 GPU)" in ready, ready
+
+    cpu = Driver(_args(tmp_path, "ray.num_actors=1", "ray.num_gpus_per_actor=0", "output.overwrite=true"),
+                 cluster.address, tmp_path / "cpu.log")
+    drivers.append(cpu)
+    assert cpu.wait() == 0, cpu.report()
+    lines = job_lines(cpu.text())
+    assert any("ray.num_gpus_per_actor=0 on a cluster with 1 GPU(s): the engines run on CPU" in ln for ln in lines), lines
+    assert "(1 CPU each)" in next(ln for ln in lines if "actor(s) ready" in ln)
