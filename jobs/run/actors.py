@@ -64,6 +64,7 @@ class Actor:
     ask_at: float = 0.0  # when to ask next
     died_answers: int = 0  # asks in a row answered by ActorDiedError
     end: str = ""  # why it is gone (one line)
+    error: str = ""  # the error of its last loss (one line)
     info: dict[str, Any] = field(default_factory=dict)  # its last `info` answer
 
 
@@ -77,7 +78,8 @@ def actor_error_text(exc: BaseException, limit: int = 160) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("\t")]
     generic = "The actor died unexpectedly before finishing this task."
     useful = [ln for ln in lines if ln != generic] or lines or [type(exc).__name__]
-    return f"{type(exc).__name__}: {' '.join(useful)}"[:limit]
+    text = f"{type(exc).__name__}: {' '.join(useful)}"
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 class ActorPool:
@@ -228,7 +230,7 @@ class ActorPool:
             return
         if actor.state == GONE:
             return
-        actor.state, actor.lost_at, actor.held = LOST, time.monotonic(), list(held)
+        actor.state, actor.lost_at, actor.held, actor.error = LOST, time.monotonic(), list(held), actor_error_text(exc)
         if actor.ask is None:
             self._ask(actor)
         where = f"on {actor.place}" if actor.place else "during start-up"
@@ -236,7 +238,7 @@ class ActorPool:
         if held:
             to = "the live actors" if self.live() else "it when it is back (no other actor is live)"
             shards = f"; its {len(held)} shard(s) {sorted(held)} go to {to}"
-        log.warning("actor %d lost %s: %s%s", actor.index, where, actor_error_text(exc), shards)
+        log.warning("actor %d lost %s: %s%s", actor.index, where, actor.error, shards)
 
     def _ask(self, actor: Actor) -> None:
         actor.ask = actor.handle.info.remote()

@@ -129,8 +129,8 @@ class Dispatcher:
             self.deaths[s] += 1
             if self.deaths[s] > self.max_restarts and all(f != s for f, _ in self.failures):
                 self.failures.append((s, f"the actors running it died {self.deaths[s]} times (more than "
-                                         f"ray.max_restarts={self.max_restarts}), the last one actor {actor.index} "
-                                         f"on {actor.place}"))
+                                         f"ray.max_restarts={self.max_restarts}); the last, actor {actor.index} on "
+                                         f"{actor.place}: {actor.error}"))
 
     def flush(self) -> None:
         """Write the parts of the shards collected so far."""
