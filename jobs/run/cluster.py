@@ -171,6 +171,10 @@ class HeadWatch:
         except OSError as exc:
             return exc
 
+    def answers_now(self) -> bool:
+        """One check now: whether the GCS accepts a connection (True when there is no address to watch)."""
+        return self.address is None or self._answers() is None
+
     def confirm(self, what: str) -> None:
         """Raises HeadLost when the GCS does not answer now: `what` (every actor gone, say) is then the head's loss."""
         if self.address is not None and (exc := self._answers()) is not None:

@@ -40,7 +40,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .runner import JobError, run_job
 
     try:
-        run_job(cfg)
+        result = run_job(cfg)
     except ConfigError as exc:
         print(f"esp-batch: error: {exc}", file=sys.stderr)
         return 2
@@ -52,6 +52,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (JobError, ClusterError) as exc:
         print(f"esp-batch: job failed: {exc}", file=sys.stderr)
         return 1
+    if result.head_lost:  # finished, but Ray's shutdown would wait for the lost head
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

@@ -56,6 +56,7 @@ class JobResult:
     output_dir: str
     summary_path: str
     summary: dict[str, Any]
+    head_lost: bool = False  # the job finished while the cluster's head did not answer: Ray cannot shut down cleanly
 
 
 def default_output_dir(cfg: DictConfig, chash: str) -> str:
@@ -243,6 +244,9 @@ def run_job(cfg: DictConfig) -> JobResult:
                 dispatcher.drain()
         except HeadLost as exc:
             lost, failure = True, str(exc)
+        if pool is not None and not lost and not pool.head.answers_now():  # every shard back, the head silent
+            lost = True
+            log.warning("the cluster's head does not answer: the actors are left to the cluster")
         histogram = pool.batch_histogram() if pool is not None and not lost else {}
         if pool is not None and not lost:
             pool.stop()
@@ -262,6 +266,7 @@ def run_job(cfg: DictConfig) -> JobResult:
         _write_report(out, cfg)
         if not check["complete"]:
             raise JobError(f"output check failed: {check['problem']}; see {out.file(SUMMARY)}")
+        result.head_lost = lost
         return result
     finally:
         if pool is not None and not lost and ray.is_initialized():  # an exception left them running
