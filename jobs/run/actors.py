@@ -193,9 +193,13 @@ class ActorPool:
         import ray
 
         total: collections.Counter[int] = collections.Counter()
-        for a in self.live():
+        asks = {a.handle.stats.remote(): a for a in self.live()}
+        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=30) if asks else ([], [])
+        for ref, a in asks.items():
             try:
-                total.update({int(k): v for k, v in ray.get(a.handle.stats.remote(), timeout=60)["batch_histogram"].items()})
+                if ref not in ready:
+                    raise TimeoutError
+                total.update({int(k): v for k, v in ray.get(ref)["batch_histogram"].items()})
             except Exception:  # noqa: BLE001 - statistics only
                 log.warning("could not read actor %d's batch statistics", a.index)
         return dict(sorted(total.items()))
@@ -268,8 +272,11 @@ class ActorPool:
         place = Place(info.get("node_id", ""), info.get("ip", ""), int(info.get("pid", 0)))
         previous, actor.place, actor.info = actor.place, place, info
         if info.get("error"):
-            self._gone(actor, f"actor {actor.index} on {place} could not load its engine: {info['error']}",
-                       died=actor.state == LOST)
+            reason = f"actor {actor.index} on {place} could not load its engine: {info['error']}"
+            if actor.state == STARTING:  # start() stops the job with this one line
+                actor.state, actor.end = GONE, reason
+            else:
+                self._gone(actor, reason, died=True)
             return
         if actor.state == STARTING:
             actor.state = LIVE
