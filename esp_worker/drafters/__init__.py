@@ -10,7 +10,7 @@ from .mask_probe import MaskModel, MaskSettings
 
 def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
     """The drafter for `cfg.method`, sized by the block complexity."""
-    if cfg.method == "ar":
+    if cfg.method in ("ar", "dmtd"):  # dmtd: one token per pass, the model's layer groups (engine.cycle)
         return PlainDrafter()
     if cfg.method == "pld":
         from .pld import PromptLookupDrafter

@@ -11,6 +11,7 @@ import torch
 from ..grad import inference
 from ..tree import gather_slots
 from .decoder import direct_decoder
+from .layers import ModuleLayers
 from .errors import ModelLoadError
 from .load import LoadedModel, sliding_window
 
@@ -57,6 +58,8 @@ class ModelRunner:
         # wait for the device after each call so model_s is true model time (CUDA only; turn off to keep a
         # pass free of synchronisations, e.g. under torch.cuda.set_sync_debug_mode("error"))
         self.timed = True
+        # the layers as groups (DMTD runs some layers for some tokens): the direct loop, else the model's modules
+        self.layers: Any = self.direct if self.direct is not None else ModuleLayers(self.base)
 
     # name the model's calls in a torch.profiler trace (jobs/bench/profiling.py turns it on; off, no cost per call)
     profile_marks = False
@@ -112,6 +115,15 @@ class ModelRunner:
             if keep is not None:
                 hidden = gather_slots(hidden, keep)
         return hidden
+
+    @contextlib.contextmanager
+    def timing(self, name: str = "model.forward"):
+        """Count the block's wall time as model time (a forward run as layer groups, model/dmtd.py)."""
+        t0 = time.perf_counter()
+        with self._mark(name):
+            yield
+        self._sync()
+        self.model_s += time.perf_counter() - t0
 
     @inference
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ SETTINGS = [
     dict(method="lade", block_complexity=10),
     dict(method="esp", num_masks=1, block_complexity="auto"),
     dict(method="hybrid", num_masks=1, block_complexity="auto"),
+    dict(method="dmtd", dmtd_tau=3, dmtd_decoding_layers=1),  # rows at their own cycle phases (not lossless)
 ]
 
 
@@ -112,7 +113,7 @@ def test_at_most_one_host_read_per_decode_pass(monkeypatch, setting, batch, temp
     auto = SETTINGS[setting].get("block_complexity") == "auto"
     over = [(i, n, changed) for i, (n, changed) in enumerate(seen["per_pass"]) if n > 1 + (auto and changed)]
     assert not over, (over[:5], seen["where"])
-    if temperature == 0:
+    if temperature == 0 and cfg.lossless:
         assert [tuple(o.token_ids) for o in outs] == [r[:32] for r in reference("llama", "sdpa")]
 
 
