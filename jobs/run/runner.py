@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from esp_worker.config import NOT_LOSSLESS
 from omegaconf import DictConfig, OmegaConf
 
 from .cluster import ClusterError, check_resources, connect
@@ -502,6 +503,9 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
         "prompt_tokens": totals.prompt_tokens,
         "generated_tokens": totals.generated_tokens,
         "tau": totals.tau,
+        # false for a method whose output is not the model's own decoding (dmtd); plt: its layers per token / layers
+        "lossless": cfg.engine.method not in NOT_LOSSLESS,
+        "plt": totals.plt,
         # all runs: tokens generated / seconds the engines were generating (start-up excluded)
         "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else None,
         "this_run": run,

@@ -15,6 +15,7 @@ BASE_FIELDS = [
     pa.field("num_generated_tokens", pa.int64()),
     pa.field("finish_reason", pa.string()),  # stop | length | context; null on error
     pa.field("method", pa.string()),
+    pa.field("lossless", pa.bool_()),  # false: the method's output is not the model's own decoding (dmtd)
     pa.field("num_decode_passes", pa.int64()),
     pa.field("num_decode_tokens", pa.int64()),  # tokens committed by decode passes (tau's numerator)
     pa.field("num_drafted_tokens", pa.int64()),
@@ -23,6 +24,7 @@ BASE_FIELDS = [
     pa.field("committed_histogram", pa.list_(pa.int32())),  # [n] decode passes that committed n tokens
     pa.field("accepted_by_proposer", pa.map_(pa.string(), pa.int64())),  # hybrid: accepted drafts per proposer
     pa.field("tau", pa.float64()),  # mean tokens committed per decode pass; null without decode passes
+    pa.field("plt", pa.float64()),  # dmtd: layers per token / the model's layers; null for other methods
     pa.field("time_s", pa.float64()),  # seconds from the request's admission to its finish
     pa.field("error", pa.string()),  # null when fine
 ]
@@ -38,7 +40,9 @@ DESCRIPTIONS = {
     "num_prompt_tokens": "tokens in the prompt after the chat template (summed over turns)",
     "num_generated_tokens": "tokens generated (summed over turns)",
     "finish_reason": "stop (EOS or stop string) | length (max_new_tokens) | context (model context full); null on error",
-    "method": "decoding method: ar | esp | pld | stand | lade",
+    "method": "decoding method: ar | esp | pld | stand | lade | hybrid | cp_heads | dmtd | dmtd_verified",
+    "lossless": "true when the text is exactly the model's own decoding (every method but dmtd, which decodes with "
+                "a different, fine-tuned model's layer cycles)",
     "num_decode_passes": "model forward passes after the prefill",
     "num_decode_tokens": "tokens committed by decode passes (bonus included, prefill's first token not): tau's numerator",
     "num_drafted_tokens": "draft tokens fed to the model for verification",
@@ -47,6 +51,8 @@ DESCRIPTIONS = {
     "committed_histogram": "[n] = decode passes that committed n tokens",
     "accepted_by_proposer": "hybrid: accepted draft tokens per proposer (ngram, store, esp, corpus, and heads with engine.heads_path); empty for other methods",
     "tau": "mean acceptance length: num_decode_tokens / num_decode_passes; null without decode passes",
+    "plt": "dmtd: layers run per generated token / the model's layers over the decode passes (the DMTD paper's PLT); "
+           "null for other methods",
     "time_s": "seconds from the request's admission to its finish (rows share the engine's batches)",
     "error": "one-line error message; null when the row was generated",
     CATEGORY: "the input's category column (data.category_column), used for per-category statistics",
