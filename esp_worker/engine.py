@@ -298,7 +298,7 @@ class Engine:
         aux_hidden = hidden[:, 1:] if a else None
         mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
         self.drafter.observe(rows.view(), PassRecord(committed, n_fin, hidden=aux_hidden, mask_hidden=mask_hidden,
-                                                     prefill=True))
+                                                     prefill=True, trunk=self.runner.tapped))
         rows.read_back(self.drafter.row_hints(rows.view()))
         return rows
 
@@ -399,7 +399,7 @@ class Engine:
             mask_hidden = gather_slots(out.hidden, mask_indices(owner, block.tree.num_slots, k))
         return PassRecord(res.committed, settled.num_kept, hidden=out.hidden, mask_hidden=mask_hidden,
                           slot_logits=out.slot_logits, path_slots=res.path_slots, last_slot=res.last_slot, block=block,
-                          mask_ok=mask_ok, ema_m=settled.ema_m)
+                          mask_ok=mask_ok, ema_m=settled.ema_m, trunk=self.runner.tapped)
 
     def _end_pass(self, rows: Rows, view: RowsView, block: Block, clock: PassClock) -> None:
         """The pass's one host read (lengths, finish reasons, the drafter's row hints and the planner's next look),

@@ -48,6 +48,10 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
         return LookaheadDrafter.from_config(cfg, runner)
     if cfg.method == "cp_heads":
         return _cp_heads(cfg, runner, cfg.block_complexity - 1)
+    if cfg.method == "dmtd_verified":
+        from .dmtd_verified import DmtdVerifiedDrafter
+
+        return DmtdVerifiedDrafter(runner, cfg.dmtd_path, cfg.dmtd_tau)
     raise ValueError(f"engine.method={cfg.method!r} is unknown")
 
 

@@ -205,11 +205,12 @@ def causal_bias(position_ids: torch.Tensor, dtype: torch.dtype, window: Optional
 
 
 def cyclic_forward(base: Any, cfg: DmtdConfig, input_ids: torch.Tensor, decoding_layers: Any = None,
-                   window: Optional[int] = None) -> torch.Tensor:
+                   window: Optional[int] = None, starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The training-time forward: final hidden states [B, S, D] (after the model's final norm) of windows
     input_ids [B, S] that start at position 0, every layer at every position, the decoding layers fed
     enc + think * [p % tau == 0]. Differentiable (the model's own modules). `decoding_layers`: other modules in
-    the decoding layers' place (dmtd_verified's trained copy; the trunk then runs without gradients)."""
+    the decoding layers' place (dmtd_verified's trained copy; the trunk then runs without gradients).
+    `starts` [B, S] bool: other cycle starts than every tau-th position (dmtd_verified's, in its tests)."""
     assert input_ids.ndim == 2
     b, s = input_ids.shape
     pos = steps(s, input_ids.device)[None].expand(b, s)
@@ -221,13 +222,97 @@ def cyclic_forward(base: Any, cfg: DmtdConfig, input_ids: torch.Tensor, decoding
     with torch.set_grad_enabled(torch.is_grad_enabled() and decoding_layers is None):
         enc = trunk.run(h, 0, e, rope, bias, None)
         think = trunk.run(enc, e, t, rope, bias, None)
-    start = (pos % cfg.tau == 0)[..., None].to(h.dtype)  # [B, S, 1]
+    start = ((pos % cfg.tau == 0) if starts is None else starts)[..., None].to(h.dtype)  # [B, S, 1]
     h = enc + think * start
     if decoding_layers is None:
         h = trunk.run(h, t, cfg.num_layers, rope, bias, None)
     else:
         h = ModuleLayers(base, decoding_layers).run(h, 0, len(decoding_layers), rope, bias, None)
     return base.norm(h)
+
+
+@dataclass
+class CyclicLossResult:
+    loss: torch.Tensor  # scalar to minimise: mean next-token NLL over every position
+    nll: float  # the same, detached
+    nll_full: float  # NLL of the tokens a full pass emits (predicted at cycle starts)
+    nll_decoding: float  # NLL of the tokens decoding passes emit (the other positions)
+
+
+class CyclicLoss(torch.nn.Module):
+    """The cyclical objective of train-dmtd (a module, so that DDP syncs what it trains): next-token cross-entropy
+    at every position of `cyclic_forward` over windows [W, L] that start at position 0. `draft`: dmtd_verified's
+    trained copy in the decoding layers' place (the model frozen)."""
+
+    def __init__(self, model: Any, cfg: DmtdConfig, draft: Any = None, window: Optional[int] = None):
+        super().__init__()
+        self.model, self.draft = model, draft
+        self.cfg, self.window = cfg, window
+
+    def forward(self, windows: torch.Tensor) -> CyclicLossResult:
+        h = cyclic_forward(self.model.get_decoder(), self.cfg, windows, self.draft, self.window)
+        logits = self.model.get_output_embeddings()(h[:, :-1]).float()  # [W, L-1, V]: position p predicts p + 1
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none")
+        nll = nll.view(windows.shape[0], -1)  # [W, L-1]
+        full = steps(nll.shape[1], nll.device) % self.cfg.tau == 0  # [L-1] the roots of full passes
+        loss = nll.mean()
+        return CyclicLossResult(loss, float(loss.detach()), float(nll[:, full].mean().detach()),
+                                float(nll[:, ~full].mean().detach()))
+
+
+# ---- dmtd_verified's draft layers ---------------------------------------------------------------------------
+DRAFT_WEIGHTS = "dmtd_draft.safetensors"
+DRAFT_CONFIG = "dmtd_draft.json"
+
+
+def new_draft_layers(base: Any, cfg: DmtdConfig) -> torch.nn.ModuleList:
+    """A trainable copy of the model's last D layers (dmtd_verified's drafter starts as the model's own)."""
+    import copy
+
+    return torch.nn.ModuleList(copy.deepcopy(layer) for layer in base.layers[cfg.thinking_end:])
+
+
+def save_draft(path: Any, layers: torch.nn.ModuleList, cfg: DmtdConfig, model: Any, training: dict) -> None:
+    """The copy's weights and a config (the split in the authors' fields, the base model and a fingerprint of its
+    unembedding, how it was trained)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from .heads import unembedding_fingerprint
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in layers.state_dict().items()}, str(out / DRAFT_WEIGHTS))
+    info = {**cfg.to_dict(), "base_model": training.get("base_model", ""),
+            "base_fingerprint": unembedding_fingerprint(model), "training": training}
+    (out / DRAFT_CONFIG).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def load_draft(path: Any, model: Any) -> tuple[torch.nn.ModuleList, DmtdConfig]:
+    """(the trained copy on the model's device and dtype, its split); DmtdConfigError (one line) when the files are
+    missing or were trained for another model."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from .heads import unembedding_fingerprint
+
+    p = Path(path)
+    if not (p / DRAFT_CONFIG).is_file() or not (p / DRAFT_WEIGHTS).is_file():
+        raise DmtdConfigError(f"engine.dmtd_path={str(path)!r} holds no {DRAFT_CONFIG} + {DRAFT_WEIGHTS} (train them "
+                              "with esp-batch train-dmtd dmtd.verified=true)")
+    info = json.loads((p / DRAFT_CONFIG).read_text())
+    cfg = DmtdConfig(**{f: int(info[f]) for f in FIELDS})
+    base = model.get_decoder()
+    cfg.check(len(base.layers))
+    if info.get("base_fingerprint") != unembedding_fingerprint(model):
+        raise DmtdConfigError(f"engine.dmtd_path={str(path)!r} was trained for base model {info.get('base_model')!r}, "
+                              "not this model; train a copy for it with esp-batch train-dmtd dmtd.verified=true")
+    layers = new_draft_layers(base, cfg)
+    layers.load_state_dict(load_file(str(p / DRAFT_WEIGHTS)))
+    w = base.layers[0].self_attn.q_proj.weight
+    return layers.to(device=w.device, dtype=w.dtype).eval().requires_grad_(False), cfg
 
 
 # ---- inference ------------------------------------------------------------------------------------------

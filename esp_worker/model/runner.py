@@ -60,6 +60,10 @@ class ModelRunner:
         self.timed = True
         # the layers as groups (DMTD runs some layers for some tokens): the direct loop, else the model's modules
         self.layers: Any = self.direct if self.direct is not None else ModuleLayers(self.base)
+        # a drafter that reads the model's hidden states entering one layer (dmtd_verified: its trunk's output) sets
+        # the layer here; every forward then leaves them in `tapped` [B, Q, D] (every input, `keep` or not)
+        self.tap_layer: Optional[int] = None
+        self.tapped: Optional[torch.Tensor] = None
 
     # name the model's calls in a torch.profiler trace (jobs/bench/profiling.py turns it on; off, no cost per call)
     profile_marks = False
@@ -102,6 +106,12 @@ class ModelRunner:
         return hidden
 
     def _forward(self, inputs_embeds, bias, position_ids, cache, max_position, keep) -> torch.Tensor:
+        if self.tap_layer is not None:  # the layers in two groups, the hidden states between them kept
+            layers, tap = self.layers, self.tap_layer
+            rope = layers.rope(inputs_embeds, position_ids, max_position)
+            self.tapped = layers.run(inputs_embeds, 0, tap, rope, bias, cache)
+            hidden = layers.norm(layers.run(self.tapped, tap, len(self.base.layers), rope, bias, cache, keep))
+            return hidden if keep is None else hidden[:, : keep.shape[1]]
         if self.direct is not None:
             hidden = self.direct(inputs_embeds, bias, position_ids, cache, max_position, keep)
         else:
