@@ -243,6 +243,7 @@ def _leaves(schema: type) -> list[str]:
     ("bench", "docs/guide/benchmarking.md", ("model.", "storage.", "data.", "engine.", "generation.", "output.",
                                              "ray.", "fault.")),
     ("train-heads", "docs/guide/training-heads.md", ("model.",)),
+    ("train-dmtd", "docs/methods/dmtd.md", ("model.",)),
 ])
 def test_the_reference_pages_document_every_key(kind, page, skip):
     text = (ROOT / page).read_text()
