@@ -28,6 +28,7 @@ import torch
 
 from ..consts import ones, steps
 from ..grad import inference
+from ..kv_cache import bucket
 from ..model.attention import attention_bias
 from ..model.decoder import direct_decoder
 from ..model.dmtd import DmtdConfig, DmtdConfigError, load_draft
@@ -99,7 +100,6 @@ class DmtdVerifiedDrafter(Drafter):
         self.stack = (direct_decoder(stack) if runner.direct is not None else None) or ModuleLayers(stack)
         attn = layers[0].self_attn
         self.kv_shape = (len(layers), 2, attn.config.num_key_value_heads, attn.head_dim)
-        self.num_masks = 0
         self._parents: dict[tuple, torch.Tensor] = {}
 
     # ---- rows --------------------------------------------------------------------------------------------
@@ -112,8 +112,6 @@ class DmtdVerifiedDrafter(Drafter):
 
     def _capacity(self, view: RowsView) -> int:
         """Slots the copy needs: the longest row, the drafts after it and a margin (grown in 1/8 steps)."""
-        from ..kv_cache import bucket
-
         return bucket(max(view.lens) + self.cfg.tau + 1)
 
     def _grow(self, view: RowsView) -> None:
