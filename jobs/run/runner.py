@@ -99,6 +99,17 @@ def _preflight(cfg: DictConfig) -> None:
     if heads and cfg.engine.method in ("cp_heads", "hybrid") and not (Path(heads).expanduser() / "heads.json").is_file():
         raise ConfigError(f"engine.heads_path={heads!r} holds no heads.json; give the output.dir of a jobs.train_heads "
                           "run (or a directory under heads/)")
+    copy = cfg.engine.dmtd_path
+    if cfg.engine.method == "dmtd_verified" and not (Path(copy).expanduser() / "dmtd_draft.json").is_file():
+        raise ConfigError(f"engine.dmtd_path={copy!r} holds no dmtd_draft.json; give the output.dir of an "
+                          "esp-batch train-dmtd dmtd.verified=true run")
+    if cfg.engine.method == "dmtd" and not cfg.engine.dmtd_decoding_layers and (looks_local(name) or ":" in name
+                                                                               or name.startswith("tiny-random-")):
+        config = Path(name).expanduser() / "config.json"
+        if not (config.is_file() and "mtp_horizon" in config.read_text()):
+            raise ConfigError(f"engine.method=dmtd needs a DMTD model (esp-batch train-dmtd writes one) and "
+                              f"model.name_or_path={name!r} has no DMTD split; set engine.dmtd_decoding_layers to split it "
+                              "untrained (speed measurements only)")
 
 
 def _check_partitioning(cfg: DictConfig, schema: Any) -> None:
