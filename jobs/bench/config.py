@@ -131,18 +131,3 @@ def validate_bench(cfg: DictConfig) -> None:
     m = list(b.mixed_max_new_tokens)
     need(not m or (len(m) == 2 and 1 <= m[0] <= m[1]), "bench.mixed_max_new_tokens must be [] or [lo, hi] with 1 <= lo <= hi")
 
-
-def check_dmtd_paths(b: DictConfig) -> None:
-    """The directories of bench.dmtd_paths and what the dmtd settings find there (read when the bench starts, before
-    the model loads; the config alone names no file). Raises ConfigError."""
-    from .settings import dmtd_kind, dmtd_settings
-
-    for p in b.dmtd_paths:
-        if not dmtd_kind(p):
-            raise ConfigError(f"bench.dmtd_paths: {p!r} is neither a DMTD model (config.json with mtp_horizon) nor a "
-                              "trained copy (dmtd_draft.json); give directories written by esp-batch train-dmtd")
-    for spec in b.settings:
-        method, _, tau = str(spec).partition(":")
-        if method in DMTD_METHODS and not dmtd_settings(method, int(tau), list(b.dmtd_paths)):
-            raise ConfigError(f"bench.settings: {spec!r} matches none of bench.dmtd_paths (dmtd: DMTD models trained "
-                              "with that tau; dmtd_verified: trained copies)")

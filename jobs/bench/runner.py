@@ -188,7 +188,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
 
     from ..config import engine_config, generation_defaults, model_config
 
-    from .config import check_dmtd_paths
+    from .settings import check_dmtd_paths
 
     b = cfg.bench
     check_dmtd_paths(b)

@@ -147,3 +147,19 @@ def dmtd_settings(method: str, tau: int, paths: list[str]) -> list[Setting]:
             return [Setting(method, tau, 0, "", dmtd_tau=tau)]
         mine = [p for p in mine if trained_tau(p) == tau]
     return [Setting(method, tau, 0, "", dmtd_tau=tau, dmtd_path=p) for p in mine]
+
+
+def check_dmtd_paths(b: DictConfig) -> None:
+    """The directories of bench.dmtd_paths and what the dmtd settings find there (read when the bench starts, before
+    the model loads; the config alone names no file). Raises ConfigError."""
+    from ..config import ConfigError
+
+    for p in b.dmtd_paths:
+        if not dmtd_kind(p):
+            raise ConfigError(f"bench.dmtd_paths: {p!r} is neither a DMTD model (config.json with mtp_horizon) nor a "
+                              "trained copy (dmtd_draft.json); give directories written by esp-batch train-dmtd")
+    for spec in b.settings:
+        method, _, tau = str(spec).partition(":")
+        if method in DMTD_METHODS and not dmtd_settings(method, int(tau), list(b.dmtd_paths)):
+            raise ConfigError(f"bench.settings: {spec!r} matches none of bench.dmtd_paths (dmtd: DMTD models trained "
+                              "with that tau; dmtd_verified: trained copies)")
