@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from .settings import Prompt
+from typing import Any, Callable
 
 
 @dataclass
@@ -38,9 +35,10 @@ def joined(first: Any, later: Any) -> Any:
                                stats=first.stats.merge(later.stats))
 
 
-def all_turns(prompts: list["Prompt"], generate: Callable[[list["Prompt"]], dict[str, Any]]) -> dict[str, Any]:
-    """{id: RequestOutput over all of the row's turns}. `generate(prompts)` runs one turn of the given prompts
-    (their `ids`) and returns {id: RequestOutput}; a row whose turn fails stops there with that error."""
+def all_turns(prompts: list[Any], generate: Callable[[list[Any]], dict[str, Any]]) -> dict[str, Any]:
+    """{id: RequestOutput over all of the row's turns} of bench Prompts (jobs/bench/settings.py).
+    `generate(prompts)` runs one turn of the given prompts (their `ids`) and returns {id: RequestOutput}; a row
+    whose turn fails stops there with that error."""
     outs = generate(prompts)
     answers = {p.id: [outs[p.id].text] for p in prompts if p.conversation is not None}
     turn = 1
