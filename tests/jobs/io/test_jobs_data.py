@@ -168,3 +168,17 @@ def test_output_dir_claims_and_writes_atomically(tmp_path):
     pq.write_table(table, Path(foreign.path) / "part-000000.parquet")
     with pytest.raises(ConfigError, match="no _job.json"):
         foreign.claim("h", {}, {}, overwrite=False)
+
+
+def test_a_malformed_jsonl_line_names_its_line_and_column(tmp_path):
+    """The row's error says where the JSON breaks (the decoder's position), not only what broke."""
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "fine"}, '{"id": "b", "prompt": "x",, "c": 1}',
+                                               {"id": "c", "prompt": "fine"}, "[1, 2]"])
+    _, rows = _read(path)
+    error = rows[1]["__error__"]
+    assert error.startswith("line 2 is not valid JSON: ") and "column 27" in error and "property name" in error
+    assert rows[3]["__error__"] == "line 4 is not a JSON object" and rows[2]["id"] == "c"
+    array = tmp_path / "in.json"
+    array.write_text('[{"id": "a"},\n {"id": "b",}]')
+    with pytest.raises(SourceError, match=r"line 2 column 13"):
+        _read(array)
