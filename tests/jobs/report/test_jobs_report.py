@@ -185,3 +185,10 @@ def _close(fig) -> None:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_method_column_description_lists_every_method():
+    from esp_worker.config import METHODS
+
+    described = DESCRIPTIONS["method"]
+    assert all(f" {m}" in described for m in METHODS), described
