@@ -27,6 +27,8 @@ from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from esp_worker.config import RANDOM_PREFIX
+
 from .cluster import ClusterError, check_resources, connect
 from ..config import (ConfigError, config_hash, engine_config, generation_defaults, hashed_part, looks_local,
                       shards_in_flight)
@@ -86,14 +88,37 @@ def plan_schema(cfg: DictConfig, source: Source) -> Any:
     return output_schema(data.category_column in names, carry)
 
 
+_WEIGHTS = ("*.safetensors", "*.bin")  # single files or shards; a sharded checkpoint's index is *.index.json
+
+
+def _model_dir_problem(path: Path) -> Optional[str]:
+    """What a local model directory lacks for from_pretrained (config.json, a weights file), or None."""
+    if not path.is_dir():
+        return "is a file; give the model directory (config.json and weights)"
+    config = (path / "config.json").is_file() or (path / "adapter_config.json").is_file()  # a PEFT adapter
+    weights = any(any(path.glob(pattern)) for pattern in (*_WEIGHTS, "*.index.json"))
+    if config and weights:
+        return None
+    lacks = " and ".join(what for what, ok in (("no config.json", config), (f"no weights ({', '.join(_WEIGHTS)})", weights))
+                         if not ok)
+    return (f"holds {lacks}; give a directory written by save_pretrained or downloaded from the hub "
+            "(config.json, tokenizer files and weights)")
+
+
 def _preflight(cfg: DictConfig) -> None:
-    """Checks that need no Ray and no model load: a local model path and the heads must exist."""
+    """Checks that need no Ray and no model load: a local model directory holds config.json and weights,
+    and the heads exist."""
     name = cfg.model.name_or_path
-    if looks_local(name) and not Path(name).expanduser().exists():
-        raise ConfigError(
-            f"model.name_or_path={name!r} does not exist (a local path); give an existing model directory "
-            "or a hub id such as org/name"
-        )
+    if looks_local(name) and not name.startswith(RANDOM_PREFIX):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ConfigError(
+                f"model.name_or_path={name!r} does not exist (a local path); give an existing model directory "
+                "or a hub id such as org/name"
+            )
+        problem = _model_dir_problem(path)
+        if problem:
+            raise ConfigError(f"model.name_or_path={name!r} {problem}")
     heads = cfg.engine.heads_path
     if heads and cfg.engine.method in ("cp_heads", "hybrid") and not (Path(heads).expanduser() / "heads.json").is_file():
         raise ConfigError(f"engine.heads_path={heads!r} holds no heads.json; give the output.dir of a jobs.train_heads "

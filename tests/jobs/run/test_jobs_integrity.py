@@ -225,6 +225,28 @@ def test_errors_before_ray_starts(tmp_path):
         assert "Traceback" not in res.stderr and "Ray" not in res.stderr, args  # failed before Ray started
 
 
+def test_a_local_model_directory_without_config_or_weights_is_refused_before_ray(tmp_path):
+    """A local model directory must hold config.json and a weights file: one line, exit 2, before Ray and
+    the engine start (not a tokenizer error from inside an actor)."""
+    empty, no_weights, no_config = (tmp_path / n for n in ("empty", "no-weights", "no-config"))
+    for d in (empty, no_weights, no_config):
+        d.mkdir()
+    (no_weights / "config.json").write_text('{"model_type": "llama"}')
+    (no_weights / "tokenizer.json").write_text("{}")
+    (no_config / "model.safetensors").write_bytes(b"x")
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"x")
+    cases = [(empty, ["no config.json", "no weights"]), (no_weights, ["no weights", "*.safetensors"]),
+             (no_config, ["no config.json"]), (a_file, ["is a file"])]
+    for i, (model, needles) in enumerate(cases):
+        res = run_cli(*FAST, f"model.name_or_path={model}", f"output.dir={tmp_path}/o{i}")
+        line = res.stderr.strip().splitlines()[-1]
+        assert res.returncode == 2 and line.startswith("esp-batch: error: model.name_or_path="), (model, res.stderr[-800:])
+        assert all(n in line for n in needles), (needles, line)
+        assert "Traceback" not in res.stderr and "Ray" not in res.stderr, res.stderr[-800:]  # failed before Ray started
+        assert not (tmp_path / f"o{i}").exists()  # and before the output directory was claimed
+
+
 def test_paths_and_stop_strings_mean_what_users_mean(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
