@@ -247,6 +247,25 @@ def test_a_local_model_directory_without_config_or_weights_is_refused_before_ray
         assert not (tmp_path / f"o{i}").exists()  # and before the output directory was claimed
 
 
+@pytest.mark.slow
+def test_rerun_with_the_model_path_corrected_after_a_failed_load(ray_head, tmp_path):
+    """A start that fails at model load leaves no row; the rerun with the right model into the same
+    output.dir runs (it is not refused as a job with a different config)."""
+    broken = tmp_path / "model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(4))
+    args = [*FAST, f"data.path={data}", f"output.dir={tmp_path / 'out'}", "ray.num_actors=1"]
+    env = {"RAY_ADDRESS": ray_head.address}
+    res = run_cli(*args, f"model.name_or_path={broken}", env=env)
+    assert res.returncode == 1 and "the engine failed to load" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+    res = run_cli(*args, "model.name_or_path=tiny-random-llama", env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(read_output(tmp_path / "out").column("id").to_pylist()) == [f"p{i:03d}" for i in range(4)]
+    assert _summary(tmp_path / "out")["model"] == "tiny-random-llama"
+
+
 def test_paths_and_stop_strings_mean_what_users_mean(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
