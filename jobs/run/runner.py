@@ -125,6 +125,13 @@ def _preflight(cfg: DictConfig) -> None:
                           "run (or a directory under heads/)")
 
 
+def _no_rows(cfg: DictConfig, source: Source) -> str:
+    """An empty input is refused (exit 2), not run as a 'complete' job of 0 rows: nothing would be
+    generated, and an output directory without a part is an error to every reader of it."""
+    why = f" (data.limit={cfg.data.limit})" if cfg.data.limit == 0 else ""
+    return f"data.path={source.path!r} has no rows{why}; nothing to generate"
+
+
 def _check_partitioning(cfg: DictConfig, schema: Any) -> None:
     """output.partition_by names output columns of a scalar type (not the id)."""
     import pyarrow as pa
@@ -373,6 +380,8 @@ def run_job(cfg: DictConfig) -> JobResult:
         total_rows = source.num_rows()
     except SourceError as exc:
         raise ConfigError(str(exc)) from None
+    if total_rows == 0:
+        raise ConfigError(_no_rows(cfg, source))
     out.claim(chash, hashed_part(cfg), OmegaConf.to_container(cfg, resolve=True), cfg.output.overwrite)
     plan = _Plan(out.part_infos())
     log.info("job %s: %s rows from %s (%s) -> %s; %d parts already there",
@@ -409,6 +418,8 @@ def run_job(cfg: DictConfig) -> JobResult:
                 dispatcher.submit(shard_index, rows, fingerprint)
             else:  # every row was a duplicate: an empty part marks the shard done
                 dispatcher.write(shard_index, to_table([], schema), fingerprint)
+        if plan.num_shards == 0:  # an input of unknown length (a hub stream) that held no row
+            raise ConfigError(_no_rows(cfg, source))
         histogram: dict[int, int] = {}
         if dispatcher is not None:
             dispatcher.drain()

@@ -225,6 +225,29 @@ def test_errors_before_ray_starts(tmp_path):
         assert "Traceback" not in res.stderr and "Ray" not in res.stderr, args  # failed before Ray started
 
 
+def test_an_empty_input_is_refused_before_ray(tmp_path):
+    """No input row: one line, exit 2, before Ray starts and before output.dir is claimed (not a 'complete'
+    job of 0 rows whose report cannot be written)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    (tmp_path / "header.csv").write_text("id,prompt\n")
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}),
+                   tmp_path / "none.parquet")
+    rows = write_jsonl(tmp_path / "rows.jsonl", _prompts(3))
+    cases = [([f"data.path={tmp_path / n}"], "has no rows") for n in ("empty.jsonl", "blank.jsonl", "header.csv",
+                                                                        "none.parquet")]
+    cases.append(([f"data.path={rows}", "data.limit=0"], "has no rows (data.limit=0)"))
+    for i, (args, needle) in enumerate(cases):
+        res = run_cli(*FAST, *args, f"output.dir={tmp_path}/o{i}")
+        line = res.stderr.strip().splitlines()[-1]
+        assert res.returncode == 2 and line.startswith("esp-batch: error: data.path=") and needle in line, (args, res.stderr[-800:])
+        assert "Traceback" not in res.stderr and "Ray" not in res.stderr, res.stderr[-800:]
+        assert not (tmp_path / f"o{i}").exists()
+
+
 def test_a_local_model_directory_without_config_or_weights_is_refused_before_ray(tmp_path):
     """A local model directory must hold config.json and a weights file: one line, exit 2, before Ray and
     the engine start (not a tokenizer error from inside an actor)."""
