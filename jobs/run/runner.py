@@ -390,7 +390,7 @@ def run_job(cfg: DictConfig) -> JobResult:
     started = False
     cap = shards_in_flight(cfg)
     try:
-        progress = Progress(total_rows, sum(p.rows for p in plan.parts.values()), cfg.output.progress_interval_s)
+        progress = Progress(total_rows, cfg.output.progress_interval_s)
         normalizer = RowNormalizer(cfg.data.id_column, cfg.data.prompt_column, cfg.data.params_column,
                                    cfg.data.category_column, list(cfg.data.carry_columns))
         actors: list[Any] = []
@@ -400,6 +400,7 @@ def run_job(cfg: DictConfig) -> JobResult:
         for shard_index, rows in _iter_shards(source, normalizer, cfg.data.shard_size):
             fingerprint = shard_fingerprint(rows)
             if not plan.decide(shard_index, fingerprint):
+                progress.kept(plan.parts[shard_index].rows)
                 continue
             if dispatcher is None:  # Ray and the engines start only when there is work
                 started = connect(cfg.ray)

@@ -164,6 +164,56 @@ def test_edited_input_ends_with_one_row_per_id(ray_head, tmp_path):
     assert runs[2]["generation_tokens_per_s"] is None and runs[0]["generation_tokens_per_s"] > 0
 
 
+def _on_a_terminal(args: list, env: dict) -> tuple[int, str]:
+    """(exit code, stderr) of `python -m jobs.generate ARGS` with stderr on a pseudo-terminal, where the
+    progress line is drawn (and drawn once more, final, at the end)."""
+    import os
+    import pty
+    import select
+    import sys
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], cwd=REPO, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=slave, env={**os.environ, **env})
+    os.close(slave)
+    chunks = []
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], 5.0)
+            try:
+                data = os.read(master, 65536) if ready else b""
+            except OSError:  # EIO: every writer closed the terminal
+                data = b""
+            chunks.append(data)
+            if not data and proc.poll() is not None:
+                break
+        code = proc.wait(timeout=900)  # a hang guard
+    finally:
+        os.close(master)
+    return code, b"".join(chunks).decode("utf-8", "replace")
+
+
+@pytest.mark.slow
+def test_progress_after_an_edit_counts_each_row_once(ray_head, tmp_path):
+    """A resume counts the rows of the parts it keeps, not those of parts about to be regenerated or
+    removed: the progress line never passes the input's row count."""
+    import re
+
+    rows = _prompts(20)
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    args = [f"data.path={data}", "data.shard_size=4", "ray.num_actors=1"]
+    assert run_job(job_cfg(out, *args)).summary["complete"]
+    rows[9] = {**rows[9], "prompt": "An edited prompt."}  # shard 2 changes: its 4 rows run again
+    for input_rows in (rows, rows[:12]):  # then the input shrinks: two parts removed, nothing to run
+        write_jsonl(data, input_rows)
+        code, err = _on_a_terminal([*FAST, *args, f"output.dir={out}"], {"RAY_ADDRESS": ray_head.address})
+        assert code == 0, err[-2000:]
+        counts = [(int(a), int(b)) for a, b in re.findall(r"rows (\d+)/(\d+)", err)]
+        assert counts and all(b == len(input_rows) and a <= b for a, b in counts), counts
+        assert counts[-1] == (len(input_rows), len(input_rows)), counts
+
+
 @pytest.mark.slow
 def test_final_ids_check_catches_a_planted_part(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))
