@@ -111,7 +111,12 @@ class OutputDir:
         return self.root if isinstance(self.fs, pafs.LocalFileSystem) else self.location.rstrip("/")
 
     def file(self, name: str) -> str:
+        """`name`'s path on the filesystem (no scheme: `bucket/key` on an object store)."""
         return join(self.root, name)
+
+    def shown(self, name: str) -> str:
+        """`name`'s location as a user would type it (`s3://bucket/key`, or the local path), for messages."""
+        return join(self.path, name)
 
     # ---- set-up --------------------------------------------------------------------------------------
     def prepare(self) -> None:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..io.output import REPORT_DIR, SUMMARY
-from ..io.storage import join, resolve
+from ..io.storage import is_uri, join, resolve
 from ..run.schema import CATEGORY
 from ..run.stats import Group
 from .plots import REPORT, Sink, empty, fmt, hbars, pct, pyplot, save, share_axis
@@ -137,7 +137,7 @@ def read_job_stats(fs: pafs.FileSystem, base: str) -> tuple[JobStats, int]:
 
 @dataclass
 class ReportOutput:
-    path: str  # report.md (on the output's filesystem)
+    path: str  # report.md, as the output directory was given (a local path, or a URI with its scheme)
     plots: list[str]  # PNG names beside it
     markdown: str
     stats: JobStats
@@ -156,6 +156,8 @@ def write_job_report(output_dir: str, storage: Optional[Any] = None) -> ReportOu
     plots = job_plots(sink, stats, summary)
     markdown = job_markdown(output_dir, stats, num_parts, summary, plots)
     path = sink.write(REPORT, markdown.encode())
+    if is_uri(output_dir):
+        path = join(output_dir.rstrip("/"), REPORT_DIR, REPORT)
     return ReportOutput(path=path, plots=plots, markdown=markdown, stats=stats)
 
 

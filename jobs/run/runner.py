@@ -439,7 +439,7 @@ def run_job(cfg: DictConfig) -> JobResult:
         result = _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check)
         _write_report(out, cfg)
         if not check["complete"]:
-            raise JobError(f"output check failed: {check['problem']}; see {out.file(SUMMARY)}")
+            raise JobError(f"output check failed: {check['problem']}; see {out.shown(SUMMARY)}")
         return result
     finally:
         if actors and ray.is_initialized():  # an exception left them running
@@ -464,7 +464,8 @@ def _remove_stale_parts(out: OutputDir, plan: _Plan) -> int:
     belong to any shard: remove them. A part without our metadata is left for the ids check to report."""
     stale = [p for i, p in plan.parts.items() if i >= plan.num_shards and p.fingerprint is not None]
     for p in stale:
-        log.warning("removing %s: the input has only %d shards now", p.path, plan.num_shards)
+        log.warning("removing %s: the input has only %d shards now", out.shown(p.path[len(out.root):].lstrip("/")),
+                    plan.num_shards)
         out.delete_part(p.shard)
     return len(stale)
 
@@ -550,7 +551,8 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
     }
     if totals.per_category:
         summary["tau_per_category"] = totals.tau_per_category()
-    path = out.write_json(SUMMARY, summary)
+    out.write_json(SUMMARY, summary)
+    path = out.shown(SUMMARY)
     tau = "-" if totals.tau is None else f"{totals.tau:.3f}"
     rate = run["generation_tokens_per_s"]
     batch = run["mean_batch_size"]

@@ -94,12 +94,13 @@ def test_report_without_summary_or_categories(tmp_path):
 
 
 @pytest.mark.slow
-def test_report_in_an_object_store(s3, tmp_path):
+def test_report_in_an_object_store(s3, tmp_path, capsys):
     _write_output(tmp_path / "out")
     for f in (tmp_path / "out").iterdir():
         s3.put(f"jobs/run1/{f.name}", f.read_bytes())
     uri = s3.uri("jobs/run1")
     assert cli(["report", uri, f"storage.endpoint={s3.endpoint}"]) == 0
+    assert capsys.readouterr().out.strip() == f"{uri}/{REPORT_DIR}/{REPORT}"  # with its scheme
     with s3.fs.open_input_stream(s3.path("jobs/run1", REPORT_DIR, REPORT)) as f:
         md = f.read().decode()
     local = write_job_report(str(tmp_path / "out")).markdown
