@@ -175,7 +175,6 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     if b.torch_threads:
         torch.set_num_threads(b.torch_threads)
     out = Path(cfg.output.dir or default_output_dir(cfg))
-    out.mkdir(parents=True, exist_ok=True)
     settings = grid(b)
     for spec in b.profile:  # before the model loads: a name that matches nothing fails fast
         if not any(matches(spec, s.method, s.block_complexity, s.heads_path) for s in settings):
@@ -185,6 +184,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     prompts, skipped = load_prompts(cfg, loaded.tokenizer)
     if not prompts:
         raise ValueError(f"no usable prompt in {cfg.data.path or 'the bundled prompts'}")
+    out.mkdir(parents=True, exist_ok=True)  # only now: a refused bench leaves no empty directory
     if b.mixed_max_new_tokens:
         mix_lengths(prompts, b.mixed_max_new_tokens)
     g = cfg.generation

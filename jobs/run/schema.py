@@ -5,6 +5,8 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
+from esp_worker.config import METHODS
+
 # Required columns, in file order. Counters of a multi-turn row are sums over its turns.
 BASE_FIELDS = [
     pa.field("id", pa.string(), nullable=False),
@@ -48,7 +50,7 @@ DESCRIPTIONS = {
     "num_prompt_tokens": "tokens in the prompt after the chat template (summed over turns)",
     "num_generated_tokens": "tokens generated (summed over turns)",
     "finish_reason": "stop (EOS or stop string) | length (max_new_tokens) | context (model context full); null on error",
-    "method": "decoding method: ar | esp | pld | stand | lade",
+    "method": "decoding method: " + " | ".join(METHODS),
     "num_decode_passes": "model forward passes after the prefill",
     "num_decode_tokens": "tokens committed by decode passes (bonus included, prefill's first token not): tau's numerator",
     "num_drafted_tokens": "draft tokens fed to the model for verification",
