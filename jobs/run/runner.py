@@ -159,6 +159,7 @@ def worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
         fault_dir=out.fault_dir,
         kill_shard=cfg.fault.kill_shard,
         kill_attempts=cfg.fault.kill_attempts,
+        turn_history=cfg.data.turn_history,
     )
 
 
@@ -537,6 +538,7 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
         "rows": totals.rows,
         "errors": totals.errors,
         "duplicates_dropped": normalizer.duplicates_dropped,
+        "input_id_types": sorted(normalizer.id_types),  # e.g. ["int"]: `esp-batch export` restores int ids
         "prompt_tokens": totals.prompt_tokens,
         "generated_tokens": totals.generated_tokens,
         "tau": totals.tau,
