@@ -15,6 +15,8 @@ EXPANSIONS = ("top1", "frontier")
 MASK_INITS = ("mean", "last_k", "sample", "offset")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTN_IMPLS = ("sdpa", "eager")
+TINY_PREFIX = "tiny-random-"  # model names built in code, never read from a directory
+RANDOM_PREFIX = "random:"
 
 
 @dataclass

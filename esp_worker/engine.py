@@ -407,7 +407,10 @@ class Engine:
         self.stats.blocks.add(block.num_inputs)
         look = self.planner.prepare(view, rows.lens)
         hints = None if self.planner.next_is_plain() else self.drafter.row_hints(view)
+        before = rows.lens
         self.planner.receive(rows.read_back(hints, look))
+        for s, new, old in zip(rows.seqs, rows.lens, before):  # each row's committed tokens, from the host mirrors
+            s.stats.committed_per_pass.append(new - old)
         seconds, model_s = self.stats.finish(clock, self.runner.model_s)
         if self.policy is not None:  # a pass that compiled a kernel says nothing of its mode's cost: not timed
             timed = self.compile_s == clock.compile_s
@@ -461,7 +464,7 @@ class Engine:
             s = rows.seqs[r]
             ids = t.hist[r, len(s.prompt_ids): rows.lens[r]].tolist()
             self.drafter.finish_request(s.prompt_ids + ids)
-            finish_stats(s.stats, int(t.drafted[r]), t.hists[r].tolist(), len(ids), *self.stats.blocks.since(s))
+            finish_stats(s.stats, t.drafted[r].tolist(), t.hists[r].tolist(), len(ids), *self.stats.blocks.since(s))
             if self.cycle is not None:
                 s.stats.num_layers_run = self.cycle.cfg.layers_run(len(s.prompt_ids), len(ids))
                 s.stats.num_model_layers = self.num_layers

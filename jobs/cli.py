@@ -1,4 +1,5 @@
-"""The `esp-batch` console script: `esp-batch generate [CONFIG.yaml] [key=value ...]`, `esp-batch report DIR`."""
+"""The `esp-batch` console script: `esp-batch generate [CONFIG.yaml] [key=value ...]`, `esp-batch report DIR`,
+`esp-batch export DIR FILE --format spec-bench`."""
 from __future__ import annotations
 
 import sys
@@ -19,6 +20,9 @@ commands:
   report OUTPUT_DIR [storage.endpoint=URL] [storage.region=R] [storage.anonymous=true]
             (re)write OUTPUT_DIR/_report/report.md and its PNG plots from the Parquet parts and
             _summary.json alone; OUTPUT_DIR is a local path or a URI (s3://, gs://, hdfs://, file://)
+  export OUTPUT_DIR FILE --format spec-bench [--model-id ID] [storage.KEY=VALUE ...]
+            write the job's rows as a Spec-Bench answer file (docs/guide/spec-bench.md)
+            (same as python -m jobs.export)
 
 run `esp-batch generate --help` for the options.
 """
@@ -57,6 +61,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if args else 2
     if args[0] == "report":
         return report(args[1:])
+    if args[0] == "export":
+        from .export.cli import main as export
+
+        return export(args[1:])
     if args[0] == "train-heads":
         from .train.heads import main as train_heads
 

@@ -15,11 +15,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import ATTN_IMPLS, DTYPES, ModelConfig
+from ..config import ATTN_IMPLS, DTYPES, RANDOM_PREFIX, TINY_PREFIX, ModelConfig
 from .errors import ModelLoadError
 
-TINY_PREFIX = "tiny-random-"
-RANDOM_PREFIX = "random:"
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

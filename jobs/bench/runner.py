@@ -5,9 +5,9 @@ One process, no Ray: the model is loaded once and every setting of the grid (`be
 `bench.batch_sizes`) runs the same prompts, category by category, after `bench.warmup` untimed prompts.
 `ar` always runs (it is the denominator of every speedup and the reference of the exact-match rate).
 
-Inputs: any `data.*` source the job runner reads. A multi-turn row (Spec-Bench's `turns`) is benchmarked
-on its first turn only, as one user message: later turns would need the earlier answers, which differ
-between methods only when outputs are not exact.
+Inputs: any `data.*` source the job runner reads. A multi-turn row (Spec-Bench's `turns`) runs every turn, as a
+job does: each later turn's prompt holds the setting's own earlier answers (`data.turn_history`), the same for
+every setting whenever outputs are exact (jobs/bench/turns.py).
 
 Writes to `output.dir` (default outputs/bench-<model>-<hash8>): bench.json and bench.csv (one record per
 method, setting, batch size and category, plus category "all"), cost_curve.json/.csv, report.md and the
@@ -41,6 +41,7 @@ from .report import bench_plots, write_bench_report
 from .results import against_fastest_fixed, summarise, write_table
 from .retention import add_retention
 from .settings import ALL, Prompt, Setting, grid
+from .turns import Conversation, all_turns
 
 log = logging.getLogger("esp_batch.bench")
 
@@ -67,8 +68,10 @@ def load_prompts(cfg: DictConfig, tokenizer: Any) -> tuple[list[Prompt], int]:
                 ids = builder.prompt_ids(row.input)
             elif row.kind == "messages":
                 ids = builder.chat_ids(list(row.input))
-            else:  # turns: the first one
-                ids = builder.chat_ids([{"role": "user", "content": row.input[0]}])
+            else:  # turns: the first one, the later ones after their answers (all_turns)
+                conversation = Conversation(list(row.input), builder, d.turn_history)
+                prompts.append(Prompt(row.id, row.category or ALL, conversation.ids([]), dict(row.params), conversation))
+                continue
             prompts.append(Prompt(row.id, row.category or ALL, ids, dict(row.params)))
     return prompts, skipped
 
@@ -118,11 +121,11 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
     engine.stats.reset_timing()
     outputs, seconds = {}, {}
     for cat in dict.fromkeys(p.category for p in prompts):
-        reqs = _requests([p for p in prompts if p.category == cat], generation)
+        ps = [p for p in prompts if p.category == cat]
         t0 = time.perf_counter()
-        outs = engine.generate(reqs)
+        outs = all_turns(ps, lambda turn: {o.id: o for o in engine.generate(_requests(turn, generation))})
         seconds[cat] = time.perf_counter() - t0
-        outputs.update({o.id: o for o in outs})
+        outputs.update(outs)
     # compile time (engine.compile, engine.compile_host), warm-up included: a job pays it once per actor
     return {"outputs": outputs, "seconds": seconds, "timing": {**engine.stats.timing(), "compile_s": engine.compile_s}}
 
@@ -195,7 +198,6 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     if b.torch_threads:
         torch.set_num_threads(b.torch_threads)
     out = Path(cfg.output.dir or default_output_dir(cfg))
-    out.mkdir(parents=True, exist_ok=True)
     settings = grid(b)
     for spec in b.profile:  # before the model loads: a name that matches nothing fails fast
         if not any(matches(spec, s.method, s.block_complexity, s.heads_path) for s in settings):
@@ -205,6 +207,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     prompts, skipped = load_prompts(cfg, loaded.tokenizer)
     if not prompts:
         raise ValueError(f"no usable prompt in {cfg.data.path or 'the bundled prompts'}")
+    out.mkdir(parents=True, exist_ok=True)  # only now: a refused bench leaves no empty directory
     if b.mixed_max_new_tokens:
         mix_lengths(prompts, b.mixed_max_new_tokens)
     g = cfg.generation

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from omegaconf import DictConfig
 
 from .config import AUTO_METHODS, DMTD_METHODS, HYBRID_HEADS
+
+if TYPE_CHECKING:
+    from .turns import Conversation
 
 ALL = "all"  # the category of a record over every prompt
 
@@ -59,8 +62,9 @@ class Setting:
 class Prompt:
     id: str
     category: str
-    ids: list[int]
+    ids: list[int]  # the prompt (of a multi-turn row: its first turn)
     params: dict[str, Any]
+    conversation: Optional["Conversation"] = None  # a multi-turn row's turns (jobs/bench/turns.py)
 
 
 def grid(bench: DictConfig) -> list[Setting]:

@@ -84,4 +84,7 @@ class Totals(Group):
             g.rows += 1
 
     def tau_per_category(self) -> dict[str, dict[str, Any]]:
-        return {cat: {"rows": g.rows, "tau": g.tau} for cat, g in sorted(self.per_category.items())}
+        """{category: rows, tau and its counts}: groups of categories (Spec-Bench's mt_bench) pool as
+        sum(decode_tokens) / sum(decode_passes)."""
+        return {cat: {"rows": g.rows, "tau": g.tau, "decode_tokens": g.decode_tokens, "decode_passes": g.decode_passes}
+                for cat, g in sorted(self.per_category.items())}
