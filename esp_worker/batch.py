@@ -113,7 +113,7 @@ class Rows:
         """The drafter's view of the rows as they are now."""
         t = self.t
         return RowsView(t.hist, t.hist_len, t.prompt_len, [s.seed for s in self.seqs], self.state, self.hints,
-                        self.roots, self.version)
+                        self.roots, version=self.version, lens=self.lens)
 
     def advance(self, hist_len: torch.Tensor, last_token: Optional[torch.Tensor], reason: torch.Tensor) -> None:
         """After a commit: the rows' new lengths [B], last committed tokens [B] (None: read from the history when

@@ -83,10 +83,21 @@ class RequestStats:
     # tokens each decode pass committed, in order (len = num_decode_passes, sum = num_decode_tokens); taken from
     # the lengths the pass's one host read returns anyway, so it costs no device read
     committed_per_pass: list[int] = field(default_factory=list)
+    # dmtd: layers run for the roots of the decode passes (a cycle start all L, any other root E + D) and L
+    num_layers_run: int = 0
+    num_model_layers: int = 0
 
     @property
     def tau(self) -> Optional[float]:
         return self.num_decode_tokens / self.num_decode_passes if self.num_decode_passes else None
+
+    @property
+    def plt(self) -> Optional[float]:
+        """dmtd: layers per token / the model's layers over the decode passes (1.0 = every layer for every token;
+        the paper's PLT); None for other methods."""
+        if not self.num_layers_run or not self.num_decode_tokens or not self.num_model_layers:
+            return None
+        return self.num_layers_run / (self.num_decode_tokens * self.num_model_layers)
 
     @property
     def acceptance_rate(self) -> Optional[float]:
@@ -117,6 +128,8 @@ class RequestStats:
             time_s=self.time_s + other.time_s,
             accepted_by_proposer=by,
             committed_per_pass=self.committed_per_pass + other.committed_per_pass,
+            num_layers_run=self.num_layers_run + other.num_layers_run,
+            num_model_layers=max(self.num_model_layers, other.num_model_layers),
         )
 
 

@@ -32,12 +32,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from esp_worker.config import NOT_LOSSLESS
 from omegaconf import DictConfig, OmegaConf
 
 from ..report.plots import fmt
 from .profiling import matches, profile_run
 from .report import bench_plots, write_bench_report
 from .results import against_fastest_fixed, summarise, write_table
+from .retention import add_retention
 from .settings import ALL, Prompt, Setting, grid
 from .turns import Conversation, all_turns
 
@@ -111,6 +113,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         # hybrid takes heads only from its own setting (hybrid+heads), so that its label tells
         heads_path=s.heads_path or (base.heads_path if s.method == "cp_heads" else ""),
         compile_host=base.compile_host or s.compile_host,
+        dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )
     engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
     if warmup:
@@ -147,6 +150,23 @@ def quiet_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
+class DmtdModels:
+    """The model a setting runs: the bench's, or for `dmtd` with a DMTD model directory that model (loaded once,
+    with the bench's model.* settings)."""
+
+    def __init__(self, loaded: Any, model_cfg: Any):
+        self.loaded, self.model_cfg, self.models = loaded, model_cfg, {}
+
+    def __call__(self, s: Setting) -> Any:
+        if s.method != "dmtd" or not s.dmtd_path:
+            return self.loaded
+        if s.dmtd_path not in self.models:
+            from esp_worker import load_model
+
+            self.models[s.dmtd_path] = load_model(dataclasses.replace(self.model_cfg, name_or_path=s.dmtd_path))
+        return self.models[s.dmtd_path]
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One run from repeats: the first repeat's outputs and timing shares, the median seconds per category."""
     first = runs[0]
@@ -171,7 +191,10 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
 
     from ..config import engine_config, generation_defaults, model_config
 
+    from .settings import check_dmtd_paths
+
     b = cfg.bench
+    check_dmtd_paths(b)
     if b.torch_threads:
         torch.set_num_threads(b.torch_threads)
     out = Path(cfg.output.dir or default_output_dir(cfg))
@@ -197,6 +220,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
                                    powers_of_two(b.cost_max_block), repeats=b.cost_repeats)
         (out / "cost_curve.json").write_text(json.dumps(curve.to_dict(), indent=1))
         write_table(out / "cost_curve.csv", curve.records())
+    dmtd_models = DmtdModels(loaded, model_config(cfg))
     records = []
     for batch in b.batch_sizes:
         # repeats run round-robin over the settings (drift hits every setting alike); per category the
@@ -207,7 +231,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
             for s in rotated(settings, r):
                 t0 = time.perf_counter()
                 with quiet_heap():
-                    run = run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve)
+                    run = run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, curve)
                 if r < 0:
                     log.info("%-24s batch %d warm-up round (%.1fs)", s.label, batch, time.perf_counter() - t0)
                     continue
@@ -223,6 +247,8 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
             rounds = {"self": secs[s], "ar": secs[settings[0]], "hf": secs[hf[0]] if hf else []}
             recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance, hf_run,
                              rounds)
+            if s.method in NOT_LOSSLESS:  # untimed: against ar's greedy output, under the bench's model
+                add_retention(recs, loaded, prompts, median_run(runs[s])["outputs"], ar_run["outputs"])
             batch_records += recs
             top = recs[-1]
             log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s (vs hf %s), exact %s", s.label, batch,
@@ -232,7 +258,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         for s in settings:
             if any(matches(spec, s.method, s.block_complexity, s.heads_path) for spec in b.profile):
                 with quiet_heap():
-                    path = profile_run(lambda: run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve),
+                    path = profile_run(lambda: run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, curve),
                                        s.label, batch, out, loaded.device.type)
                 log.info("%-24s batch %d: profile in %s", s.label, batch, path)
         records += batch_records

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from esp_worker.config import NOT_LOSSLESS
 from omegaconf import DictConfig, OmegaConf
 
 from esp_worker.config import RANDOM_PREFIX
@@ -123,6 +124,17 @@ def _preflight(cfg: DictConfig) -> None:
     if heads and cfg.engine.method in ("cp_heads", "hybrid") and not (Path(heads).expanduser() / "heads.json").is_file():
         raise ConfigError(f"engine.heads_path={heads!r} holds no heads.json; give the output.dir of a jobs.train_heads "
                           "run (or a directory under heads/)")
+    copy = cfg.engine.dmtd_path
+    if cfg.engine.method == "dmtd_verified" and not (Path(copy).expanduser() / "dmtd_draft.json").is_file():
+        raise ConfigError(f"engine.dmtd_path={copy!r} holds no dmtd_draft.json; give the output.dir of an "
+                          "esp-batch train-dmtd dmtd.verified=true run")
+    if cfg.engine.method == "dmtd" and not cfg.engine.dmtd_decoding_layers and (looks_local(name) or ":" in name
+                                                                               or name.startswith("tiny-random-")):
+        config = Path(name).expanduser() / "config.json"
+        if not (config.is_file() and "mtp_horizon" in config.read_text()):
+            raise ConfigError(f"engine.method=dmtd needs a DMTD model (esp-batch train-dmtd writes one) and "
+                              f"model.name_or_path={name!r} has no DMTD split; set engine.dmtd_decoding_layers to split it "
+                              "untrained (speed measurements only)")
 
 
 def _no_rows(cfg: DictConfig, source: Source) -> str:
@@ -542,6 +554,9 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
         "prompt_tokens": totals.prompt_tokens,
         "generated_tokens": totals.generated_tokens,
         "tau": totals.tau,
+        # false for a method whose output is not the model's own decoding (dmtd); plt: its layers per token / layers
+        "lossless": cfg.engine.method not in NOT_LOSSLESS,
+        "plt": totals.plt,
         # all runs: tokens generated / seconds the engines were generating (start-up excluded)
         "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else None,
         "this_run": run,

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
+from esp_worker.config import NOT_LOSSLESS
+
 from .rows import JobRow
 from .schema import CATEGORY, to_table
 
@@ -233,6 +235,7 @@ class ShardWorker:
             "num_generated_tokens": len(s.token_ids),
             "finish_reason": s.finish_reason if s.error is None else None,
             "method": self.spec.engine["method"],
+            "lossless": self.spec.engine["method"] not in NOT_LOSSLESS,
             "num_decode_passes": st.num_decode_passes,
             "num_decode_tokens": st.num_decode_tokens,
             "num_drafted_tokens": st.num_drafted_tokens,
@@ -241,6 +244,7 @@ class ShardWorker:
             "committed_histogram": list(st.committed_histogram),
             "accepted_by_proposer": dict(st.accepted_by_proposer),
             "tau": tau if tau is not None and math.isfinite(tau) else None,
+            "plt": st.plt,
             "time_s": sum(t.time_s for t in s.turns) if s.turns else None,  # no turn ran: no time to divide by
             "error": s.error,
             "turn_generated_tokens": [t.num_generated_tokens for t in s.turns],

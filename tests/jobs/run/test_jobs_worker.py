@@ -107,3 +107,15 @@ def test_load_errors_are_reported_not_raised(tmp_path):
     assert "tiny-random" in worker.info()["error"]
     worker, _ = _worker(tmp_path, "data.chat_template=always")
     assert "no chat template" in worker.info()["error"]
+
+
+def test_dmtd_rows_say_they_are_not_lossless(tmp_path):
+    """engine.method=dmtd rows carry lossless=false and their PLT; a lossless method's rows lossless=true, no PLT."""
+    worker, rows = _worker(tmp_path, "data.limit=3", "generation.max_new_tokens=8", "engine.method=dmtd",
+                           "engine.dmtd_tau=2", "engine.dmtd_decoding_layers=1")
+    out = worker.run_shard(0, rows).to_pylist()
+    assert all(r["error"] is None and r["lossless"] is False for r in out)
+    assert all(r["method"] == "dmtd" and 0.5 < r["plt"] < 1.0 for r in out)  # tau 2, D 1 of 2 layers: ~0.75
+    worker, rows = _worker(tmp_path / "ar", "data.limit=2", "generation.max_new_tokens=4", "engine.method=ar")
+    out = worker.run_shard(0, rows).to_pylist()
+    assert all(r["lossless"] is True and r["plt"] is None for r in out)
