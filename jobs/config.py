@@ -33,6 +33,7 @@ from .io.storage import StorageConfig, looks_local, normalize
 
 FORMATS = ("auto", "parquet", "jsonl", "json", "csv", "hf_disk", "hf_hub")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+TURN_HISTORY_MODES = ("stripped", "raw")
 # Sections whose values change the generated rows: they make the config hash. ray/output/fault do not.
 HASHED_SECTIONS = ("model", "data", "engine", "generation")
 
@@ -72,6 +73,9 @@ class DataConfig:
     chat_template: str = "auto"  # auto (if the tokenizer has one) | always | never
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
     limit: Optional[int] = None  # first N input rows only
+    # multi-turn (turns) rows: each answer as the next turn's history, stripped of leading and trailing whitespace
+    # (as Spec-Bench and FastChat feed it back; Llama 3's chat template trims it too) | raw (exactly as generated)
+    turn_history: str = "stripped"
     # rows per shard = per output part = the unit of retry and resume (not of batching: an actor's engine
     # batches rows across every shard in flight to it)
     shard_size: int = 2048
@@ -229,6 +233,8 @@ def validate(cfg: DictConfig) -> None:
         cfg.data.chat_template in CHAT_TEMPLATE_MODES,
         f"data.chat_template={cfg.data.chat_template!r} is unknown; choose auto, always or never",
     )
+    need(cfg.data.turn_history in TURN_HISTORY_MODES,
+         f"data.turn_history={cfg.data.turn_history!r} is unknown; choose stripped or raw")
     need(cfg.data.limit is None or cfg.data.limit >= 0, f"data.limit={cfg.data.limit} must be >= 0")
     need(cfg.data.shard_size >= 1, f"data.shard_size={cfg.data.shard_size} must be >= 1")
     need(cfg.data.id_column != "", "data.id_column must not be empty")

@@ -15,11 +15,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import ATTN_IMPLS, DTYPES, ModelConfig
+from ..config import ATTN_IMPLS, DTYPES, RANDOM_PREFIX, TINY_PREFIX, ModelConfig
 from .errors import ModelLoadError
 
-TINY_PREFIX = "tiny-random-"
-RANDOM_PREFIX = "random:"
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -211,9 +209,15 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from .dmtd import hf_config, read_config_json
+
         kw = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+        raw = read_config_json(name, cfg.revision)
+        dmtd = hf_config(raw) if raw is not None else None  # the authors' DMTD format (mtpqwen3): its base class
+        if dmtd is not None:
+            kw["config"] = dmtd
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name, **kw)
+            tokenizer = AutoTokenizer.from_pretrained(name, **{k: v for k, v in kw.items() if k != "config"})
             model = AutoModelForCausalLM.from_pretrained(
                 name, dtype=dtype, attn_implementation=cfg.attn_implementation, **kw
             )

@@ -11,6 +11,7 @@ import torch
 from ..grad import inference
 from ..tree import gather_slots
 from .decoder import direct_decoder
+from .layers import ModuleLayers
 from .errors import ModelLoadError
 from .load import LoadedModel, sliding_window
 
@@ -57,6 +58,12 @@ class ModelRunner:
         # wait for the device after each call so model_s is true model time (CUDA only; turn off to keep a
         # pass free of synchronisations, e.g. under torch.cuda.set_sync_debug_mode("error"))
         self.timed = True
+        # the layers as groups (DMTD runs some layers for some tokens): the direct loop, else the model's modules
+        self.layers: Any = self.direct if self.direct is not None else ModuleLayers(self.base)
+        # a drafter that reads the model's hidden states entering one layer (dmtd_verified: its trunk's output) sets
+        # the layer here; every forward then leaves them in `tapped` [B, Q, D] (every input, `keep` or not)
+        self.tap_layer: Optional[int] = None
+        self.tapped: Optional[torch.Tensor] = None
 
     # name the model's calls in a torch.profiler trace (jobs/bench/profiling.py turns it on; off, no cost per call)
     profile_marks = False
@@ -99,6 +106,12 @@ class ModelRunner:
         return hidden
 
     def _forward(self, inputs_embeds, bias, position_ids, cache, max_position, keep) -> torch.Tensor:
+        if self.tap_layer is not None:  # the layers in two groups, the hidden states between them kept
+            layers, tap = self.layers, self.tap_layer
+            rope = layers.rope(inputs_embeds, position_ids, max_position)
+            self.tapped = layers.run(inputs_embeds, 0, tap, rope, bias, cache)
+            hidden = layers.norm(layers.run(self.tapped, tap, len(self.base.layers), rope, bias, cache, keep))
+            return hidden if keep is None else hidden[:, : keep.shape[1]]
         if self.direct is not None:
             hidden = self.direct(inputs_embeds, bias, position_ids, cache, max_position, keep)
         else:
@@ -112,6 +125,15 @@ class ModelRunner:
             if keep is not None:
                 hidden = gather_slots(hidden, keep)
         return hidden
+
+    @contextlib.contextmanager
+    def timing(self, name: str = "model.forward"):
+        """Count the block's wall time as model time (a forward run as layer groups, model/dmtd.py)."""
+        t0 = time.perf_counter()
+        with self._mark(name):
+            yield
+        self._sync()
+        self.model_s += time.perf_counter() - t0
 
     @inference
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

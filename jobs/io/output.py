@@ -18,6 +18,7 @@ input now, so an edited input is regenerated shard by shard instead of being sil
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.parse
 import uuid
@@ -32,6 +33,7 @@ import pyarrow.parquet as pq
 from ..config import ConfigError
 from .storage import StorageError, join, resolve
 
+log = logging.getLogger("esp_batch")
 MANIFEST = "_job.json"
 SUMMARY = "_summary.json"
 FAULTS = "_faults"
@@ -109,7 +111,12 @@ class OutputDir:
         return self.root if isinstance(self.fs, pafs.LocalFileSystem) else self.location.rstrip("/")
 
     def file(self, name: str) -> str:
+        """`name`'s path on the filesystem (no scheme: `bucket/key` on an object store)."""
         return join(self.root, name)
+
+    def shown(self, name: str) -> str:
+        """`name`'s location as a user would type it (`s3://bucket/key`, or the local path), for messages."""
+        return join(self.path, name)
 
     # ---- set-up --------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -136,19 +143,34 @@ class OutputDir:
                 changes = _diff(old.get("hashed_config", {}), hashed)
                 if old.get("partition_by", []) != self.partition_by:
                     changes.append(f"output.partition_by: {old.get('partition_by', [])!r} -> {self.partition_by!r}")
-                if changes or "hashed_config" not in old:
+                if not changes and "hashed_config" in old:
+                    return
+                if self._holds_parts():
                     raise ConfigError(
                         f"output.dir={self.path!r} holds a job with a different config ({'; '.join(changes[:5])}); "
                         "use another output.dir or set output.overwrite=true"
                     )
-                return
-            if self._part_files():
+                # the job that claimed it wrote no part (it stopped at start-up, e.g. a model that did not
+                # load): it owns no row, so the corrected job takes the directory over instead of being refused
+                log.warning("output.dir=%r was claimed by a job with another config that wrote no part (%s); this "
+                            "job takes it over", self.path, "; ".join(changes[:5]) or "no config recorded")
+                self._clear()
+            elif self._part_files():
                 raise ConfigError(
                     f"output.dir={self.path!r} holds part files but no {MANIFEST}; "
                     "use another output.dir or set output.overwrite=true"
                 )
         self.write_json(MANIFEST, {"config_hash": config_hash, "hashed_config": hashed, "config": full,
                                    "partition_by": self.partition_by, "created": time.time()})
+
+    def _holds_parts(self) -> bool:
+        """Any part file (or a part being written) here, in hive directories too, whatever the partitioning."""
+        return any(
+            info.type == pafs.FileType.File
+            and (shard_of(info.base_name) is not None or info.base_name.startswith(f".{PART_PREFIX}"))
+            and not any(seg.startswith(("_", ".")) for seg in self._relative_dir(info.path).split("/") if seg)
+            for info in self._listing(recursive=True)
+        )
 
     def _clear(self) -> None:
         """Delete this job's files (parts, temp parts, manifest, summary, fault markers) and nothing else."""

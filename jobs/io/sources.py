@@ -331,7 +331,7 @@ def _jsonl_rows(text: io.TextIOBase) -> Iterator[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            yield {ERROR_KEY: f"line {line_no} is not valid JSON: {exc.msg}"}
+            yield {ERROR_KEY: f"line {line_no} is not valid JSON: {exc.msg} (column {exc.colno})"}
             continue
         yield row if isinstance(row, dict) else {ERROR_KEY: f"line {line_no} is not a JSON object"}
 
@@ -345,7 +345,7 @@ def _json_rows(text: io.TextIOBase) -> Iterator[dict[str, Any]]:
     try:
         rows = json.loads(head + text.read())
     except json.JSONDecodeError as exc:
-        raise SourceError(f"not valid JSON: {exc.msg} (line {exc.lineno})") from None
+        raise SourceError(f"not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})") from None
     for i, row in enumerate(rows):
         yield row if isinstance(row, dict) else {ERROR_KEY: f"item {i} is not a JSON object"}
 

@@ -23,11 +23,13 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from esp_worker.config import NOT_LOSSLESS
+
 from ..io.output import REPORT_DIR, SUMMARY
-from ..io.storage import join, resolve
+from ..io.storage import is_uri, join, resolve
 from ..run.schema import CATEGORY
 from ..run.stats import Group
-from .plots import REPORT, Sink, empty, fmt, hbars, pyplot, save
+from .plots import REPORT, Sink, empty, fmt, hbars, pct, pyplot, save, share_axis
 NO_CATEGORY = "(none)"
 JOB_PLOTS = ("by_category.png", "acceptance.png", "lengths.png")
 _COLUMNS = ["error", CATEGORY, "finish_reason", "method", "num_prompt_tokens", "num_generated_tokens",
@@ -137,7 +139,7 @@ def read_job_stats(fs: pafs.FileSystem, base: str) -> tuple[JobStats, int]:
 
 @dataclass
 class ReportOutput:
-    path: str  # report.md (on the output's filesystem)
+    path: str  # report.md, as the output directory was given (a local path, or a URI with its scheme)
     plots: list[str]  # PNG names beside it
     markdown: str
     stats: JobStats
@@ -156,6 +158,8 @@ def write_job_report(output_dir: str, storage: Optional[Any] = None) -> ReportOu
     plots = job_plots(sink, stats, summary)
     markdown = job_markdown(output_dir, stats, num_parts, summary, plots)
     path = sink.write(REPORT, markdown.encode())
+    if is_uri(output_dir):
+        path = join(output_dir.rstrip("/"), REPORT_DIR, REPORT)
     return ReportOutput(path=path, plots=plots, markdown=markdown, stats=stats)
 
 
@@ -185,11 +189,11 @@ def job_plots(sink: Sink, stats: JobStats, summary: dict[str, Any]) -> list[str]
         ks = list(range(1, len(stats.committed)))
         shares = [stats.committed[k] / passes for k in ks]
         bars = a1.bar(ks, shares, color="#4C72B0")
-        a1.bar_label(bars, [f"{s:.0%}" if s >= 0.005 else "" for s in shares], fontsize=8, padding=2)
+        top = max(shares)  # the tail's tiny bars go unlabelled
+        a1.bar_label(bars, [pct(s) if s >= top / 200 else "" for s in shares], fontsize=8, padding=2)
         a1.set_xticks(ks)
         a1.set_xlim(0.4, max(len(ks), 6) + 0.6)  # a few bars stay narrow
-        a1.set_ylim(0, min(1.0, max(shares) * 1.2) or 1)
-        a1.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0%}"))
+        share_axis(a1, shares)
         a1.set_xlabel("tokens committed in the pass (bonus included)")
         a1.set_ylabel("share of decode passes")
         a1.set_title(f"tokens committed per pass (tau {fmt(stats.all.tau, 3)}, {passes} passes)")
@@ -201,11 +205,10 @@ def job_plots(sink: Sink, stats: JobStats, summary: dict[str, Any]) -> list[str]
         ds_ = list(range(1, len(stats.accepted_per_depth) + 1))
         shares = [v / depth_passes for v in stats.accepted_per_depth]
         bars = a2.bar(ds_, shares, color="#55A868")
-        a2.bar_label(bars, [f"{s:.0%}" for s in shares], fontsize=8, padding=2)
+        a2.bar_label(bars, [pct(s) for s in shares], fontsize=8, padding=2)
         a2.set_xticks(ds_)
         a2.set_xlim(0.4, max(len(ds_), 6) + 0.6)
-        a2.set_ylim(0, min(1.0, max(shares) * 1.2))
-        a2.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0%}"))
+        share_axis(a2, shares)
         a2.set_xlabel("draft depth")
         a2.set_ylabel("share of decode passes")
         a2.set_title("passes whose accepted drafts reached each depth")
@@ -223,9 +226,7 @@ def job_plots(sink: Sink, stats: JobStats, summary: dict[str, Any]) -> list[str]
             empty(ax, f"{what} length", "no rows without error")
             continue
         lo, hi = min(values), max(values)
-        step = max(1, -(-(hi - lo + 1) // 40))  # at most 40 bins of whole tokens
-        edges = [x - step / 2 for x in range(lo, hi + step + 1, step)]  # bins centred on whole tokens
-        ax.hist(values, bins=edges, color=color, edgecolor="white")
+        ax.hist(values, bins=length_bins(lo, hi), color=color, edgecolor="white")
         ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         if hi - lo < 20:  # a narrow spread: show some room around it
@@ -241,6 +242,13 @@ def job_plots(sink: Sink, stats: JobStats, summary: dict[str, Any]) -> list[str]
         ax.legend()
     names.append(save(fig, sink, JOB_PLOTS[2]))
     return names
+
+
+def length_bins(lo: int, hi: int, most: int = 40) -> list[float]:
+    """Bin edges for token counts lo..hi: at most `most` bins of `step` whole tokens each, edges halfway
+    between whole numbers, the last bin holding hi."""
+    step = max(1, -(-(hi - lo + 1) // most))
+    return [lo - 0.5 + k * step for k in range(-(-(hi - lo + 1) // step) + 1)]
 
 
 def _median(values: list[int]) -> float:
@@ -267,6 +275,10 @@ def job_markdown(output_dir: str, stats: JobStats, num_parts: int, summary: dict
     model = summary.get("model") or ((summary.get("config") or {}).get("model") or {}).get("name_or_path", "?")
     method = summary.get("method") or ", ".join(sorted(stats.methods)) or "?"
     lines = [f"# Job report: `{model}`, method `{method}`", ""]
+    if summary.get("lossless") is False or method in NOT_LOSSLESS:
+        lines += [f"**Not lossless.** `{method}` decodes with a fine-tuned model's layer cycles (DMTD): the text is "
+                  "not the base model's own decoding. PLT (layers run per token / the model's layers): "
+                  f"{fmt(summary.get('plt'), 3)}.", ""]
     where = f"Output `{output_dir}`: {a.rows} rows in {num_parts} Parquet part(s)"
     if summary:
         run = summary.get("this_run") or {}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -107,6 +108,27 @@ def hbars(ax: Any, labels: list[str], values: list[Optional[float]], xlabel: str
     if overall is not None:
         ax.axvline(overall, color="#C44E52", ls="--", lw=1.2, label=f"all rows: {fmt(overall, digits)}")
         ax.legend(loc="lower right")
+
+
+def pct(share: float) -> str:
+    """A share as a bar label: whole per cents, and the decimals a share under 1% needs to not read 0%."""
+    if share == 0 or share >= 0.01:
+        return f"{share:.0%}"
+    return f"{share:.{min(3, math.ceil(-math.log10(share)) - 2)}%}"
+
+
+def share_axis(ax: Any, shares: list[float]) -> None:
+    """A y axis of shares (0..1): room above the highest bar for its label (below the title), and tick
+    labels with as many decimals as the range needs (0.1%, 0.2%, ... at low shares, not 0% on every tick);
+    no tick above 100%."""
+    from matplotlib.ticker import PercentFormatter
+
+    class Shares(PercentFormatter):
+        def __call__(self, x: float, pos: Any = None) -> str:
+            return "" if x > 1 + 1e-9 else super().__call__(x, pos)
+
+    ax.set_ylim(0, 1.25 * max(shares) or 1)
+    ax.yaxis.set_major_formatter(Shares(xmax=1.0, decimals=None))
 
 
 def empty(ax: Any, title: str, text: str) -> None:

@@ -5,6 +5,7 @@ parts are kept; rerun to resume), 2 bad command line, config, input or output di
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -19,14 +20,15 @@ examples:
   python -m jobs.generate data.path=q.jsonl engine.method=ar ray.num_actors=1 output.dir=out/q
   python -m jobs.generate --print-config engine.block_complexity=60
 
-config sections (docs/guide/configuration.md; configs/default.yaml lists every key): model.* data.* engine.* generation.* output.* ray.* fault.*
+config sections (docs/guide/configuration.md; configs/default.yaml lists every key): {sections}
 """
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..config import ConfigError, load_config, parse_command_line, to_yaml
+    from ..config import ConfigError, JobConfig, load_config, parse_command_line, to_yaml
 
-    ns = parse_command_line(argv, "esp-batch generate", DESCRIPTION, HELP_EPILOG)
+    sections = " ".join(f"{f.name}.*" for f in dataclasses.fields(JobConfig))
+    ns = parse_command_line(argv, "esp-batch generate", DESCRIPTION, HELP_EPILOG.format(sections=sections))
     logging.basicConfig(level=logging.INFO, format="esp-batch %(levelname)s: %(message)s", stream=sys.stderr)
     try:
         cfg = load_config(ns.config, ns.overrides)

@@ -13,16 +13,20 @@ log = logging.getLogger("esp_batch")
 
 
 class Progress:
-    def __init__(self, total_rows: Optional[int], rows_already_done: int, interval_s: float,
-                 stream: TextIO = sys.stderr):
+    def __init__(self, total_rows: Optional[int], interval_s: float, stream: TextIO = sys.stderr):
         self.total = total_rows
-        self.done_before = rows_already_done
+        self.done_before = 0  # rows of the parts an earlier run wrote that this run keeps (see `kept`)
         self.run = Totals()  # rows finished by this run
         self.start = time.monotonic()
         self.stream = stream
         self.tty = stream.isatty()
         self.interval = 0.5 if self.tty else interval_s
         self.last = self.start
+
+    def kept(self, rows: int) -> None:
+        """A shard's part from an earlier run is kept (its input is unchanged): its rows count as done.
+        Counted as the shards are read, so a part about to be regenerated or removed is never counted."""
+        self.done_before += rows
 
     def restart(self) -> None:
         """Count time from now (the engines are ready): tokens/s excludes start-up."""

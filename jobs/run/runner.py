@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from esp_worker.config import NOT_LOSSLESS
 from omegaconf import DictConfig, OmegaConf
+
+from esp_worker.config import RANDOM_PREFIX
 
 from .actors import ActorPool, StartError
 from .cluster import HeadLost, HeadWatch, actor_resources, check_resources, connect, stop_local
@@ -91,18 +94,59 @@ def plan_schema(cfg: DictConfig, source: Source) -> Any:
     return output_schema(data.category_column in names, carry)
 
 
+_WEIGHTS = ("*.safetensors", "*.bin")  # single files or shards; a sharded checkpoint's index is *.index.json
+
+
+def _model_dir_problem(path: Path) -> Optional[str]:
+    """What a local model directory lacks for from_pretrained (config.json, a weights file), or None."""
+    if not path.is_dir():
+        return "is a file; give the model directory (config.json and weights)"
+    config = (path / "config.json").is_file() or (path / "adapter_config.json").is_file()  # a PEFT adapter
+    weights = any(any(path.glob(pattern)) for pattern in (*_WEIGHTS, "*.index.json"))
+    if config and weights:
+        return None
+    lacks = " and ".join(what for what, ok in (("no config.json", config), (f"no weights ({', '.join(_WEIGHTS)})", weights))
+                         if not ok)
+    return (f"holds {lacks}; give a directory written by save_pretrained or downloaded from the hub "
+            "(config.json, tokenizer files and weights)")
+
+
 def _preflight(cfg: DictConfig) -> None:
-    """Checks that need no Ray and no model load: a local model path and the heads must exist."""
+    """Checks that need no Ray and no model load: a local model directory holds config.json and weights,
+    and the heads exist."""
     name = cfg.model.name_or_path
-    if looks_local(name) and not Path(name).expanduser().exists():
-        raise ConfigError(
-            f"model.name_or_path={name!r} does not exist (a local path); give an existing model directory "
-            "or a hub id such as org/name"
-        )
+    if looks_local(name) and not name.startswith(RANDOM_PREFIX):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ConfigError(
+                f"model.name_or_path={name!r} does not exist (a local path); give an existing model directory "
+                "or a hub id such as org/name"
+            )
+        problem = _model_dir_problem(path)
+        if problem:
+            raise ConfigError(f"model.name_or_path={name!r} {problem}")
     heads = cfg.engine.heads_path
     if heads and cfg.engine.method in ("cp_heads", "hybrid") and not (Path(heads).expanduser() / "heads.json").is_file():
         raise ConfigError(f"engine.heads_path={heads!r} holds no heads.json; give the output.dir of a jobs.train_heads "
                           "run (or a directory under heads/)")
+    copy = cfg.engine.dmtd_path
+    if cfg.engine.method == "dmtd_verified" and not (Path(copy).expanduser() / "dmtd_draft.json").is_file():
+        raise ConfigError(f"engine.dmtd_path={copy!r} holds no dmtd_draft.json; give the output.dir of an "
+                          "esp-batch train-dmtd dmtd.verified=true run")
+    if cfg.engine.method == "dmtd" and not cfg.engine.dmtd_decoding_layers and (looks_local(name) or ":" in name
+                                                                               or name.startswith("tiny-random-")):
+        config = Path(name).expanduser() / "config.json"
+        if not (config.is_file() and "mtp_horizon" in config.read_text()):
+            raise ConfigError(f"engine.method=dmtd needs a DMTD model (esp-batch train-dmtd writes one) and "
+                              f"model.name_or_path={name!r} has no DMTD split; set engine.dmtd_decoding_layers to split it "
+                              "untrained (speed measurements only)")
+
+
+def _no_rows(cfg: DictConfig, source: Source) -> str:
+    """An empty input is refused (exit 2), not run as a 'complete' job of 0 rows: nothing would be
+    generated, and an output directory without a part is an error to every reader of it."""
+    why = f" (data.limit={cfg.data.limit})" if cfg.data.limit == 0 else ""
+    return f"data.path={source.path!r} has no rows{why}; nothing to generate"
 
 
 def _check_output_location(cfg: DictConfig) -> None:
@@ -149,6 +193,7 @@ def worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
         kill_shard=cfg.fault.kill_shard,
         kill_attempts=cfg.fault.kill_attempts,
         hold_shard=cfg.fault.hold_shard,
+        turn_history=cfg.data.turn_history,
     )
 
 
@@ -196,6 +241,8 @@ def run_job(cfg: DictConfig) -> JobResult:
         total_rows = source.num_rows()
     except SourceError as exc:
         raise ConfigError(str(exc)) from None
+    if total_rows == 0:
+        raise ConfigError(_no_rows(cfg, source))
     out.claim(chash, hashed_part(cfg), OmegaConf.to_container(cfg, resolve=True), cfg.output.overwrite)
     plan = _Plan(out.part_infos())
     log.info("job %s: %s rows from %s (%s) -> %s; %d parts already there",
@@ -206,7 +253,7 @@ def run_job(cfg: DictConfig) -> JobResult:
     cap = shards_in_flight(cfg)
     pool: Optional[ActorPool] = None
     try:
-        progress = Progress(total_rows, sum(p.rows for p in plan.parts.values()), cfg.output.progress_interval_s)
+        progress = Progress(total_rows, cfg.output.progress_interval_s)
         normalizer = RowNormalizer(cfg.data.id_column, cfg.data.prompt_column, cfg.data.params_column,
                                    cfg.data.category_column, list(cfg.data.carry_columns))
         dispatcher: Optional[Dispatcher] = None
@@ -216,6 +263,7 @@ def run_job(cfg: DictConfig) -> JobResult:
             for shard_index, rows in _iter_shards(source, normalizer, cfg.data.shard_size):
                 fingerprint = shard_fingerprint(rows)
                 if not plan.decide(shard_index, fingerprint):
+                    progress.kept(plan.parts[shard_index].rows)
                     continue
                 if dispatcher is None:  # Ray and the engines start only when there is work
                     started = connect(cfg.ray)
@@ -240,6 +288,8 @@ def run_job(cfg: DictConfig) -> JobResult:
                     dispatcher.submit(shard_index, rows, fingerprint)
                 else:  # every row was a duplicate: an empty part marks the shard done
                     dispatcher.write(shard_index, to_table([], schema), fingerprint)
+            if plan.num_shards == 0:  # an input of unknown length (a hub stream) that held no row
+                raise ConfigError(_no_rows(cfg, source))
             if dispatcher is not None:
                 dispatcher.drain()
         except HeadLost as exc:
@@ -265,7 +315,7 @@ def run_job(cfg: DictConfig) -> JobResult:
         result = _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check)
         _write_report(out, cfg)
         if not check["complete"]:
-            raise JobError(f"output check failed: {check['problem']}; see {out.file(SUMMARY)}")
+            raise JobError(f"output check failed: {check['problem']}; see {out.shown(SUMMARY)}")
         result.head_lost = lost
         return result
     finally:
@@ -291,7 +341,8 @@ def _remove_stale_parts(out: OutputDir, plan: _Plan) -> int:
     belong to any shard: remove them. A part without our metadata is left for the ids check to report."""
     stale = [p for i, p in plan.parts.items() if i >= plan.num_shards and p.fingerprint is not None]
     for p in stale:
-        log.warning("removing %s: the input has only %d shards now", p.path, plan.num_shards)
+        log.warning("removing %s: the input has only %d shards now", out.shown(p.path[len(out.root):].lstrip("/")),
+                    plan.num_shards)
         out.delete_part(p.shard)
     return len(stale)
 
@@ -363,9 +414,13 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
         "rows": totals.rows,
         "errors": totals.errors,
         "duplicates_dropped": normalizer.duplicates_dropped,
+        "input_id_types": sorted(normalizer.id_types),  # e.g. ["int"]: `esp-batch export` restores int ids
         "prompt_tokens": totals.prompt_tokens,
         "generated_tokens": totals.generated_tokens,
         "tau": totals.tau,
+        # false for a method whose output is not the model's own decoding (dmtd); plt: its layers per token / layers
+        "lossless": cfg.engine.method not in NOT_LOSSLESS,
+        "plt": totals.plt,
         # all runs: tokens generated / seconds the engines were generating (start-up excluded)
         "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else None,
         "this_run": run,
@@ -377,7 +432,8 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
     }
     if totals.per_category:
         summary["tau_per_category"] = totals.tau_per_category()
-    path = out.write_json(SUMMARY, summary)
+    out.write_json(SUMMARY, summary)
+    path = out.shown(SUMMARY)
     tau = "-" if totals.tau is None else f"{totals.tau:.3f}"
     rate = run["generation_tokens_per_s"]
     batch = run["mean_batch_size"]

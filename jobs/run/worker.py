@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
+from esp_worker.config import NOT_LOSSLESS
+
 from .rows import JobRow
 from .schema import CATEGORY, to_table
 
@@ -42,6 +44,7 @@ class WorkerSpec:
     kill_shard: int = -1
     kill_attempts: int = 0
     hold_shard: int = -1
+    turn_history: str = "stripped"  # data.turn_history: stripped | raw
 
 
 class EngineFailure(RuntimeError):
@@ -57,6 +60,7 @@ class _RowState:
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     stats: Any = None  # RequestStats merged over turns
+    turns: list[Any] = field(default_factory=list)  # each answered turn's own RequestStats, in order
     finish_reason: Optional[str] = None
     error: Optional[str] = None
 
@@ -232,9 +236,11 @@ class ShardWorker:
             return
         s.answers.append(out.text)
         s.token_ids.extend(out.token_ids)
+        s.turns.append(out.stats)
         s.finish_reason = out.finish_reason
         if s.row.kind == "turns":
-            s.history.append({"role": "assistant", "content": out.text})
+            answer = out.text.strip() if self.spec.turn_history == "stripped" else out.text
+            s.history.append({"role": "assistant", "content": answer})
 
     def _record(self, s: _RowState) -> dict[str, Any]:
         st = s.stats
@@ -248,6 +254,7 @@ class ShardWorker:
             "num_generated_tokens": len(s.token_ids),
             "finish_reason": s.finish_reason if s.error is None else None,
             "method": self.spec.engine["method"],
+            "lossless": self.spec.engine["method"] not in NOT_LOSSLESS,
             "num_decode_passes": st.num_decode_passes,
             "num_decode_tokens": st.num_decode_tokens,
             "num_drafted_tokens": st.num_drafted_tokens,
@@ -256,8 +263,17 @@ class ShardWorker:
             "committed_histogram": list(st.committed_histogram),
             "accepted_by_proposer": dict(st.accepted_by_proposer),
             "tau": tau if tau is not None and math.isfinite(tau) else None,
-            "time_s": st.time_s,
+            "plt": st.plt,
+            "time_s": sum(t.time_s for t in s.turns) if s.turns else None,  # no turn ran: no time to divide by
             "error": s.error,
+            "turn_generated_tokens": [t.num_generated_tokens for t in s.turns],
+            "turn_time_s": [t.time_s for t in s.turns],
+            "turn_decode_passes": [t.num_decode_passes for t in s.turns],
+            "committed_per_pass": list(st.committed_per_pass),
+            "num_drafts": st.num_drafts,
+            "num_draft_tokens": st.num_drafted_tokens,
+            "num_accepted_tokens": st.num_accepted_drafts,
+            "num_accepted_tokens_per_pos": list(st.accepted_per_depth),
             CATEGORY: s.row.category,
         }
         rec.update({k: v for k, v in s.row.carry.items() if k not in rec})

@@ -125,6 +125,19 @@ def test_cli_help_and_print_config(capsys):
     assert exit_.value.code == 0 and "key=value" in capsys.readouterr().out
 
 
+def test_generate_help_lists_every_config_section():
+    """`esp-batch generate --help` names every section of the job config (storage.* included)."""
+    from jobs.config import JobConfig
+    import dataclasses
+
+    res = subprocess.run([sys.executable, "-m", "jobs.cli", "generate", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    sections = res.stdout.split("config sections")[1]
+    missing = [f.name for f in dataclasses.fields(JobConfig) if f"{f.name}.*" not in sections]
+    assert not missing, (missing, sections)
+
+
 def test_module_entry_points_exit_codes(tmp_path):
     res = run_cli("data.bogus=1")
     assert res.returncode == 2 and "data.bogus" in res.stderr and "Traceback" not in res.stderr
@@ -139,6 +152,7 @@ def test_module_entry_points_exit_codes(tmp_path):
     ("jobs.generate", ["--print-config", "engine.block_complexity=30"], "block_complexity: 30"),
     ("jobs.bench", ["--print-config", "bench.repeats=2"], "repeats: 2"),
     ("jobs.train_heads", ["--print-config", "data.text_dir=docs"], "text_dir: docs"),
+    ("jobs.train_dmtd", ["--print-config", "data.text_dir=docs", "dmtd.tau=4"], "tau: 4"),
     ("jobs.job_bench", ["--help"], "--shard-sizes"),
     ("jobs.memory_bench", ["--help"], "--prompt-tokens"),
     ("jobs.loss_plot", ["--help"], "--smooth"),

@@ -72,7 +72,8 @@ def test_bench_mixed_lengths_batched_hf_row(tmp_path):
     assert 5 * 4 <= records[0]["num_generated_tokens"] <= 5 * 12
 
 
-def test_bench_rejects_unknown_method(capsys):
+def test_bench_rejects_unknown_method(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a default output.dir would land here, not in the checkout
     assert main(["bench.methods=[ar,medusa]"]) == 2
     assert "bench.methods" in capsys.readouterr().err
 
@@ -114,7 +115,8 @@ def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch
     ("pld:10:fast", ":compile_host"),
     ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"),
 ])
-def test_bench_rejects_bad_settings(capsys, spec, words):
+def test_bench_rejects_bad_settings(tmp_path, monkeypatch, capsys, spec, words):
+    monkeypatch.chdir(tmp_path)  # a default output.dir would land here, not in the checkout
     assert main([f"bench.settings=[{spec}]", "bench.num_masks=[1]"]) == 2
     err = capsys.readouterr().err
     assert "bench.settings" in err and words in err and "Traceback" not in err
@@ -250,7 +252,66 @@ def test_bench_profile_writes_op_tables(tmp_path):
 
 @pytest.mark.parametrize("spec,words", [("esp:30", "names none of this bench's settings"),
                                         ("nope:3", "must be ar, hf or METHOD:BC")])
-def test_bench_rejects_a_profile_that_names_no_setting(capsys, spec, words):
+def test_bench_rejects_a_profile_that_names_no_setting(tmp_path, monkeypatch, capsys, spec, words):
+    monkeypatch.chdir(tmp_path)  # a default output.dir would land here, not in the checkout
     assert main(["bench.settings=[pld:30]", f"bench.profile=[{spec}]"]) == 2
     err = capsys.readouterr().err
     assert "bench.profile" in err and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("history", ["stripped", "raw"])
+def test_bench_runs_every_turn_of_a_multi_turn_row_as_a_job_does(tmp_path, history):
+    """A `turns` row is benchmarked on all its turns, each later one prompted with the setting's own earlier
+    answers: the same tokens and prompt lengths as the job's worker gives the row (hf generate's too)."""
+    import torch
+
+    from esp_worker import load_model
+    from jobs.bench.config import load_bench_config
+    from jobs.bench.runner import load_prompts, run_setting
+    from jobs.bench.settings import Setting
+    from jobs.config import engine_config, generation_defaults, model_config
+    from jobs.io.output import OutputDir
+    from jobs.io.sources import open_source
+    from jobs.run.rows import RowNormalizer
+    from jobs.run.runner import plan_schema, worker_spec
+    from jobs.run.worker import ShardWorker
+    from jobs_helpers import TINY_LLAMA, job_cfg, shared, write_jsonl
+
+    data = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "t", "category": "writing", "turns": ["Write a line.", "Another one.", "And a last one."]},
+        {"id": "p", "category": "writing", "prompt": "def f(x):\n    return"},
+    ])
+    common = [f"data.path={data}", f"model.name_or_path={shared(TINY_LLAMA)}", "generation.max_new_tokens=8",
+              f"data.turn_history={history}"]
+    cfg = load_bench_config(None, common)
+    loaded = load_model(model_config(cfg))
+    prompts, _ = load_prompts(cfg, loaded.tokenizer)
+    gen = generation_defaults(cfg)
+    runs = {m: run_setting(loaded, engine_config(cfg), Setting(m, 1, 0, ""), 1, prompts, gen, 0) for m in ("ar", "hf")}
+
+    job = job_cfg(tmp_path / "out", *common)
+    source = open_source(job.data.path, job.data.format, job.data.split, job.data.limit)
+    norm = RowNormalizer("id", "", "params", "category", [])
+    threads = torch.get_num_threads()
+    worker = ShardWorker(worker_spec(job, plan_schema(job, source), OutputDir(str(tmp_path / "out"))))
+    torch.set_num_threads(threads)
+    rows = {r["id"]: r for r in worker.run_shard(0, [norm(i, r) for i, r in enumerate(next(source.batches(10)))])
+            .to_pylist()}
+    assert len(rows["t"]["turn_generated_tokens"]) == 3
+    for rid, row in rows.items():
+        for m, run in runs.items():
+            out = run["outputs"][rid]
+            assert out.token_ids == row["generated_token_ids"], (m, rid)
+            assert out.stats.num_prompt_tokens == row["num_prompt_tokens"], (m, rid)
+
+
+@pytest.mark.parametrize("args", [
+    ["bench.settings=[pld:30]", "bench.profile=[esp:30]"],  # refused after the config is read
+    ["bench.settings=[esp:3]", "bench.num_masks=[1]"],
+    ["bench.methods=[ar,medusa]"],
+])
+def test_a_refused_bench_leaves_no_output_directory(tmp_path, monkeypatch, capsys, args):
+    """A bench refused before it runs creates nothing (no empty outputs/bench-... in the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2 and "Traceback" not in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -168,3 +168,64 @@ def test_output_dir_claims_and_writes_atomically(tmp_path):
     pq.write_table(table, Path(foreign.path) / "part-000000.parquet")
     with pytest.raises(ConfigError, match="no _job.json"):
         foreign.claim("h", {}, {}, overwrite=False)
+
+
+def test_normalizer_records_the_input_id_types():
+    """The output's id is a string; the input's id types are kept so that an exporter can give them back."""
+    norm = RowNormalizer("id", "", "params", "category", [])
+    norm(0, {"id": 81, "prompt": "x"})
+    norm(1, {"id": 82, "prompt": "y"})
+    assert norm.id_types == {"int"}
+    norm(2, {"prompt": "z"})
+    norm(3, {"id": "q4", "prompt": "w"})
+    assert norm.id_types == {"int", "derived", "str"}
+
+
+def test_tau_per_category_carries_the_counts_that_pool_groups():
+    import pyarrow as pa
+
+    from jobs.run.stats import Totals
+
+    totals = Totals()
+    totals.add(pa.table({"category": ["writing", "math", "math", "qa"], "num_decode_tokens": [10, 6, 3, 4],
+                         "num_decode_passes": [4, 2, 3, 4], "error": [None, None, None, "x"]}))
+    per = totals.tau_per_category()
+    assert per["math"] == {"rows": 2, "tau": 9 / 5, "decode_tokens": 9, "decode_passes": 5}
+    pooled = sum(per[c]["decode_tokens"] for c in ("writing", "math")) / sum(
+        per[c]["decode_passes"] for c in ("writing", "math"))
+    assert pooled == 19 / 9
+
+
+def test_a_malformed_jsonl_line_names_its_line_and_column(tmp_path):
+    """The row's error says where the JSON breaks (the decoder's position), not only what broke."""
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "fine"}, '{"id": "b", "prompt": "x",, "c": 1}',
+                                               {"id": "c", "prompt": "fine"}, "[1, 2]"])
+    _, rows = _read(path)
+    error = rows[1]["__error__"]
+    assert error.startswith("line 2 is not valid JSON: ") and "column 27" in error and "property name" in error
+    assert rows[3]["__error__"] == "line 4 is not a JSON object" and rows[2]["id"] == "c"
+    array = tmp_path / "in.json"
+    array.write_text('[{"id": "a"},\n {"id": "b",}]')
+    with pytest.raises(SourceError, match=r"line 2 column 13"):
+        _read(array)
+
+
+def test_a_claim_without_parts_passes_to_a_different_config(tmp_path):
+    """A job that stopped before its first part (a model that would not load) owns nothing yet: a different
+    config may take the directory over. Once a part is written, the claim holds."""
+    out = OutputDir(str(tmp_path / "o"))
+    out.claim("h1", {"model": {"name_or_path": "/models/typo"}}, {"model": "typo"}, overwrite=False)
+    out.write_json("_summary.json", {"runs": [{"rows": 0}]})  # the failed start's run record
+    out.claim("h2", {"model": {"name_or_path": "/models/right"}}, {"model": "right"}, overwrite=False)
+    assert out.read_json("_job.json")["config_hash"] == "h2" and out.read_json("_summary.json") is None
+    out.write_part(0, pa.table({"id": ["a"]}), "zstd", "fp")
+    with pytest.raises(ConfigError, match=r"holds a job with a different config .*model.name_or_path"):
+        out.claim("h1", {"model": {"name_or_path": "/models/typo"}}, {}, overwrite=False)
+    assert out.read_json("_job.json")["config_hash"] == "h2" and out.done_shards() == {0}
+    hive = OutputDir(str(tmp_path / "hive"), partition_by=("category",))
+    hive.claim("p", {"engine": {"x": 1}}, {}, overwrite=False)
+    hive.write_part(0, pa.table({"id": ["a"], "category": ["c"]}), "zstd", "fp")
+    flat = OutputDir(str(tmp_path / "hive"))  # unpartitioned: its parts are in category=c/, still parts
+    with pytest.raises(ConfigError, match="output.partition_by"):
+        flat.claim("p", {"engine": {"x": 1}}, {}, overwrite=False)
+    assert hive.done_shards() == {0}

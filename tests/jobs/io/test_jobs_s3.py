@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -52,12 +53,18 @@ def _all_text(s3, prefix: str) -> str:
     return "\n".join(out)
 
 
-def test_job_reads_a_prefix_and_writes_parts_to_s3(ray_head, s3, tmp_path):
+def test_job_reads_a_prefix_and_writes_parts_to_s3(ray_head, s3, tmp_path, caplog):
     ids = _upload_prompts(s3, "in", n_files=3, per_file=6)
     out_uri = s3.uri("out", "job1")
+    caplog.set_level("INFO", logger="esp_batch")
     res = run_job(job_cfg(tmp_path / "unused", f"data.path={s3.uri('in')}/", f"output.dir={out_uri}",
                           "data.shard_size=4", "ray.num_actors=1", f"storage.endpoint={s3.endpoint}"))
     assert res.summary["complete"] and res.output_dir == out_uri
+    # every location the job prints carries its scheme (s3://bucket/..., not bucket/...)
+    assert res.summary_path == f"{out_uri}/_summary.json"
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"summary {out_uri}/_summary.json" in logged and f"report: {out_uri}/_report/report.md" in logged, logged
+    assert not re.search(rf"(?<!s3://){re.escape(s3.path('out'))}", logged), logged
     got = _ids(s3, "out/job1")
     assert sorted(got) == sorted(ids) and len(got) == len(set(got))
     names = {i.base_name for i in s3.fs.get_file_info(pafs.FileSelector(s3.path("out", "job1")))}

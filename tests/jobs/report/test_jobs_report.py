@@ -70,6 +70,18 @@ def test_report_lists_every_category_and_the_counts(tmp_path):
     assert len(pd.read_parquet(tmp_path / "out")) == 40
 
 
+def test_report_marks_a_method_that_is_not_lossless(tmp_path):
+    """A dmtd job's report says, before anything else, that its text is not the base model's decoding."""
+    _write_output(tmp_path / "out")
+    summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
+    assert "Not lossless" not in write_job_report(str(tmp_path / "out")).markdown
+    summary.update(method="dmtd", lossless=False, plt=0.5678)
+    (tmp_path / "out" / "_summary.json").write_text(json.dumps(summary))
+    md = write_job_report(str(tmp_path / "out")).markdown
+    assert "**Not lossless.** `dmtd`" in md and "0.568" in md
+    assert md.index("Not lossless") < md.index("| rows | errors |")
+
+
 def test_esp_batch_report_rebuilds_the_same_report(tmp_path, capsys):
     _write_output(tmp_path / "out")
     first = write_job_report(str(tmp_path / "out"))
@@ -94,12 +106,13 @@ def test_report_without_summary_or_categories(tmp_path):
 
 
 @pytest.mark.slow
-def test_report_in_an_object_store(s3, tmp_path):
+def test_report_in_an_object_store(s3, tmp_path, capsys):
     _write_output(tmp_path / "out")
     for f in (tmp_path / "out").iterdir():
         s3.put(f"jobs/run1/{f.name}", f.read_bytes())
     uri = s3.uri("jobs/run1")
     assert cli(["report", uri, f"storage.endpoint={s3.endpoint}"]) == 0
+    assert capsys.readouterr().out.strip() == f"{uri}/{REPORT_DIR}/{REPORT}"  # with its scheme
     with s3.fs.open_input_stream(s3.path("jobs/run1", REPORT_DIR, REPORT)) as f:
         md = f.read().decode()
     local = write_job_report(str(tmp_path / "out")).markdown
@@ -117,3 +130,78 @@ def test_parquet_columns_carry_descriptions(tmp_path):
     assert back["category"] and "question_id" in back["question_id"]
     duckdb = pytest.importorskip("duckdb")
     assert duckdb.sql(f"select question_id from '{tmp_path}/*.parquet'").fetchall() == [(3,)]
+
+
+def _plotted(monkeypatch, tmp_path, stats) -> dict:
+    """The job report's figures as drawn (before they are written), by PNG name."""
+    from jobs.report import job_report
+    from jobs.report.plots import Sink
+
+    figs = {}
+    monkeypatch.setattr(job_report, "save", lambda fig, sink, name: figs.setdefault(name, fig) and name)
+    job_report.job_plots(Sink.local(tmp_path / "plots"), stats, {})
+    return figs
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 83), (5, 45), (12, 251), (7, 7), (3, 22), (0, 1199)])
+def test_length_histograms_count_every_row(monkeypatch, tmp_path, lo, hi):
+    """Every row is in a bin, the longest included (bins of whole tokens, at most 40 of them)."""
+    from jobs.report.job_report import JobStats
+
+    values = sorted({lo, hi, *range(lo, hi + 1, max(1, (hi - lo) // 47 or 1))})
+    stats = JobStats(prompt_lengths=values, output_lengths=[v + 1 for v in values])
+    fig = _plotted(monkeypatch, tmp_path, stats)["lengths.png"]
+    for ax, shown in zip(fig.axes, (values, [v + 1 for v in values])):
+        heights = [p.get_height() for p in ax.patches]
+        assert sum(heights) == len(shown) and len(heights) <= 40, (lo, hi, ax.get_title())
+        bins = [(p.get_x(), p.get_x() + p.get_width()) for p in ax.patches]
+        assert bins[0][0] < min(shown) and bins[-1][1] > max(shown)  # no value on an outer edge
+    _close(fig)
+
+
+def _acceptance_stats(passes: int, committed: list, depth: list):
+    from jobs.report.job_report import JobStats
+
+    stats = JobStats(accepted_per_depth=depth, committed=committed)
+    stats.all.decode_passes = passes
+    return stats
+
+
+def _share_ticks(ax) -> list:
+    """The y tick labels shown (ticks inside the axis range that have a label)."""
+    lo, hi = ax.get_ylim()
+    ticks = [t for t in ax.get_yticks() if lo - 1e-12 <= t <= hi + 1e-12]
+    return [s for s in ax.yaxis.get_major_formatter().format_ticks(ticks) if s]
+
+
+@pytest.mark.parametrize("passes, committed, depth", [
+    (1000, [0, 994, 4, 2], [6, 2]),  # low acceptance: shares of a fraction of a per cent
+    (500, [0, 500], []),  # plain decoding: every pass commits one token (a 100% bar)
+    (100, [0, 5, 10, 85], [95, 85]),  # high acceptance: a 95% bar
+])
+def test_acceptance_plot_axes_read_their_shares(monkeypatch, tmp_path, passes, committed, depth):
+    """Share axes: distinct tick labels, none above 100%, room above the highest bar for its label."""
+    fig = _plotted(monkeypatch, tmp_path, _acceptance_stats(passes, committed, depth))["acceptance.png"]
+    panels = fig.axes if depth else fig.axes[:1]
+    for ax in panels:
+        bars = [p.get_height() for p in ax.patches]
+        labels = _share_ticks(ax)
+        assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
+        assert all(float(s.rstrip("%")) <= 100 for s in labels), labels
+        assert ax.get_ylim()[1] >= 1.15 * max(bars), (ax.get_title(), ax.get_ylim(), max(bars))
+        shown = [t.get_text() for t in ax.texts if t.get_text()]
+        assert shown and all(s != "0%" for s in shown), shown  # a bar's label gives its share, not 0%
+    _close(fig)
+
+
+def _close(fig) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_method_column_description_lists_every_method():
+    from esp_worker.config import METHODS
+
+    described = DESCRIPTIONS["method"]
+    assert all(f" {m}" in described for m in METHODS), described

@@ -164,6 +164,56 @@ def test_edited_input_ends_with_one_row_per_id(ray_head, tmp_path):
     assert runs[2]["generation_tokens_per_s"] is None and runs[0]["generation_tokens_per_s"] > 0
 
 
+def _on_a_terminal(args: list, env: dict) -> tuple[int, str]:
+    """(exit code, stderr) of `python -m jobs.generate ARGS` with stderr on a pseudo-terminal, where the
+    progress line is drawn (and drawn once more, final, at the end)."""
+    import os
+    import pty
+    import select
+    import sys
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], cwd=REPO, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=slave, env={**os.environ, **env})
+    os.close(slave)
+    chunks = []
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], 5.0)
+            try:
+                data = os.read(master, 65536) if ready else b""
+            except OSError:  # EIO: every writer closed the terminal
+                data = b""
+            chunks.append(data)
+            if not data and proc.poll() is not None:
+                break
+        code = proc.wait(timeout=900)  # a hang guard
+    finally:
+        os.close(master)
+    return code, b"".join(chunks).decode("utf-8", "replace")
+
+
+@pytest.mark.slow
+def test_progress_after_an_edit_counts_each_row_once(ray_head, tmp_path):
+    """A resume counts the rows of the parts it keeps, not those of parts about to be regenerated or
+    removed: the progress line never passes the input's row count."""
+    import re
+
+    rows = _prompts(20)
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    args = [f"data.path={data}", "data.shard_size=4", "ray.num_actors=1"]
+    assert run_job(job_cfg(out, *args)).summary["complete"]
+    rows[9] = {**rows[9], "prompt": "An edited prompt."}  # shard 2 changes: its 4 rows run again
+    for input_rows in (rows, rows[:12]):  # then the input shrinks: two parts removed, nothing to run
+        write_jsonl(data, input_rows)
+        code, err = _on_a_terminal([*FAST, *args, f"output.dir={out}"], {"RAY_ADDRESS": ray_head.address})
+        assert code == 0, err[-2000:]
+        counts = [(int(a), int(b)) for a, b in re.findall(r"rows (\d+)/(\d+)", err)]
+        assert counts and all(b == len(input_rows) and a <= b for a, b in counts), counts
+        assert counts[-1] == (len(input_rows), len(input_rows)), counts
+
+
 @pytest.mark.slow
 def test_final_ids_check_catches_a_planted_part(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))
@@ -224,6 +274,70 @@ def test_errors_before_ray_starts(tmp_path):
         line = res.stderr.strip().splitlines()[-1]
         assert res.returncode == code and needle in line and line.startswith("esp-batch: error:"), (args, res.stderr[-800:])
         assert "Traceback" not in res.stderr and "Ray" not in res.stderr, args  # failed before Ray started
+
+
+def test_an_empty_input_is_refused_before_ray(tmp_path):
+    """No input row: one line, exit 2, before Ray starts and before output.dir is claimed (not a 'complete'
+    job of 0 rows whose report cannot be written)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    (tmp_path / "header.csv").write_text("id,prompt\n")
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}),
+                   tmp_path / "none.parquet")
+    rows = write_jsonl(tmp_path / "rows.jsonl", _prompts(3))
+    cases = [([f"data.path={tmp_path / n}"], "has no rows") for n in ("empty.jsonl", "blank.jsonl", "header.csv",
+                                                                        "none.parquet")]
+    cases.append(([f"data.path={rows}", "data.limit=0"], "has no rows (data.limit=0)"))
+    for i, (args, needle) in enumerate(cases):
+        res = run_cli(*FAST, *args, f"output.dir={tmp_path}/o{i}")
+        line = res.stderr.strip().splitlines()[-1]
+        assert res.returncode == 2 and line.startswith("esp-batch: error: data.path=") and needle in line, (args, res.stderr[-800:])
+        assert "Traceback" not in res.stderr and "Ray" not in res.stderr, res.stderr[-800:]
+        assert not (tmp_path / f"o{i}").exists()
+
+
+def test_a_local_model_directory_without_config_or_weights_is_refused_before_ray(tmp_path):
+    """A local model directory must hold config.json and a weights file: one line, exit 2, before Ray and
+    the engine start (not a tokenizer error from inside an actor)."""
+    empty, no_weights, no_config = (tmp_path / n for n in ("empty", "no-weights", "no-config"))
+    for d in (empty, no_weights, no_config):
+        d.mkdir()
+    (no_weights / "config.json").write_text('{"model_type": "llama"}')
+    (no_weights / "tokenizer.json").write_text("{}")
+    (no_config / "model.safetensors").write_bytes(b"x")
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"x")
+    cases = [(empty, ["no config.json", "no weights"]), (no_weights, ["no weights", "*.safetensors"]),
+             (no_config, ["no config.json"]), (a_file, ["is a file"])]
+    for i, (model, needles) in enumerate(cases):
+        res = run_cli(*FAST, f"model.name_or_path={model}", f"output.dir={tmp_path}/o{i}")
+        line = res.stderr.strip().splitlines()[-1]
+        assert res.returncode == 2 and line.startswith("esp-batch: error: model.name_or_path="), (model, res.stderr[-800:])
+        assert all(n in line for n in needles), (needles, line)
+        assert "Traceback" not in res.stderr and "Ray" not in res.stderr, res.stderr[-800:]  # failed before Ray started
+        assert not (tmp_path / f"o{i}").exists()  # and before the output directory was claimed
+
+
+@pytest.mark.slow
+def test_rerun_with_the_model_path_corrected_after_a_failed_load(ray_head, tmp_path):
+    """A start that fails at model load leaves no row; the rerun with the right model into the same
+    output.dir runs (it is not refused as a job with a different config)."""
+    broken = tmp_path / "model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(4))
+    args = [*FAST, f"data.path={data}", f"output.dir={tmp_path / 'out'}", "ray.num_actors=1"]
+    env = {"RAY_ADDRESS": ray_head.address}
+    res = run_cli(*args, f"model.name_or_path={broken}", env=env)
+    assert res.returncode == 1 and "the engine failed to load" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+    res = run_cli(*args, "model.name_or_path=tiny-random-llama", env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(read_output(tmp_path / "out").column("id").to_pylist()) == [f"p{i:03d}" for i in range(4)]
+    assert _summary(tmp_path / "out")["model"] == "tiny-random-llama"
 
 
 def test_paths_and_stop_strings_mean_what_users_mean(tmp_path, monkeypatch):
