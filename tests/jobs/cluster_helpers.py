@@ -46,6 +46,32 @@ def _descendants(roots: list[int]) -> list[int]:
     return found
 
 
+_ATTEMPTS = 3  # node starts tried: Ray gives a starting raylet a fixed 30 s to register, which a busy machine can miss
+
+
+def _node_pids(node: Any) -> list[int]:
+    return _descendants([p.process.pid for procs in node.all_processes.values() for p in procs if p.process is not None])
+
+
+def _kill_strays(known: set[int]) -> None:
+    """Kill what a node start that timed out left behind: this process's Ray children (under this test's
+    RAY_TMPDIR) that belong to no node we hold, with everything under them."""
+    tmp = os.environ.get("RAY_TMPDIR", "/nonexistent")
+    strays = []
+    for pid in _descendants([os.getpid()]):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text()
+        except OSError:
+            continue
+        if pid != os.getpid() and pid not in known and tmp in cmdline:
+            strays.append(pid)
+    for pid in _descendants(strays):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class LocalCluster:
     """A head with no CPUs (it runs the driver only, as ray_cluster.yaml's head) and `workers` nodes with one CPU
     each: one engine actor per worker node."""
@@ -53,15 +79,32 @@ class LocalCluster:
     def __init__(self, workers: int, gpus_per_worker: int = 0):
         from ray.cluster_utils import Cluster
 
-        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-        # GPUs as Ray resources only (Ray schedules what a node declares): an actor given one sees no CUDA device
-        self.workers = [self.cluster.add_node(num_cpus=1, num_gpus=gpus_per_worker) for _ in range(workers)]
-        self.cluster.wait_for_nodes()
+        for attempt in range(_ATTEMPTS):
+            try:
+                self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+                break
+            except Exception:  # noqa: BLE001 - the head did not register in Ray's 30 s: kill what it left, retry
+                _kill_strays(set())
+                if attempt == _ATTEMPTS - 1:
+                    raise
+        self.workers: list[Any] = []
+        for _ in range(workers):
+            # GPUs as Ray resources only (Ray schedules what a node declares): an actor given one sees no CUDA device
+            self.add_worker(gpus_per_worker)
         self.address = self.cluster.address
 
-    def add_worker(self) -> Any:
-        node = self.cluster.add_node(num_cpus=1)
+    def add_worker(self, gpus: int = 0) -> Any:
+        """One more one-CPU node, once the cluster counts exactly its nodes as live."""
+        for attempt in range(_ATTEMPTS):
+            try:
+                node = self.cluster.add_node(num_cpus=1, num_gpus=gpus)
+                break
+            except Exception:  # noqa: BLE001 - as for the head; a late registration is marked dead below
+                _kill_strays({p for n in self.cluster.list_all_nodes() for p in _node_pids(n)})
+                if attempt == _ATTEMPTS - 1:
+                    raise
         self.workers.append(node)
+        self.cluster.wait_for_nodes(timeout=300)  # a hang guard, not a speed bound
         return node
 
     def node(self, node_id: str) -> Any:
@@ -71,8 +114,7 @@ class LocalCluster:
 
     def kill_node(self, node: Any) -> None:
         """The node's raylet, agents and workers, all at once (SIGKILL): a machine lost."""
-        roots = [p.process.pid for procs in node.all_processes.values() for p in procs if p.process is not None]
-        pids = _descendants(roots)
+        pids = _node_pids(node)
         self.cluster.remove_node(node, allow_graceful=False)
         if node in self.workers:
             self.workers.remove(node)
