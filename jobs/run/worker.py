@@ -11,10 +11,12 @@ Heavy imports (torch, transformers, the engine) happen in `__init__`, inside the
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -41,6 +43,7 @@ class WorkerSpec:
     fault_dir: str  # where fault-injection attempt markers live
     kill_shard: int = -1
     kill_attempts: int = 0
+    hold_shard: int = -1
     turn_history: str = "stripped"  # data.turn_history: stripped | raw
 
 
@@ -78,6 +81,20 @@ class _Shard:
     failure: Optional[str] = None
 
 
+def where() -> dict[str, Any]:
+    """This process's host, pid and, inside a Ray worker, its node id and IP."""
+    place: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "node_id": "", "ip": ""}
+    try:
+        import ray
+
+        if ray.is_initialized():
+            place["node_id"] = ray.get_runtime_context().get_node_id()
+            place["ip"] = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - where we run is for the log only
+        pass
+    return place
+
+
 class ShardWorker:
     def __init__(self, spec: WorkerSpec):
         import torch
@@ -104,15 +121,16 @@ class ShardWorker:
             self.load_error = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
     def info(self) -> dict[str, Any]:
-        """Load status and where this actor runs."""
+        """Load status and where this actor runs (node id, IP, pid: the driver logs them and tells a
+        restarted actor from one that was only unreachable)."""
         if self.load_error is not None:
-            return {"error": self.load_error}
+            return {"error": self.load_error, **where()}
         return {
             "error": None,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
+            **where(),
             "max_context": self.engine.loaded.max_context,
             "chat_template": self.prompts.use_template,
+            "device": str(self.engine.loaded.device),
         }
 
     def stats(self) -> dict[str, Any]:
@@ -123,6 +141,7 @@ class ShardWorker:
         """One output row per input row, in input order. Safe to call from several threads at once."""
         from esp_worker import RequestStats
 
+        self._maybe_hold(shard_index)
         shard = _Shard(shard_index)
         shard.states = [_RowState(row=r, shard=shard, stats=RequestStats(), error=r.error) for r in rows]
         requests = []
@@ -259,6 +278,24 @@ class ShardWorker:
         }
         rec.update({k: v for k, v in s.row.carry.items() if k not in rec})
         return rec
+
+    def _maybe_hold(self, shard_index: int) -> None:
+        """Fault injection: on `hold_shard`, write hold-N.json (where this actor runs) and wait until the
+        test writes `release` (after removing this actor's node, or the head). A retry that starts after
+        the release runs at once."""
+        if shard_index != self.spec.hold_shard:
+            return
+        markers = Path(self.spec.fault_dir)
+        release = markers / "release"
+        if release.exists():
+            return
+        markers.mkdir(parents=True, exist_ok=True)
+        tmp = markers / f".hold-{shard_index}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(where()))
+        tmp.rename(markers / f"hold-{shard_index}.json")
+        deadline = time.monotonic() + 900  # a hang guard: a test that never releases does not leave it waiting
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _maybe_die(self, shard_index: int) -> None:
         """Fault injection: exit the process when a row of `kill_shard` finishes, on the first
