@@ -120,23 +120,32 @@ def actor_resources(ray_cfg: Any) -> Resources:
     return Resources(float(ray_cfg.num_cpus_per_actor), float(asked))
 
 
-def check_resources(ray_cfg: Any, resources: Resources, started_locally: bool) -> None:
-    """A local instance cannot grow: refuse actor requests it can never place (they would hang)."""
+def check_resources(ray_cfg: Any, resources: Resources, started_locally: bool) -> int:
+    """How many actors to start: ray.num_actors, or fewer where `auto` gave each a GPU and a local instance
+    (which cannot grow) has fewer GPUs, so the default job uses a one-GPU workstation's GPU instead of
+    being refused. Other requests a local instance can never place are refused (they would hang)."""
     import ray
 
-    need_cpu = ray_cfg.num_actors * resources.cpus
-    need_gpu = ray_cfg.num_actors * resources.gpus
     have = ray.cluster_resources()
+    n = ray_cfg.num_actors
+    gpus_here = have.get("GPU", 0)
+    if started_locally and ray_cfg.num_gpus_per_actor == "auto" and 0 < resources.gpus and gpus_here < n * resources.gpus:
+        n = max(1, int(gpus_here // resources.gpus))
+        log.info("ray.num_actors=%d but this machine has %g GPU(s): starting %d actor(s), one per GPU",
+                 ray_cfg.num_actors, gpus_here, n)
+    need_cpu = n * resources.cpus
+    need_gpu = n * resources.gpus
     short = []
     if need_cpu > have.get("CPU", 0):
         short.append(f"{need_cpu:g} CPUs (ray.num_actors x ray.num_cpus_per_actor) but the cluster has {have.get('CPU', 0):g}")
-    if need_gpu > have.get("GPU", 0):
-        short.append(f"{need_gpu:g} GPUs (ray.num_actors x ray.num_gpus_per_actor) but the cluster has {have.get('GPU', 0):g}")
+    if need_gpu > gpus_here:
+        short.append(f"{need_gpu:g} GPUs (ray.num_actors x ray.num_gpus_per_actor) but the cluster has {gpus_here:g}")
     if not short:
-        return
+        return n
     if started_locally:
         raise ClusterError(f"the actors need {short[0]}; lower ray.num_actors or the per-actor resources")
     log.warning("the actors need %s; waiting for the cluster to scale up", short[0])
+    return n
 
 
 class HeadWatch:

@@ -268,8 +268,7 @@ def run_job(cfg: DictConfig) -> JobResult:
                 if dispatcher is None:  # Ray and the engines start only when there is work
                     started = connect(cfg.ray)
                     resources = actor_resources(cfg.ray)
-                    check_resources(cfg.ray, resources, started)
-                    n = cfg.ray.num_actors
+                    n = check_resources(cfg.ray, resources, started)
                     if total_rows is not None:  # no more actors than shards left to run
                         n = max(1, min(n, -(-(total_rows - shard_index * cfg.data.shard_size) // cfg.data.shard_size)))
                     pool = ActorPool(cfg, worker_spec(cfg, schema, out), n, cap, resources,

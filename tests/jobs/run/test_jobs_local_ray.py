@@ -60,3 +60,29 @@ def test_driver_killed_leaves_no_process_of_its_local_instance(tmp_path, ray_tmp
     while _running(instance) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _running(instance), _running(instance)
+
+
+@pytest.mark.slow
+def test_auto_gpus_fit_the_actors_to_a_local_machines_gpus():
+    """The default job on a one-GPU workstation starts one actor on the GPU (ray.num_actors=2 would need two);
+    an explicit per-actor GPU count is the user's and is refused as before. A real local Ray instance that
+    declares one GPU."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from jobs.config import RayConfig
+    from jobs.run.cluster import ClusterError, actor_resources, check_resources
+
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False)
+    try:
+        auto = OmegaConf.merge(OmegaConf.structured(RayConfig), {"num_actors": 2, "num_cpus_per_actor": 1})
+        assert auto.num_gpus_per_actor == "auto"
+        resources = actor_resources(auto)
+        assert resources.gpus == 1
+        assert check_resources(auto, resources, started_locally=True) == 1
+        explicit = OmegaConf.merge(auto, {"num_gpus_per_actor": 1})
+        with pytest.raises(ClusterError, match="2 GPUs"):
+            check_resources(explicit, actor_resources(explicit), started_locally=True)
+        assert check_resources(explicit, actor_resources(explicit), started_locally=False) == 2  # a cluster may grow
+    finally:
+        ray.shutdown()
