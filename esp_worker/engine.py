@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import operator
 import time
 import zlib
@@ -27,10 +28,14 @@ from .config import EngineConfig, ModelConfig
 from .drafters import Drafter, make_drafter
 from .feed import RequestFeed
 from .grad import inference
+from .graphs.buffers import ModelDims
+from .graphs.runner import GraphPass, GraphRunner
+from .graphs.step import StepModel, graph_support
 from .kernels.aot import AotKernels
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
 from .model.attention import StaticBlockBias, attention_bias
+from .model.errors import ModelLoadError
 from .model.load import LoadedModel, load_model
 from .model.runner import ModelRunner
 from .passes import Block, ForwardOut, PassRecord, RowsView, Settled
@@ -40,6 +45,8 @@ from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_ta
 from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
 from .verify import VerifyResult, verify, verify_greedy
+
+log = logging.getLogger(__name__)
 
 PREFILL_PAD = 0.1  # a prefill chunk takes prompts at least 90% as long as its longest
 # block_complexity=auto decides each pass at the end of the one before (`PolicySettings.prepare_looks`) on an
@@ -91,6 +98,31 @@ class Engine:
         self.num_logits = max(self.vocab_size, int(getattr(self.runner.lm_head, "out_features", 0) or 0))
         self.stats = EngineStats()
         self.num_layers = loaded.model.config.get_text_config().num_hidden_layers
+        self.graphs: Optional[GraphRunner] = self._graphs()  # engine.cuda_graphs (captures at start-up on CUDA)
+
+    def _graphs(self) -> Optional[GraphRunner]:
+        """engine.cuda_graphs' runner over a KV slab pinned for the whole engine (graphs read it at fixed addresses),
+        or None when passes run eagerly. auto = on for CUDA; true on a CPU runs the static path eagerly."""
+        cfg, runner = self.cfg, self.runner
+        wanted = cfg.cuda_graphs if cfg.cuda_graphs != "auto" else self.device.type == "cuda"
+        if not wanted:
+            return None
+        why = graph_support(runner)
+        if why is not None:
+            if cfg.cuda_graphs is True:
+                raise ModelLoadError(f"engine.cuda_graphs=true cannot capture this model's passes: {why}; set "
+                                     f"engine.cuda_graphs=auto or false")
+            log.info("engine.cuda_graphs: passes run eagerly: %s", why)
+            return None
+        text = self.loaded.model.config.get_text_config()
+        attn = runner.direct.base.layers[0].self_attn
+        slots = min(cfg.cuda_graph_max_len, self.loaded.max_context)
+        cache = kv_cache.new_cache(self.num_layers)
+        cache.pin(cfg.max_batch_size, slots, text.num_key_value_heads, attn.head_dim, runner.dtype, self.device)
+        dims = ModelDims(int(text.hidden_size), self.num_logits, runner.dtype, self.device)
+        graphs = GraphRunner(StepModel.of(runner, slots), dims, cache, cfg.max_batch_size, self.device.type == "cuda")
+        graphs.capture_plain()
+        return graphs
 
     def _policy(self, cost_curve: Optional[CostCurve]) -> Optional[BlockPolicy]:
         """block_complexity=auto's policy over the drafter's sizes (None: a fixed size, or nothing to size)."""
@@ -118,7 +150,7 @@ class Engine:
         direct = self.runner.direct
         layers = direct.compiled.compile_s if direct is not None and direct.compiled is not None else 0.0
         host = [k.compile_s for k in (self.settler, self.drafter_kernels) if k is not None]
-        return layers + sum(host)
+        return layers + sum(host) + (self.graphs.stats.capture_s if self.graphs is not None else 0.0)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """All outputs, in input order. Request ids must be unique within one call."""
@@ -135,8 +167,10 @@ class Engine:
         fill while the loop runs; with a feed the loop ends when the feed is closed and drained."""
         take = _feed_taker(requests)
         self.drafter.start_job()
-        rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device),
-                    kv_cache.new_cache(self.num_layers))
+        if self.graphs is not None:  # the pinned slab the graphs read, emptied
+            self.graphs.cache.select_rows([])
+        cache = self.graphs.cache if self.graphs is not None else kv_cache.new_cache(self.num_layers)
+        rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device), cache)
         exhausted = False
         while True:
             admit: list[Seq] = []
@@ -303,8 +337,12 @@ class Engine:
         clock = self.stats.start(self.runner.model_s, self.compile_s if self.policy is not None else 0.0, rows.lens)
         view = rows.view()
         block = self.drafter.propose(view, self.planner.plan(view, rows.lens))
-        out = self._forward(rows, block)
-        settled = self._settle(rows, block, out)
+        graphed = self._replay(rows, block) if self.graphs is not None else None
+        if graphed is not None:  # engine.cuda_graphs: forward and settle replayed over the class's buffers
+            out, settled = graphed.out, self._finish(rows, block, graphed.verified, graphed.num_kept, graphed.reason)
+        else:
+            out = self._forward(rows, block)
+            settled = self._settle(rows, block, out)
         view = rows.view()  # after the commit
         self.drafter.observe(view, self._record(block, out, settled))
         self._end_pass(rows, view, block, clock)
@@ -355,9 +393,23 @@ class Engine:
         res = self._verify(rows, block, out.slot_logits)
         n_fin, reason = self._stops(rows, res.committed, res.num_committed)
         rows.keep_path(block.tree, res.path_slots)
+        return self._finish(rows, block, res, n_fin, reason)
+
+    def _finish(self, rows: Rows, block: Block, res: VerifyResult, n_fin: torch.Tensor, reason: torch.Tensor) -> Settled:
+        """The settle's end, after verification, stops and the KV keep: the commit and the counters."""
         self._commit(rows, res.committed, n_fin, reason, res.last_token)
         rows.count(n_fin, res.num_committed, block.tree.num_drafted(), block.max_depth + 1, block.source, res.path_slots)
         return Settled(res, n_fin, reason)
+
+    def _replay(self, rows: Rows, block: Block) -> Optional[GraphPass]:
+        """The pass's forward and settle from its shape class's graph (`graphs/runner.py`), timed as model time;
+        None = it runs eagerly."""
+        mark = self.runner.start_timing()
+        graphed = self.graphs.run(rows, block)
+        self.runner.stop_timing(mark)
+        if graphed is not None:
+            self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
+        return graphed
 
     def _settle_compiled(self, rows: Rows, block: Block, out: ForwardOut) -> Optional[Settled]:
         """The kernel's settle, with the drafter's EMA over the committed tokens when it asks (`settle_ema`) and the

@@ -110,13 +110,19 @@ class DirectDecoder:
         """(cos, sin) [B, Q, hd] for the positions: rows of a table where the caller bounds the positions."""
         if not self.rope_table or max_position is None:
             return self.base.rotary_emb(x, position_ids=position_ids)
+        cos, sin = self.rotary_table(max_position, x)
+        return cos[position_ids], sin[position_ids]
+
+    def rotary_table(self, max_position: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [P, hd] of positions 0 .. P-1, P > max_position, in the dtype of like [B, Q, D] (rope_table
+        models only): built with the model's own rotary module, grown to the next power of two when a position
+        passes it. Each entry is a function of its position alone, so a larger table holds the same values."""
         if self._cos_sin is None or self._cos_sin[0].shape[0] <= max_position:
             size = max(256, 1 << int(max_position).bit_length())  # next power of two above max_position
-            pos = torch.arange(size, device=x.device)[None]
-            cos, sin = self.base.rotary_emb(x[:1, :1], position_ids=pos)
+            pos = torch.arange(size, device=like.device)[None]
+            cos, sin = self.base.rotary_emb(like[:1, :1], position_ids=pos)
             self._cos_sin = (cos[0], sin[0])
-        cos, sin = self._cos_sin
-        return cos[position_ids], sin[position_ids]
+        return self._cos_sin
 
     @inference
     def __call__(
@@ -134,17 +140,15 @@ class DirectDecoder:
         most of one layer's work per prompt token. Bitwise the full computation's rows (products of >= 4 rows
         are checked at start-up to give each row what a larger product gives it; else `keep` only selects)."""
         b, q, _ = inputs_embeds.shape
-        cos, sin = self._rotary(inputs_embeds, position_ids, max_position)  # [B, Q, hd]
-        if self.fast_rope:  # broadcast over heads in the [B, Q, H, hd] layout; sin with rotate_half's sign
-            rope = (cos[:, :, None], _signed_sin(sin)[:, :, None])
-        else:
-            rope = (cos, sin)
+        rope = self.rope(*self._rotary(inputs_embeds, position_ids, max_position))
         if self.compiled is not None or (keep is not None and not self.rows_invariant):
             h = self.norm(self.compiled.run(inputs_embeds, rope, bias, cache)) if self.compiled is not None \
                 else self(inputs_embeds, bias, position_ids, cache, max_position)
             return h if keep is None else gather_slots(h, keep)
-        k = 0 if keep is None else keep.shape[1]
-        if keep is not None and b * k < MIN_ROWS:  # pad to a product of >= MIN_ROWS rows (extra rows: position 0)
+        if keep is None:
+            return self.decode(inputs_embeds, rope, bias, cache)
+        k = keep.shape[1]
+        if b * k < MIN_ROWS:  # pad to a product of >= MIN_ROWS rows (extra rows: position 0)
             keep = torch.cat([keep, keep.new_zeros(b, -(-MIN_ROWS // b) - k)], 1)
         h = inputs_embeds
         last = len(self.base.layers) - 1
@@ -153,8 +157,24 @@ class DirectDecoder:
             a = self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q, sel)
             h = (h if sel is None else gather_slots(h, sel)) + a
             h = h + self._mlp(layer.mlp, self.norms[i][1](h), self.gate_up[i])
-        h = self.norm(h)
-        return h if keep is None else h[:, :k]
+        return self.norm(h)[:, :k]
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary arguments of `_attention` from cos, sin [B, Q, hd]: with the fast rotary, broadcast over heads
+        in the [B, Q, H, hd] layout and sin carrying rotate_half's sign."""
+        if self.fast_rope:
+            return cos[:, :, None], _signed_sin(sin)[:, :, None]
+        return cos, sin
+
+    def decode(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bias: Optional[torch.Tensor],
+               cache: Any) -> torch.Tensor:
+        """norm(layers(h)) [B, Q, D] at every input, each layer's keys and values through `cache.update` (the eager
+        pass's forward, and the captured pass's: `graphs/step.py`)."""
+        b, q, _ = h.shape
+        for i, layer in enumerate(self.base.layers):
+            h = h + self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q)
+            h = h + self._mlp(layer.mlp, self.norms[i][1](h), self.gate_up[i])
+        return self.norm(h)
 
     def _rows_invariant(self) -> bool:
         """Each row of a product of the last layer's weights with >= MIN_ROWS rows is bitwise that row of a larger

@@ -133,7 +133,6 @@ def test_no_synchronisation_inside_a_pass_on_gpu(monkeypatch, setting, temperatu
     last_rows = [None]
 
     def strict_step(self, rows):
-        self.runner.timed = False
         ids = [s.req.id for s in rows.seqs]
         changed, last_rows[0] = ids != last_rows[0], ids
         if auto and changed:
