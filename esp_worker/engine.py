@@ -121,6 +121,7 @@ class Engine:
         cache.pin(cfg.max_batch_size, slots, text.num_key_value_heads, attn.head_dim, runner.dtype, self.device)
         dims = ModelDims(int(text.hidden_size), self.num_logits, runner.dtype, self.device)
         graphs = GraphRunner(StepModel.of(runner, slots), dims, cache, cfg.max_batch_size, self.device.type == "cuda")
+        self.stats.graphs = graphs.stats
         graphs.capture_plain()
         return graphs
 

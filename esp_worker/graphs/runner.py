@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -32,6 +32,7 @@ from ..batch import Rows
 from ..consts import steps
 from ..kv_cache import KVCache
 from ..passes import Block, ForwardOut
+from ..stats import GraphStats
 from ..verify import VerifyResult
 from .buffers import INTS, ModelDims, ShapeClass, StepInputs, StepOutput
 from .step import StepModel, decode_step
@@ -64,24 +65,6 @@ def capacity_buckets(slots: int) -> list[int]:
 
 def _bucket(sizes: list[int], n: int) -> Optional[int]:
     return next((s for s in sizes if s >= n), None)
-
-
-@dataclass
-class GraphStats:
-    """Counters of engine.cuda_graphs (reported with the engine's statistics)."""
-
-    captured: int = 0  # graphs captured (each class once per slab)
-    capture_s: float = 0.0  # seconds capturing (start-up and during the job)
-    graph_bytes: int = 0  # device memory held by the graphs' pool
-    graph_passes: int = 0  # passes run from a class's graph (on a CPU: over its static buffers)
-    # passes that ran eagerly, by reason: stop_strings (the text is checked on the host), capacity (a row longer
-    # than the slab's pinned slots), new_shape (a class's first passes, before its capture), graph_limit
-    eager_passes: collections.Counter = field(default_factory=collections.Counter)
-
-    def record(self) -> dict[str, Any]:
-        """For benchmarks and the job summary."""
-        return dict(captured=self.captured, capture_s=round(self.capture_s, 3), graph_bytes=self.graph_bytes,
-                    graph_passes=self.graph_passes, eager_passes=dict(self.eager_passes))
 
 
 @dataclass
