@@ -82,6 +82,13 @@ class Engine:
         self.auto = cfg.block_complexity == "auto"
         sized = dataclasses.replace(cfg, block_complexity=cfg.auto_max_block) if self.auto else cfg
         self.drafter: Drafter = make_drafter(sized, self.runner)
+        self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
+        self.vocab_size = int(self.runner.embed.weight.shape[0])
+        # token ids a pass can commit: the LM head's outputs (the stop table covers them all)
+        self.num_logits = max(self.vocab_size, int(getattr(self.runner.lm_head, "out_features", 0) or 0))
+        self.stats = EngineStats()
+        self.num_layers = loaded.model.config.get_text_config().num_hidden_layers
+        self.graphs: Optional[GraphRunner] = self._graphs()  # engine.cuda_graphs (captures at start-up on CUDA)
         self.policy: Optional[BlockPolicy] = self._policy(cost_curve)
         self.planner: Planner = self.policy if self.policy is not None else FixedPlanner()
         if isinstance(self.drafter, DraftSizer):
@@ -92,13 +99,6 @@ class Engine:
             self.drafter_kernels = AotKernels("drafter")
             self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
-        self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
-        self.vocab_size = int(self.runner.embed.weight.shape[0])
-        # token ids a pass can commit: the LM head's outputs (the stop table covers them all)
-        self.num_logits = max(self.vocab_size, int(getattr(self.runner.lm_head, "out_features", 0) or 0))
-        self.stats = EngineStats()
-        self.num_layers = loaded.model.config.get_text_config().num_hidden_layers
-        self.graphs: Optional[GraphRunner] = self._graphs()  # engine.cuda_graphs (captures at start-up on CUDA)
 
     def _graphs(self) -> Optional[GraphRunner]:
         """engine.cuda_graphs' runner over a KV slab pinned for the whole engine (graphs read it at fixed addresses),
@@ -130,7 +130,11 @@ class Engine:
         cfg = self.cfg
         if not self.auto or not isinstance(self.drafter, DraftSizer):
             return None
-        curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path)
+        # with CUDA graphs the curve is that of replayed passes (on a CPU the static path runs eagerly: the
+        # eager forward's curve serves)
+        passes = self.graphs.pass_timer if self.graphs is not None and self.graphs.capture else None
+        curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path,
+                                        passes)
         prepare = PREPARE_LOOKS if PREPARE_LOOKS is not None else self.device.type != "cpu"
         settings = PolicySettings(probe_interval=cfg.auto_probe_interval, prepare_looks=prepare)
         return BlockPolicy(curve, self.drafter, cfg.auto_max_block, settings)

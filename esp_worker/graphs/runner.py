@@ -24,7 +24,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -257,6 +257,33 @@ class GraphRunner:
                                    in_place=True, shared_layout=True, sampling=False)
                 entry = self._entries[shape] = _Entry(StepInputs.allocate(shape, self.dims))
                 self._capture(shape, entry)
+
+    def pass_timer(self, batch: int, cache_len: int, q: int) -> Optional[Callable[[], Any]]:
+        """One pass of a chain of q tokens at `batch` rows behind cache_len cached slots, run as its class runs it
+        (the replay of its graph on CUDA): what engine.cuda_graphs' cost curve times (`measure_cost_curve`). None
+        when the pinned slab cannot hold it. It writes the slab's first rows: for start-up, before any request."""
+        bucket, capacity = _bucket(self.batches, batch), _bucket(self.capacities, cache_len + q)
+        if bucket is None or capacity is None or bucket > self._slab.shape[2]:
+            return None
+        shape = ShapeClass(batch=bucket, num_slots=q, num_aux=0, capacity=capacity, max_depth=q - 1, in_place=True,
+                           shared_layout=True, sampling=False)
+        entry = self._entries.get(shape)
+        if entry is None:
+            entry = self._entries[shape] = _Entry(StepInputs.allocate(shape, self.dims))
+        inp, dev = entry.inp, self.dims.device
+        inp.parents.copy_(torch.arange(-1, q - 1, device=dev).expand(bucket, q))
+        inp.valid.fill_(True)
+        inp.visible.copy_(torch.ones((q, q), dtype=torch.bool, device=dev).tril()[None])
+        inp.rel_pos.copy_(torch.arange(q, device=dev)[None])
+        inp.depth.copy_(torch.arange(q, device=dev)[None])
+        inp.hist_len.fill_(1)
+        inp.hist_len.narrow(0, 0, batch).fill_(cache_len + 1)
+        entry.rows_of, entry.live = None, batch
+        if not self.capture:
+            return lambda: decode_step(self.model, self._slab, inp, shape)
+        if entry.graph is None:
+            self._capture(shape, entry)
+        return entry.graph.replay
 
     def _reset(self, slab: torch.Tensor) -> None:
         """The cache's slab was reallocated: drop every graph (they read the old one) and start over on the new."""
