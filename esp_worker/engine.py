@@ -53,6 +53,9 @@ PREFILL_PAD = 0.1  # a prefill chunk takes prompts at least 90% as long as its l
 # accelerator, where a host read drains the device's queue; on a CPU a read costs nothing and deciding with the
 # latest statistics measured faster. None = by device (tests set True to check the accelerator's way on a CPU)
 PREPARE_LOOKS: Optional[bool] = None
+# engine.cuda_graphs captures graphs on CUDA and runs the static path eagerly elsewhere. None = by device (tests
+# set True, with a stand-in for `graphs.runner.capture_graph`, to drive the capture path on a CPU)
+CAPTURE_GRAPHS: Optional[bool] = None
 
 
 def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[int, bool], tuple[list[Request], bool]]:
@@ -120,7 +123,8 @@ class Engine:
         cache = kv_cache.new_cache(self.num_layers)
         cache.pin(cfg.max_batch_size, slots, text.num_key_value_heads, attn.head_dim, runner.dtype, self.device)
         dims = ModelDims(int(text.hidden_size), self.num_logits, runner.dtype, self.device)
-        graphs = GraphRunner(StepModel.of(runner, slots), dims, cache, cfg.max_batch_size, self.device.type == "cuda")
+        capture = CAPTURE_GRAPHS if CAPTURE_GRAPHS is not None else self.device.type == "cuda"
+        graphs = GraphRunner(StepModel.of(runner, slots), dims, cache, cfg.max_batch_size, capture)
         self.stats.graphs = graphs.stats
         graphs.capture_plain()
         return graphs
@@ -456,8 +460,10 @@ class Engine:
         hints = None if self.planner.next_is_plain() else self.drafter.row_hints(view)
         self.planner.receive(rows.read_back(hints, look))
         seconds, model_s = self.stats.finish(clock, self.runner.model_s)
-        if self.policy is not None:  # a pass that compiled a kernel says nothing of its mode's cost: not timed
-            timed = self.compile_s == clock.compile_s
+        if self.policy is not None:
+            # a pass that compiled a kernel or captured a graph, or ran eagerly before its class's capture, says
+            # nothing of its mode's cost: not timed
+            timed = self.compile_s == clock.compile_s and not (self.graphs is not None and self.graphs.last_uncaptured)
             self.policy.observe_pass(sum(rows.lens) - clock.tokens, seconds if timed else None,
                                      model_s if timed else None)
 

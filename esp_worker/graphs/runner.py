@@ -30,6 +30,7 @@ import torch
 
 from ..batch import Rows
 from ..consts import steps
+from ..grad import inference
 from ..kv_cache import KVCache
 from ..passes import Block, ForwardOut
 from ..stats import GraphStats
@@ -65,6 +66,30 @@ def capacity_buckets(slots: int) -> list[int]:
 
 def _bucket(sizes: list[int], n: int) -> Optional[int]:
     return next((s for s in sizes if s >= n), None)
+
+
+def cuda_capture(fn: Callable[[], StepOutput], pool: Any, device: torch.device) -> tuple[Any, StepOutput]:
+    """(graph, outputs): `fn` run once on a side stream (warm-up: lazy initialisations happen outside the capture),
+    then captured as a CUDA graph into `pool`; every replay rewrites the outputs. A capture synchronises (once per
+    class, not per pass), so the sync debug mode is lifted while it runs."""
+    debug = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads may use CUDA
+            out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(debug)
+    return graph, out
+
+
+# how a class is captured (tests replace it to drive the capture path on a CPU)
+capture_graph: Callable[[Callable[[], StepOutput], Any, torch.device], tuple[Any, StepOutput]] = cuda_capture
 
 
 @dataclass
@@ -103,7 +128,11 @@ class GraphRunner:
         self._entries: dict[ShapeClass, _Entry] = {}
         self._seen: collections.Counter = collections.Counter()  # class -> passes before its capture
         self._slab = cache.slab
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        cuda = dims.device.type == "cuda"
+        self._pool = torch.cuda.graph_pool_handle() if capture and cuda else None
+        # the last pass ran eagerly as a class's pass before its capture: not what the class costs (the `auto` policy
+        # does not time it)
+        self.last_uncaptured = False
 
     @property
     def capacities(self) -> list[int]:
@@ -113,6 +142,7 @@ class GraphRunner:
     def run(self, rows: Rows, block: Block) -> Optional[GraphPass]:
         """The pass over its class's buffers (replayed, or on a CPU run eagerly), or None: the caller runs it
         eagerly (counted by reason)."""
+        self.last_uncaptured = False
         shape = self._shape(rows, block)
         if isinstance(shape, str):
             self.stats.eager_passes[shape] += 1
@@ -121,6 +151,7 @@ class GraphRunner:
         if entry is None or (self.capture and entry.graph is None):
             entry = self._admit(shape)
             if entry is None:
+                self.last_uncaptured = True
                 return None
         b = len(rows)
         self._fill(entry, rows, block, shape)
@@ -219,29 +250,19 @@ class GraphRunner:
             inp.uniforms.narrow(0, 0, b).copy_(u.buf.gather(1, u.ptr.unsqueeze(1) + steps(s, u.ptr.device)))
 
     # ---- capture (CUDA) ----------------------------------------------------------------------------
+    @inference
     def _capture(self, shape: ShapeClass, entry: _Entry) -> None:
-        """Warm the class up on a side stream, then capture `decode_step` over its buffers into the shared pool.
-        The warm-up runs on the pass's real inputs: a pass is idempotent (its KV writes depend only on the cached
-        prefix, which it does not touch), so the replay that follows computes the same pass again."""
+        """Capture `decode_step` over the class's buffers into the shared pool (`capture_graph`). Its warm-up runs
+        on the pass's real inputs: a pass is idempotent (its KV writes depend only on the cached prefix, which it
+        does not touch), so the replay that follows computes the same pass again."""
         t0 = time.perf_counter()
         dev = self.dims.device
-        debug = torch.cuda.get_sync_debug_mode()  # a capture synchronises (once per class): not a pass's sync
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            before = torch.cuda.memory_reserved(dev)
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                decode_step(self.model, self._slab, entry.inp, shape)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = decode_step(self.model, self._slab, entry.inp, shape)
-        finally:
-            torch.cuda.set_sync_debug_mode(debug)
-        entry.graph, entry.out = graph, out
+        cuda = dev.type == "cuda"
+        before = torch.cuda.memory_reserved(dev) if cuda else 0
+        entry.graph, entry.out = capture_graph(lambda: decode_step(self.model, self._slab, entry.inp, shape),
+                                               self._pool, dev)
         self.stats.captured += 1
-        self.stats.graph_bytes += max(0, torch.cuda.memory_reserved(dev) - before)
+        self.stats.graph_bytes += max(0, torch.cuda.memory_reserved(dev) - before) if cuda else 0
         self.stats.capture_s += time.perf_counter() - t0
 
     def capture_plain(self) -> None:
@@ -258,6 +279,7 @@ class GraphRunner:
                 entry = self._entries[shape] = _Entry(StepInputs.allocate(shape, self.dims))
                 self._capture(shape, entry)
 
+    @inference
     def pass_timer(self, batch: int, cache_len: int, q: int) -> Optional[Callable[[], Any]]:
         """One pass of a chain of q tokens at `batch` rows behind cache_len cached slots, run as its class runs it
         (the replay of its graph on CUDA): what engine.cuda_graphs' cost curve times (`measure_cost_curve`). None
