@@ -7,9 +7,10 @@ smallest power of two from 128 that holds every row's cache and block, so a pass
 the whole slab) and whether it samples. Per class the runner keeps `StepInputs` (copied into before each pass)
 and a graph captured from `decode_step`, whose outputs every replay overwrites.
 
-Capture: at start-up the plain pass (Q = 1, greedy) of every batch and capacity bucket; any other class when
-it has come `CAPTURE_AFTER` times (so one-off shapes never pay a capture), up to `MAX_GRAPHS`. A pass with no
-graph runs eagerly and is counted by reason (`GraphStats.eager_passes`). All graphs share one memory pool and
+Capture: at start-up the plain pass (Q = 1, greedy) of every batch bucket at the capacity buckets up to 512
+slots; any other class (a larger capacity, a drafter's block, sampling) when it has come `CAPTURE_AFTER` times
+(one-off shapes never pay a capture), up to `MAX_GRAPHS`. A pass with no graph runs eagerly and is counted by
+reason (`GraphStats.eager_passes`). All graphs share one memory pool and
 read the KV slab the engine pinned (`KVCache.pin`); if rows outgrow it the slab is reallocated, every graph is
 dropped and classes are captured again over the new one.
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 CAPTURE_AFTER = 2  # passes of a class before it is captured (the first runs eagerly)
 MAX_GRAPHS = 512  # graphs one engine keeps; later classes run eagerly
 MIN_CAPACITY = 128  # the smallest capacity bucket (key slots)
+START_CAPACITY = 512  # plain passes are captured at start-up up to this capacity bucket, larger ones when they come
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -266,14 +268,14 @@ class GraphRunner:
         self.stats.capture_s += time.perf_counter() - t0
 
     def capture_plain(self) -> None:
-        """Start-up: the plain pass (Q = 1, greedy) of every batch and capacity bucket, over padding rows (their
-        KV writes land in rows no request holds yet)."""
+        """Start-up: the plain pass (Q = 1, greedy) of every batch bucket and capacity bucket up to START_CAPACITY,
+        over padding rows (their KV writes land in rows no request holds yet)."""
         if not self.capture:
             return
         for batch in self.batches:
             if batch > self._slab.shape[2]:
                 break
-            for capacity in self.capacities:
+            for capacity in [c for c in self.capacities if c <= START_CAPACITY] or self.capacities[:1]:
                 shape = ShapeClass(batch=batch, num_slots=1, num_aux=0, capacity=capacity, max_depth=0,
                                    in_place=True, shared_layout=True, sampling=False)
                 entry = self._entries[shape] = _Entry(StepInputs.allocate(shape, self.dims))

@@ -5,6 +5,8 @@ forward compiled, as transformers documents it (`cache_implementation="static"` 
 torch.compile, Inductor, mode "reduce-overhead", i.e. CUDA graphs): the fair baseline on a GPU, where eager
 generate is bound by launching kernels. transformers compiles only on accelerators unless told otherwise; on
 a CPU the bench asks for it explicitly (mode "default": there are no CUDA graphs to reduce overhead with).
+Every call of the compiled baseline is left-padded to the bench's longest prompt, so each batch size is one
+shape (transformers' advice against recompiling per prompt length; the attention mask hides the padding).
 
 Batch 1: one prompt at a time. Batch B: prompts in input order, B at a time, left-padded with an attention
 mask; each batch runs to its longest request's `max_new_tokens` (generate takes one value per call), and each
@@ -32,9 +34,10 @@ def compile_config(device: Any) -> Any:
 
 
 def hf_generate(loaded: Any, prompts: list[Any], generation: dict[str, Any], batch: int,
-                compiled: bool = False) -> dict[str, list[int]]:
+                compiled: bool = False, pad_to: int = 0) -> dict[str, list[int]]:
     """{prompt id: generated token ids} for `prompts` (each a bench Prompt with .id, .ids, .params); compiled:
-    generate with a static cache and a compiled decoding forward."""
+    generate with a static cache and a compiled decoding forward. pad_to: left-pad every batch to at least this
+    many tokens."""
     model, tok = loaded.model, loaded.tokenizer
     static = dict(cache_implementation="static", compile_config=compile_config(loaded.device)) if compiled else {}
     pad = tok.pad_token_id if tok.pad_token_id is not None else (loaded.eos_token_ids or (0,))[0]
@@ -42,7 +45,7 @@ def hf_generate(loaded: Any, prompts: list[Any], generation: dict[str, Any], bat
     for i in range(0, len(prompts), batch):
         chunk = prompts[i: i + batch]
         params = [{**generation, **p.params} for p in chunk]
-        longest = max(len(p.ids) for p in chunk)
+        longest = max([len(p.ids) for p in chunk] + [pad_to])
         ids = torch.full((len(chunk), longest), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, p in enumerate(chunk):  # left padding
@@ -73,13 +76,14 @@ def run_hf(loaded: Any, batch: int, prompts: list[Any], generation: dict[str, An
     call of each new shape)."""
     from esp_worker import RequestOutput, RequestStats
 
+    pad_to = max(len(p.ids) for p in prompts) if compiled else 0
     if warmup:
-        hf_generate(loaded, prompts[:warmup], generation, batch, compiled)
+        hf_generate(loaded, prompts[:warmup], generation, batch, compiled, pad_to)
     outputs, seconds = {}, {}
     for cat in dict.fromkeys(p.category for p in prompts):
         ps = [p for p in prompts if p.category == cat]
         t0 = time.perf_counter()
-        got = hf_generate(loaded, ps, generation, batch, compiled)
+        got = hf_generate(loaded, ps, generation, batch, compiled, pad_to)
         seconds[cat] = time.perf_counter() - t0
         for p in ps:
             n = len(got[p.id])
