@@ -253,6 +253,7 @@ class _Dispatcher:
         self.finished: list[tuple[int, Any, str]] = []  # (shard, table, fingerprint) returned, not yet written
         self.shards_written = 0
         self.exit_after_parts = exit_after_parts  # fault injection (tests): the driver dies after this many parts
+        self.graph_records: list[dict[str, Any]] = []  # the actors' engine.cuda_graphs counters (`batch_histogram`)
 
     @property
     def can_submit(self) -> bool:
@@ -329,14 +330,32 @@ class _Dispatcher:
         import ray
 
         total: collections.Counter[int] = collections.Counter()
+        self.graph_records = []
         for i, actor in enumerate(self.actors):
             if i in self.dead:
                 continue
             try:
-                total.update({int(k): v for k, v in ray.get(actor.stats.remote(), timeout=60)["batch_histogram"].items()})
+                stats = ray.get(actor.stats.remote(), timeout=60)
+                total.update({int(k): v for k, v in stats["batch_histogram"].items()})
+                if stats.get("cuda_graphs"):
+                    self.graph_records.append(stats["cuda_graphs"])
             except Exception:  # noqa: BLE001 - statistics only
                 log.warning("could not read actor %d's batch statistics", i)
         return dict(sorted(total.items()))
+
+    def cuda_graphs(self) -> Optional[dict[str, Any]]:
+        """The actors' engine.cuda_graphs counters summed (read by `batch_histogram`); None when no engine had graphs.
+        Capture seconds are part of each actor's start-up."""
+        records = self.graph_records
+        if not records:
+            return None
+        eager: collections.Counter[str] = collections.Counter()
+        for r in records:
+            eager.update(r["eager_passes"])
+        return {"actors": len(records), "captured": sum(r["captured"] for r in records),
+                "capture_s": round(sum(r["capture_s"] for r in records), 3),
+                "graph_mb": round(sum(r["graph_bytes"] for r in records) / 2**20, 1),
+                "graph_passes": sum(r["graph_passes"] for r in records), "eager_passes": dict(eager)}
 
 
 @dataclass
@@ -430,6 +449,7 @@ def run_job(cfg: DictConfig) -> JobResult:
         progress.close()
         t_end = time.monotonic()
         run = _run_record(t_start, t_ready, t_end, progress.run, dispatcher, plan, histogram)
+        run["cuda_graphs"] = dispatcher.cuda_graphs() if dispatcher is not None else None
         if dispatcher is not None and dispatcher.failures:
             _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check=None)
             raise JobError(f"{dispatcher.failure_message()}; finished parts are kept in {out.path}: "
