@@ -418,6 +418,8 @@ class Engine:
         self.runner.stop_timing(mark)
         if graphed is not None:
             self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
+            if self.drafter.reads_slot_logits:  # the graph keeps no logits: the LM head again, at the tree slots
+                graphed.out.slot_logits = self.runner.logits(graphed.out.hidden.narrow(1, 0, block.tree.num_slots))
         return graphed
 
     def _settle_compiled(self, rows: Rows, block: Block, out: ForwardOut) -> Optional[Settled]:

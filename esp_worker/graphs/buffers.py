@@ -123,10 +123,9 @@ class StepOutput:
     """What one pass produces, rows 0 .. B-1. In a captured graph these are the capture's own tensors, written
     anew by every replay: readers take what they need before the next pass."""
 
-    # [B, Q, D] hidden states of every input (after the final norm)
+    # [B, Q, D] hidden states of every input (after the final norm). The logits are not kept: [B, T, V] per class
+    # would hold gigabytes (the engine computes them from these for a drafter that reads them)
     hidden: torch.Tensor
-    # [B, T, V] float32 logits at the tree slots
-    slot_logits: torch.Tensor
     # [B, S] committed tokens (accepted drafts then the bonus), valid up to num_committed
     committed: torch.Tensor
     # [B, S] tree slots on the accepted path (slot 0 first)

@@ -96,9 +96,10 @@ capture_graph: Callable[[Callable[[], StepOutput], Any, torch.device], tuple[Any
 
 @dataclass
 class GraphPass:
-    """A pass run over static buffers, as the engine continues it: the forward's outputs, the verification, and
-    the stops' cut. Tensors are rows 0 .. b-1; `out` and the verification's committed tokens and path are views
-    of the class's output buffers (read before the next pass), the per-row integers a fresh copy."""
+    """A pass run over static buffers, as the engine continues it: the forward's outputs (hidden states; no slot
+    logits), the verification, and the stops' cut. Tensors are rows 0 .. b-1; the hidden states and the
+    verification's committed tokens and path are views of the class's output buffers (read before the next
+    pass), the per-row integers a fresh copy."""
 
     out: ForwardOut
     verified: VerifyResult
@@ -162,7 +163,8 @@ class GraphRunner:
                 self._capture(shape, entry)
             else:
                 res = decode_step(self.model, self._slab, entry.inp, shape)
-                entry.out = res if entry.out is None else entry.out.copy_(res)
+                # buffers of the class's own (a result may hold shared constants, e.g. a chain's path slots)
+                entry.out = res.clone() if entry.out is None else entry.out.copy_(res)
         if entry.graph is not None:
             entry.graph.replay()
         self.stats.graph_passes += 1
@@ -173,7 +175,7 @@ class GraphRunner:
             rows.uniforms.ptr += num
         verified = VerifyResult(out.committed.narrow(0, 0, b), num, out.path_slots.narrow(0, 0, b), last_slot,
                                 last_token)
-        fwd = ForwardOut(out.hidden.narrow(0, 0, b), out.slot_logits.narrow(0, 0, b))
+        fwd = ForwardOut(out.hidden.narrow(0, 0, b), None)
         return GraphPass(fwd, verified, n_fin, reason)
 
     def _shape(self, rows: Rows, block: Block):

@@ -17,7 +17,8 @@ length) where the eager pass reads max(length) + Q: the same keys, but a differe
 in another order, so floats agree to rounding and are bitwise equal where both read the same count.
 
 What it leaves to the host, after the replay (`graphs/runner.py`): the history write and the statistics counters
-(their tensors belong to the rows and change shape as rows come and go), and the drafter's observe.
+(their tensors belong to the rows and change shape as rows come and go), and the drafter's observe. Its outputs
+hold no logits ([B, T, V] per class would hold gigabytes): the logits are an intermediate.
 """
 from __future__ import annotations
 
@@ -137,4 +138,4 @@ def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: Shap
     if last_token is None:  # sampled: the last committed token
         last_token = res.committed.gather(1, (res.num_committed - 1).unsqueeze(1)).squeeze(1)
     ints = torch.stack([res.num_committed, res.last_slot, last_token, n_fin, reason])  # [5, B]
-    return StepOutput(hidden=hidden, slot_logits=logits, committed=res.committed, path_slots=res.path_slots, ints=ints)
+    return StepOutput(hidden=hidden, committed=res.committed, path_slots=res.path_slots, ints=ints)
