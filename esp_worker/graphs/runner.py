@@ -131,15 +131,12 @@ class GraphRunner:
         self._entries: dict[ShapeClass, _Entry] = {}
         self._seen: collections.Counter = collections.Counter()  # class -> passes before its capture
         self._slab = cache.slab
+        self.capacities = capacity_buckets(cache.slab.shape[4])  # key slots a class may read
         cuda = dims.device.type == "cuda"
         self._pool = torch.cuda.graph_pool_handle() if capture and cuda else None
         # the last pass ran eagerly as a class's pass before its capture: not what the class costs (the `auto` policy
         # does not time it)
         self.last_uncaptured = False
-
-    @property
-    def capacities(self) -> list[int]:
-        return capacity_buckets(self._slab.shape[4])
 
     # ---- the pass ----------------------------------------------------------------------------------
     def run(self, rows: Rows, block: Block) -> Optional[GraphPass]:
@@ -316,6 +313,8 @@ class GraphRunner:
         self._entries.clear()
         self._seen.clear()
         self._slab = slab
+        self.capacities = capacity_buckets(slab.shape[4])
+        self.model = self.model.covering(slab.shape[4])  # positions up to the new slots
         if self.capture:
             log.info("engine.cuda_graphs: the KV slab grew to %d slots per row; graphs are captured again",
                      slab.shape[4])

@@ -22,6 +22,7 @@ hold no logits ([B, T, V] per class would hold gigabytes): the logits are an int
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -57,10 +58,22 @@ class StepModel:
     def of(cls, runner: ModelRunner, positions: int) -> "StepModel":
         """The runner's model for passes whose positions stay below `positions` (`graph_support` said yes)."""
         dec = runner.direct
-        like = torch.zeros((1, 1, 1), dtype=runner.dtype, device=runner.device)
-        cos, sin = dec.rotary_table(min(positions, runner.loaded.max_context) - 1, like)
+        cos, sin = _table(dec, positions, runner.loaded.max_context - 1, runner.dtype, runner.device)
         return cls(dec, runner._embed_fn, runner.head, cos, sin, runner.loaded.max_context - 1, runner.sliding_window,
                    runner.dtype)
+
+    def covering(self, positions: int) -> "StepModel":
+        """This model with a rotary table for positions below `positions` (after the KV slab grew)."""
+        if self.cos.shape[0] >= min(positions, self.max_position + 1):
+            return self
+        cos, sin = _table(self.decoder, positions, self.max_position, self.dtype, self.cos.device)
+        return dataclasses.replace(self, cos=cos, sin=sin)
+
+
+def _table(dec: DirectDecoder, positions: int, max_position: int, dtype: torch.dtype, device) -> tuple:
+    """The decoder's rotary table (cos, sin) [P, hd] covering positions below min(positions, max_position + 1)."""
+    like = torch.zeros((1, 1, 1), dtype=dtype, device=device)
+    return dec.rotary_table(min(positions - 1, max_position), like)
 
 
 def graph_support(runner: ModelRunner) -> Optional[str]:

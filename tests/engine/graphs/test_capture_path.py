@@ -6,6 +6,7 @@ limit, the slab's growth dropping every graph, and the cost curve timed from cap
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_helpers import PROMPTS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
@@ -100,3 +101,19 @@ def test_the_auto_policy_calibrates_on_captured_passes(capturing, tmp_path):
     assert len(curves) == 1  # measured with the graphs' passes and cached apart from the eager curve
     chains = {s.num_slots for s in eng.graphs._entries if s.in_place}
     assert {1, 2, 4, 8} <= chains  # the curve's chain passes (Q = 1 .. 8) were captured
+
+
+def test_the_rotary_table_grows_with_the_slab():
+    """After the slab grows, the step's rotary table covers the new slots (the same values where both have them)."""
+    from esp_worker.graphs.step import StepModel
+    from esp_worker.model.runner import ModelRunner
+
+    runner = ModelRunner(tiny("llama"))
+    model = StepModel.of(runner, 100)
+    assert model.cos.shape[0] >= 100 and model.covering(100) is model
+    grown = model.covering(900)
+    assert grown.cos.shape[0] >= 900 and grown.sin.shape[0] >= 900
+    n = model.cos.shape[0]
+    assert torch.equal(grown.cos[:n], model.cos) and torch.equal(grown.sin[:n], model.sin)
+    capped = model.covering(10**6)  # never past the model's context (1024 positions)
+    assert capped.cos.shape[0] >= 1024
