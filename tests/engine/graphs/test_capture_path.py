@@ -117,3 +117,25 @@ def test_the_rotary_table_grows_with_the_slab():
     assert torch.equal(grown.cos[:n], model.cos) and torch.equal(grown.sin[:n], model.sin)
     capped = model.covering(10**6)  # never past the model's context (1024 positions)
     assert capped.cos.shape[0] >= 1024
+
+
+@pytest.mark.parametrize("setting", range(11))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_at_most_one_host_read_per_captured_pass(capturing, monkeypatch, setting, temperature):
+    """tests/engine/test_host_sync.py's count (tests/host_reads.py) over the capture path: the copies into a class's buffers, its
+    capture and replay, and the eager end of the pass read nothing from the device but the pass's one read."""
+    from host_reads import SETTINGS, count_reads_per_pass
+
+    from esp_worker import sampling
+
+    monkeypatch.setattr(engine_module, "PREPARE_LOOKS", True)
+    monkeypatch.setattr(sampling, "UNIFORM_CHUNK", 32)  # sampled rows refill their uniforms inside passes
+    eng = Engine(tiny("llama"), EngineConfig(max_batch_size=4, cuda_graphs=True, **SETTINGS[setting]))
+    params = GenerationParams(max_new_tokens=32, temperature=temperature, seed=1)
+    with count_reads_per_pass(monkeypatch) as seen:
+        outs = eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
+    assert all(o.error is None for o in outs) and seen["passes"] > 0
+    auto = SETTINGS[setting].get("block_complexity") == "auto"
+    over = [(i, n, changed) for i, (n, changed) in enumerate(seen["per_pass"]) if n > 1 + (auto and changed)]
+    assert not over, (over[:5], seen["where"])
+    assert eng.stats.graphs.graph_passes > 0
