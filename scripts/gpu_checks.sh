@@ -12,7 +12,8 @@
 # A device call brings back at most 8 files: env.txt, gpu_tests.txt, ar.txt, methods.txt, tiny.txt, log.txt and
 # results.tgz (every bench directory, re-packed after each step).
 #
-# Steps, in order; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left:
+# Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
+# (own limits: env 120, gpu_tests 150, ar 170, methods 150, tiny 60 s; at 540 s the last may not fit):
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
 #   gpu_tests  pytest -m gpu tests/gpu tests/engine/test_host_sync.py (graph-vs-eager float32 equality on a
 #              two-layer 1B-shape model, no synchronisation inside a replayed pass for every method, ...)
@@ -109,18 +110,18 @@ if ! grep -q "^cuda_available True" "$out/env.txt" && (( ! dry )); then
   echo "no CUDA device: stopping (the dry run is --dry-run)" | tee -a "$log"; pack; exit 1
 fi
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share the GPU from 4 processes
-step gpu_tests gpu_tests.txt 170 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
+step gpu_tests gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   tests/engine/test_host_sync.py
-step ar ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+step ar ar.txt 170 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false; \
   big ar-b64 data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
     'bench.batch_sizes=[64]'"
-step methods methods.txt 170 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+step methods methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big methods-b1 data.path=$P/prompts4.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'; \
   big methods-b16-b64 data.path=$P/prompts64.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false 'bench.batch_sizes=[16,64]' bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'"
-step tiny tiny.txt 120 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
+step tiny tiny.txt 60 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
   bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
     generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.settings=[pld:10,esp:30,esp:auto,hybrid:auto]' \
     bench.hf_compiled=false bench.cost_curve=false"

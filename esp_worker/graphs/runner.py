@@ -7,7 +7,7 @@ smallest power of two from 128 that holds every row's cache and block, so a pass
 the whole slab) and whether it samples. Per class the runner keeps `StepInputs` (copied into before each pass)
 and a graph captured from `decode_step`, whose outputs every replay overwrites.
 
-Capture: at start-up the plain pass (Q = 1, greedy) of every batch bucket at the capacity buckets up to 512
+Capture: at start-up the plain pass (Q = 1, greedy) of every batch bucket at the capacity buckets up to 4096
 slots; any other class (a larger capacity, a drafter's block, sampling) when it has come `CAPTURE_AFTER` times
 (one-off shapes never pay a capture), up to `MAX_GRAPHS`. A pass with no graph runs eagerly and is counted by
 reason (`GraphStats.eager_passes`). All graphs share one memory pool and
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 CAPTURE_AFTER = 2  # passes of a class before it is captured (the first runs eagerly)
 MAX_GRAPHS = 512  # graphs one engine keeps; later classes run eagerly
 MIN_CAPACITY = 128  # the smallest capacity bucket (key slots)
-START_CAPACITY = 512  # plain passes are captured at start-up up to this capacity bucket, larger ones when they come
+START_CAPACITY = 4096  # plain passes are captured at start-up up to this capacity bucket, larger ones when they come
 
 
 def batch_buckets(max_batch: int) -> list[int]:

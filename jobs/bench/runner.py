@@ -111,6 +111,10 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         cuda_graphs=False if s.eager else base.cuda_graphs,
     )
     engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
+    if engine.graphs is not None and engine.graphs.capture:
+        # CUDA graphs: a class is captured at its second pass, so the warm-up runs a full batch (its shapes are
+        # the timed run's); a class first seen in the timed run is captured there, in its compile_s
+        warmup = max(warmup, batch)
     if warmup:
         engine.generate(_requests(prompts[:warmup], generation))
     engine.stats.reset_timing()
