@@ -66,7 +66,7 @@ class RowTensors(RowState):
     top_p: Optional[torch.Tensor] = row_field()  # [B]
     top_k: Optional[torch.Tensor] = row_field()  # [B]
     stop_table: Optional[torch.Tensor] = row_field()  # [B, V] bool: token ids that stop the row
-    drafted: Optional[torch.Tensor] = row_field()  # [B] draft tokens fed
+    drafted: Optional[torch.Tensor] = row_field()  # [B, 2] draft tokens fed, passes that fed at least one
     # [B, W * W] int32: passes that committed n_raw tokens before the stops and n_fin after them, at n_raw * W + n_fin
     hists: Optional[torch.Tensor] = row_field()
     accepted_by: Optional[torch.Tensor] = row_field()  # [B, P] accepted drafts per proposer (P > 0 only)
@@ -113,7 +113,7 @@ class Rows:
         """The drafter's view of the rows as they are now."""
         t = self.t
         return RowsView(t.hist, t.hist_len, t.prompt_len, [s.seed for s in self.seqs], self.state, self.hints,
-                        self.roots, self.version)
+                        self.roots, version=self.version, lens=self.lens)
 
     def advance(self, hist_len: torch.Tensor, last_token: Optional[torch.Tensor], reason: torch.Tensor) -> None:
         """After a commit: the rows' new lengths [B], last committed tokens [B] (None: read from the history when
@@ -235,10 +235,11 @@ class Rows:
 
 def count_pass(hists: torch.Tensor, width: int, drafted_total: torch.Tensor, n_fin: torch.Tensor, n_raw: torch.Tensor,
                drafted: Optional[torch.Tensor]) -> None:
-    """One pass into the counters, in place: hists [B, W * W] += 1 at n_raw * W + n_fin, drafted_total [B] +=
-    drafted [B] (None: no draft this pass). Tensor ops only (also inside the compiled settle, `settle.py`)."""
+    """One pass into the counters, in place: hists [B, W * W] += 1 at n_raw * W + n_fin, drafted_total [B, 2] +=
+    (drafted [B], drafted > 0) (None: no draft this pass). Tensor ops only (also inside the compiled settle,
+    `settle.py`)."""
     if drafted is not None:
-        drafted_total += drafted
+        drafted_total += torch.stack((drafted, drafted.gt(0).to(drafted.dtype)), 1)
     idx = n_fin.add(n_raw, alpha=width).unsqueeze(1)  # [B, 1]
     hists.scatter_add_(1, idx, ones(idx.shape, hists.dtype, idx.device))
 
@@ -283,13 +284,14 @@ def drop_order(n: int, gone: list[int]) -> list[int]:
 def new_counters(b: int, device: torch.device, num_proposers: int = 0) -> dict[str, torch.Tensor]:
     """Statistics counters of b new rows (`RowTensors.drafted`, `hists`, `accepted_by` when P > 0)."""
     z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-    return dict(drafted=z(b), hists=z(b, STAT_WIDTH * STAT_WIDTH, dtype=torch.int32),
+    return dict(drafted=z(b, 2), hists=z(b, STAT_WIDTH * STAT_WIDTH, dtype=torch.int32),
                 accepted_by=z(b, num_proposers) if num_proposers else None)
 
 
-def finish_stats(st: RequestStats, drafted: int, hists: list[int], num_generated: int, passes: int,
+def finish_stats(st: RequestStats, drafted: list[int], hists: list[int], num_generated: int, passes: int,
                  sizes: dict[int, int]) -> None:
-    """Fill `st` from one row's counters (host): drafted, and hists [W * W] (passes that committed n_raw tokens
+    """Fill `st` from one row's counters (host): drafted (draft tokens fed, passes that fed any), and hists [W * W]
+    (passes that committed n_raw tokens
     before the stops and n_fin after them, at n_raw * W + n_fin; such a pass kept min(n_raw - 1, n_fin)
     accepted drafts). accepted_per_depth[d] = passes that kept more than d drafts."""
     width = math.isqrt(len(hists))
@@ -302,7 +304,7 @@ def finish_stats(st: RequestStats, drafted: int, hists: list[int], num_generated
     st.num_generated_tokens = num_generated
     st.num_decode_passes = passes
     st.num_decode_tokens = max(num_generated - 1, 0)  # the prefill commits the first token
-    st.num_drafted_tokens = drafted
+    st.num_drafted_tokens, st.num_drafts = drafted
     st.num_accepted_drafts = sum(j * c for j, c in enumerate(acc_hist))
     st.accepted_per_depth = _trim(list(itertools.accumulate(reversed(acc_hist[1:])))[::-1])
     st.committed_histogram = _trim(committed)

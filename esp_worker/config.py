@@ -4,7 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-METHODS = ("ar", "esp", "pld", "stand", "lade", "hybrid", "cp_heads")
+METHODS = ("ar", "esp", "pld", "stand", "lade", "hybrid", "cp_heads", "dmtd", "dmtd_verified")
+# methods whose output is not the model's own decoding (a different model): exempt from the lossless rule, and
+# marked wherever their output goes (RequestOutput rows' `lossless`, job summaries, reports)
+NOT_LOSSLESS = ("dmtd",)
+# methods the block size does not apply to: DMTD's cycle length tau sets what a pass feeds
+CYCLE_METHODS = ("dmtd", "dmtd_verified")
 TREES = ("static", "dynamic")
 EXPANSIONS = ("top1", "frontier")
 MASK_INITS = ("mean", "last_k", "sample", "offset")
@@ -34,7 +39,7 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     # hybrid (the default): n-gram continuation + STAND store + ESP probe in one tree per row per pass
-    method: str = "hybrid"  # ar | esp | pld | stand | lade | hybrid | cp_heads
+    method: str = "hybrid"  # ar | esp | pld | stand | lade | hybrid | cp_heads | dmtd | dmtd_verified
     # Tokens fed per decode pass per sequence: (k+1) * (1 + num draft nodes) for ESP. "auto" (the default;
     # esp, pld, hybrid, cp_heads): chosen per pass from a measured cost curve, the measured overhead of the
     # drafter and the rows' expected acceptance, plain decoding included.
@@ -96,6 +101,18 @@ class EngineConfig:
     # hybrid: tokens of the job's finished requests (prompt + output) kept to draft from where a row's own
     # history has no n-gram match (the "corpus" proposer; stand_max_ngram .. stand_min_ngram); 0 = off
     hybrid_corpus_tokens: int = 262144
+    # Direct multi-token decoding (docs/methods/dmtd.md). dmtd: the model is a DMTD model (esp-batch train-dmtd, or
+    # the authors' checkpoint format); NOT lossless. dmtd_verified: dmtd_path holds a trained copy of the model's
+    # last layers that drafts tau - 1 tokens per pass, verified by the model (lossless). block_complexity is
+    # ignored by both: tau sets the block.
+    dmtd_tau: int = 0  # tokens per cycle; 0 = the model's mtp_horizon (dmtd) or the copy's (dmtd_verified)
+    dmtd_decoding_layers: int = 0  # dmtd: D; 0 = the model's; on a model without a split, an untrained one (speed only)
+    dmtd_path: str = ""  # dmtd_verified: directory written by esp-batch train-dmtd dmtd.verified=true
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the output is exactly the model's own decoding (every method but dmtd)."""
+        return self.method not in NOT_LOSSLESS
 
     def validate(self) -> None:
         """Raise ValueError with a one-line, actionable message on a bad setting."""
@@ -112,6 +129,15 @@ class EngineConfig:
             bad(f"engine.mask_init={self.mask_init!r} is unknown; choose one of {', '.join(MASK_INITS)}")
         if self.method in ("esp", "hybrid") and not 1 <= self.num_masks <= 8:
             bad(f"engine.num_masks={self.num_masks} must be between 1 and 8")
+        if self.method in CYCLE_METHODS:
+            if self.dmtd_tau < 0 or self.dmtd_decoding_layers < 0:
+                bad("engine.dmtd_tau and engine.dmtd_decoding_layers must be >= 0 (0 = the model's)")
+            if self.method == "dmtd_verified" and not self.dmtd_path:
+                bad("engine.method=dmtd_verified needs engine.dmtd_path (a directory written by esp-batch train-dmtd "
+                    "dmtd.verified=true)")
+            if self.method == "dmtd_verified" and self.dmtd_tau == 1:
+                bad("engine.dmtd_tau=1 drafts nothing; dmtd_verified needs tau >= 2")
+            return self._validate_rest(bad)
         if self.block_complexity == "auto":
             if self.method not in ("ar", "esp", "pld", "hybrid", "cp_heads"):
                 bad(f"engine.block_complexity=auto supports methods esp, pld, hybrid and cp_heads, not {self.method}; give a number")

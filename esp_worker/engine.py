@@ -24,7 +24,7 @@ from .auto.planner import FixedPlanner, Planner
 from .auto.policy import BlockPolicy, PolicySettings, calibrate
 from .auto.sizer import DraftSizer
 from .batch import Rows, RowTensors, Seq, finish_stats, new_counters, write_history
-from .config import EngineConfig, ModelConfig
+from .config import CYCLE_METHODS, EngineConfig, ModelConfig
 from .drafters import Drafter, make_drafter
 from .feed import RequestFeed
 from .grad import inference
@@ -35,6 +35,7 @@ from .kernels.aot import AotKernels
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
 from .model.attention import StaticBlockBias, attention_bias
+from .model.dmtd import CycleForward, CycleStarts, resolve as resolve_dmtd
 from .model.errors import ModelLoadError
 from .model.load import LoadedModel, load_model
 from .model.runner import ModelRunner
@@ -82,7 +83,7 @@ class Engine:
         # engine.compile_host: a greedy pass's verification, stops, commit and counters as one kernel (settle.py)
         self.settler = Settler(loaded.device) if cfg.compile_host else None
         self.device = loaded.device
-        self.auto = cfg.block_complexity == "auto"
+        self.auto = cfg.block_complexity == "auto" and cfg.method not in CYCLE_METHODS
         sized = dataclasses.replace(cfg, block_complexity=cfg.auto_max_block) if self.auto else cfg
         self.drafter: Drafter = make_drafter(sized, self.runner)
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
@@ -91,6 +92,10 @@ class Engine:
         self.num_logits = max(self.vocab_size, int(getattr(self.runner.lm_head, "out_features", 0) or 0))
         self.stats = EngineStats()
         self.num_layers = loaded.model.config.get_text_config().num_hidden_layers
+        # engine.method=dmtd: the model's own layer groups per pass (model/dmtd.py); the drafter is plain decoding's
+        self.cycle: Optional[CycleForward] = None
+        if cfg.method == "dmtd":
+            self.cycle = CycleForward(self.runner, resolve_dmtd(loaded.model.config, cfg.dmtd_tau, cfg.dmtd_decoding_layers))
         self.graphs: Optional[GraphRunner] = self._graphs()  # engine.cuda_graphs (captures at start-up on CUDA)
         self.policy: Optional[BlockPolicy] = self._policy(cost_curve)
         self.planner: Planner = self.policy if self.policy is not None else FixedPlanner()
@@ -110,7 +115,7 @@ class Engine:
         wanted = cfg.cuda_graphs if cfg.cuda_graphs != "auto" else self.device.type == "cuda"
         if not wanted:
             return None
-        why = graph_support(runner)
+        why = graph_support(runner) if self.cycle is None else "engine.method=dmtd runs other layers on some passes"
         if why is not None:
             if cfg.cuda_graphs is True:
                 raise ModelLoadError(f"engine.cuda_graphs=true cannot capture this model's passes: {why}; set "
@@ -323,7 +328,8 @@ class Engine:
         else:
             bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
         wanted = torch.cat([lens[:, None] - 1, i[lmax:].expand(r, a)], 1)  # [R, 1 + A] last prompt token, masks
-        hidden = self.runner.forward(embeds, bias, pos, cache, q - 1, keep=wanted)  # [R, 1 + A, D]
+        forward = self.runner.forward if self.cycle is None else self.cycle.prefill
+        hidden = forward(embeds, bias, pos, cache, q - 1, keep=wanted)  # [R, 1 + A, D]
         last = hidden[:, 0]  # [R, D]
         logits = self.runner.logits(last)  # [R, V]
         rows.uniforms.ensure(1, rows.consumed())
@@ -335,7 +341,7 @@ class Engine:
         aux_hidden = hidden[:, 1:] if a else None
         mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
         self.drafter.observe(rows.view(), PassRecord(committed, n_fin, hidden=aux_hidden, mask_hidden=mask_hidden,
-                                                     prefill=True))
+                                                     prefill=True, trunk=self.runner.tapped))
         rows.read_back(self.drafter.row_hints(rows.view()))
         return rows
 
@@ -389,7 +395,11 @@ class Engine:
                 cache_len = rows.t.hist_len - 1
             bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window,
                                   uniform_len=None if common is None else s_max)
-        hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
+        if self.cycle is None:
+            hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
+        else:  # DMTD: the rows at a cycle start also run the thinking layers (their refill blocks)
+            starts = CycleStarts.of(rows.lens, rows.t.hist, rows.t.hist_len, self.cycle.cfg.tau)
+            hidden = self.cycle.step(embeds, bias, pos, rows.cache, view_len - 1, starts)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
         return ForwardOut(hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots)))
 
@@ -413,9 +423,8 @@ class Engine:
     def _replay(self, rows: Rows, block: Block) -> Optional[GraphPass]:
         """The pass's forward and settle from its shape class's graph (`graphs/runner.py`), timed as model time;
         None = it runs eagerly."""
-        mark = self.runner.start_timing()
-        graphed = self.graphs.run(rows, block)
-        self.runner.stop_timing(mark)
+        with self.runner.timing("model.graph"):
+            graphed = self.graphs.run(rows, block)
         if graphed is not None:
             self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
             if self.drafter.reads_slot_logits:  # the graph keeps no logits: the LM head again, at the tree slots
@@ -452,7 +461,7 @@ class Engine:
             mask_hidden = gather_slots(out.hidden, mask_indices(owner, block.tree.num_slots, k))
         return PassRecord(res.committed, settled.num_kept, hidden=out.hidden, mask_hidden=mask_hidden,
                           slot_logits=out.slot_logits, path_slots=res.path_slots, last_slot=res.last_slot, block=block,
-                          mask_ok=mask_ok, ema_m=settled.ema_m)
+                          mask_ok=mask_ok, ema_m=settled.ema_m, trunk=self.runner.tapped)
 
     def _end_pass(self, rows: Rows, view: RowsView, block: Block, clock: PassClock) -> None:
         """The pass's one host read (lengths, finish reasons, the drafter's row hints and the planner's next look),
@@ -460,7 +469,10 @@ class Engine:
         self.stats.blocks.add(block.num_inputs)
         look = self.planner.prepare(view, rows.lens)
         hints = None if self.planner.next_is_plain() else self.drafter.row_hints(view)
+        before = rows.lens
         self.planner.receive(rows.read_back(hints, look))
+        for s, new, old in zip(rows.seqs, rows.lens, before):  # each row's committed tokens, from the host mirrors
+            s.stats.committed_per_pass.append(new - old)
         seconds, model_s = self.stats.finish(clock, self.runner.model_s)
         if self.policy is not None:
             # a pass that compiled a kernel or captured a graph, or ran eagerly before its class's capture, says
@@ -516,7 +528,10 @@ class Engine:
             s = rows.seqs[r]
             ids = t.hist[r, len(s.prompt_ids): rows.lens[r]].tolist()
             self.drafter.finish_request(s.prompt_ids + ids)
-            finish_stats(s.stats, int(t.drafted[r]), t.hists[r].tolist(), len(ids), *self.stats.blocks.since(s))
+            finish_stats(s.stats, t.drafted[r].tolist(), t.hists[r].tolist(), len(ids), *self.stats.blocks.since(s))
+            if self.cycle is not None:
+                s.stats.num_layers_run = self.cycle.cfg.layers_run(len(s.prompt_ids), len(ids))
+                s.stats.num_model_layers = self.num_layers
             if self.drafter.proposers:
                 s.stats.accepted_by_proposer = dict(zip(self.drafter.proposers, t.accepted_by[r].tolist()))
             s.stats.time_s = now - s.t0

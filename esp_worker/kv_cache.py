@@ -54,6 +54,9 @@ class _Plan:
     # int: every row writes its block at slots [write_at, write_at + Q); tensor [B]: row b at write_at[b]
     write_at: Union[int, torch.Tensor] = 0
     index: Optional[torch.Tensor] = None  # [B, H, Q, D] scatter index for a per-row write, built once per pass
+    # [R] the rows this forward covers when they are not one range (DMTD's thinking layers run for the rows at a
+    # cycle start only): they write through an index and the model sees a gathered copy of their slots
+    rows: Optional[torch.Tensor] = None
 
 
 class _SlabLayer(CacheLayerMixin):
@@ -78,6 +81,8 @@ class _SlabLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         p = self.owner.plan_
+        if p.rows is not None:
+            return self._update_rows(p, key_states, value_states)
         rows = slice(p.row0, p.row0 + p.num_rows)
         k, v = self.keys[rows], self.values[rows]
         q = key_states.shape[2]
@@ -91,6 +96,17 @@ class _SlabLayer(CacheLayerMixin):
             k.scatter_(2, p.index, key_states)
             v.scatter_(2, p.index, value_states)
         return k[:, :, : p.view_len], v[:, :, : p.view_len]
+
+    def _update_rows(self, p: _Plan, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The write and view of a plan over rows `p.rows` [R]: row r's Q keys at slots write_at[r] .. (an index
+        put), and a copy [R, H, S, D] of their first view_len slots."""
+        q = key_states.shape[2]
+        start = p.write_at if isinstance(p.write_at, int) else p.write_at[:, None]
+        slots = start + steps(q, key_states.device)[None]  # [R|1, Q]
+        rows = p.rows[:, None]  # [R, 1]
+        self.keys[rows, :, slots] = key_states.transpose(1, 2)  # [R, Q, H, D] at (row, slot) pairs
+        self.values[rows, :, slots] = value_states.transpose(1, 2)
+        return self.keys[p.rows, :, : p.view_len], self.values[p.rows, :, : p.view_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.plan_.view_len, 0
@@ -196,11 +212,13 @@ class KVCache(Cache):
         return sum(t.numel() * t.element_size() for t, *_ in self._tensors())
 
     # ---- one forward -------------------------------------------------------------------------------
-    def plan(self, row0: int, num_rows: int, view_len: int, write_at: Union[int, torch.Tensor]) -> None:
-        """The next forward covers rows row0 .. row0+num_rows-1, writes each row's Q new slots at `write_at`
-        (an int for all rows, or [B] per row) and shows the model slots 0 .. view_len-1."""
+    def plan(self, row0: int, num_rows: int, view_len: int, write_at: Union[int, torch.Tensor],
+             rows: Optional[torch.Tensor] = None) -> None:
+        """The next forward covers rows row0 .. row0+num_rows-1 (or the rows `rows` [R] in that order), writes
+        each row's Q new slots at `write_at` (an int for all rows, or [B] per row) and shows the model slots
+        0 .. view_len-1."""
         assert row0 + num_rows <= self.capacity[0] and view_len <= self.capacity[1], "reserve() first"
-        self.plan_ = _Plan(row0, num_rows, view_len, write_at)
+        self.plan_ = _Plan(row0, num_rows, view_len, write_at, rows=rows)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.plan_.view_len

@@ -117,6 +117,9 @@ class PassRecord:
     # [B, 1, D] the mask EMA after this pass's committed tokens, when the compiled settle computed it
     # (`kernels.hooks.KernelHooks.settle_ema`); None = the drafter computes it
     ema_m: Optional[torch.Tensor] = None
+    # [B, Q, D] the hidden states entering the model's layer `runner.tap_layer` at every input of the forward, when
+    # a drafter set one (dmtd_verified: the trunk's output under its drafting layers); None otherwise
+    trunk: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -137,6 +140,9 @@ class RowsView:
     hints: Optional[list[int]] = None
     # [B] the last committed token where the engine knows it already (from verification), else None
     known_root: Optional[torch.Tensor] = None
+    # host copy of hist_len as of the last host read: exact at `propose` and `start_rows`; in `observe` the lengths
+    # before the pass's commit
+    lens: Optional[list[int]] = None
     # the rows' state (which rows, their lengths): a drafter may reuse what it computed for a view of one version
     # until its next observe (e.g. a look's candidate pool, then the propose of the same pass); unique per state
     version: int = field(default_factory=lambda: new_version())

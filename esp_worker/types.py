@@ -70,6 +70,7 @@ class RequestStats:
     num_decode_tokens: int = 0  # tokens committed by decode passes (= generated - 1 when prefill gave one)
     num_drafted_tokens: int = 0  # valid draft nodes fed to the model
     num_accepted_drafts: int = 0
+    num_drafts: int = 0  # decode passes that fed at least one draft token of this request (vLLM's num_drafts)
     # [depth] passes whose accepted path reached depth d+1
     accepted_per_depth: list[int] = field(default_factory=list)
     # [n] passes that committed n tokens (index 0 unused unless truncated to nothing)
@@ -79,10 +80,24 @@ class RequestStats:
     time_s: float = 0.0
     # hybrid: accepted drafts by the proposer that supplied them (ngram | store | esp | corpus); {} otherwise
     accepted_by_proposer: dict[str, int] = field(default_factory=dict)
+    # tokens each decode pass committed, in order (len = num_decode_passes, sum = num_decode_tokens); taken from
+    # the lengths the pass's one host read returns anyway, so it costs no device read
+    committed_per_pass: list[int] = field(default_factory=list)
+    # dmtd: layers run for the roots of the decode passes (a cycle start all L, any other root E + D) and L
+    num_layers_run: int = 0
+    num_model_layers: int = 0
 
     @property
     def tau(self) -> Optional[float]:
         return self.num_decode_tokens / self.num_decode_passes if self.num_decode_passes else None
+
+    @property
+    def plt(self) -> Optional[float]:
+        """dmtd: layers per token / the model's layers over the decode passes (1.0 = every layer for every token;
+        the paper's PLT); None for other methods."""
+        if not self.num_layers_run or not self.num_decode_tokens or not self.num_model_layers:
+            return None
+        return self.num_layers_run / (self.num_decode_tokens * self.num_model_layers)
 
     @property
     def acceptance_rate(self) -> Optional[float]:
@@ -106,11 +121,15 @@ class RequestStats:
             num_decode_tokens=self.num_decode_tokens + other.num_decode_tokens,
             num_drafted_tokens=self.num_drafted_tokens + other.num_drafted_tokens,
             num_accepted_drafts=self.num_accepted_drafts + other.num_accepted_drafts,
+            num_drafts=self.num_drafts + other.num_drafts,
             accepted_per_depth=add_lists(self.accepted_per_depth, other.accepted_per_depth),
             committed_histogram=add_lists(self.committed_histogram, other.committed_histogram),
             block_size_histogram=hist,
             time_s=self.time_s + other.time_s,
             accepted_by_proposer=by,
+            committed_per_pass=self.committed_per_pass + other.committed_per_pass,
+            num_layers_run=self.num_layers_run + other.num_layers_run,
+            num_model_layers=max(self.num_model_layers, other.num_model_layers),
         )
 
 

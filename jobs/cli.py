@@ -1,4 +1,5 @@
-"""The `esp-batch` console script: `esp-batch generate [CONFIG.yaml] [key=value ...]`, `esp-batch report DIR`."""
+"""The `esp-batch` console script: `esp-batch generate [CONFIG.yaml] [key=value ...]`, `esp-batch report DIR`,
+`esp-batch export DIR FILE --format spec-bench`."""
 from __future__ import annotations
 
 import sys
@@ -13,9 +14,15 @@ commands:
   train-heads [CONFIG.yaml] [key=value ...]
             train rank-r CP multi-token heads for engine.method=cp_heads on Ray Train
             (same as python -m jobs.train_heads; resumes from its last checkpoint when rerun)
+  train-dmtd [CONFIG.yaml] [key=value ...]
+            fine-tune a model for engine.method=dmtd (or its verified copy) on Ray Train
+            (same as python -m jobs.train_dmtd; resumes from its last checkpoint when rerun)
   report OUTPUT_DIR [storage.endpoint=URL] [storage.region=R] [storage.anonymous=true]
             (re)write OUTPUT_DIR/_report/report.md and its PNG plots from the Parquet parts and
             _summary.json alone; OUTPUT_DIR is a local path or a URI (s3://, gs://, hdfs://, file://)
+  export OUTPUT_DIR FILE --format spec-bench [--model-id ID] [storage.KEY=VALUE ...]
+            write the job's rows as a Spec-Bench answer file (docs/guide/spec-bench.md)
+            (same as python -m jobs.export)
 
 run `esp-batch generate --help` for the options.
 """
@@ -54,10 +61,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if args else 2
     if args[0] == "report":
         return report(args[1:])
+    if args[0] == "export":
+        from .export.cli import main as export
+
+        return export(args[1:])
     if args[0] == "train-heads":
         from .train.heads import main as train_heads
 
         return train_heads(args[1:])
+    if args[0] == "train-dmtd":
+        from .train.dmtd import main as train_dmtd
+
+        return train_dmtd(args[1:])
     if args[0] != "generate":
         sys.stderr.write(f"esp-batch: error: unknown command {args[0]!r}\n{USAGE}")
         return 2

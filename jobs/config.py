@@ -33,6 +33,7 @@ from .io.storage import StorageConfig, looks_local, normalize
 
 FORMATS = ("auto", "parquet", "jsonl", "json", "csv", "hf_disk", "hf_hub")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+TURN_HISTORY_MODES = ("stripped", "raw")
 # Sections whose values change the generated rows: they make the config hash. ray/output/fault do not.
 HASHED_SECTIONS = ("model", "data", "engine", "generation")
 
@@ -72,6 +73,9 @@ class DataConfig:
     chat_template: str = "auto"  # auto (if the tokenizer has one) | always | never
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
     limit: Optional[int] = None  # first N input rows only
+    # multi-turn (turns) rows: each answer as the next turn's history, stripped of leading and trailing whitespace
+    # (as Spec-Bench and FastChat feed it back; Llama 3's chat template trims it too) | raw (exactly as generated)
+    turn_history: str = "stripped"
     # rows per shard = per output part = the unit of retry and resume (not of batching: an actor's engine
     # batches rows across every shard in flight to it)
     shard_size: int = 2048
@@ -106,24 +110,33 @@ class RayConfig:
     address: str = ""  # "" = RAY_ADDRESS, else the running local cluster, else start one | "local" | host:port
     num_actors: int = 2  # engine actors, each with its own copy of the model
     num_cpus_per_actor: float = 1.0  # Ray CPUs reserved per actor
-    num_gpus_per_actor: float = 0.0  # Ray GPUs reserved per actor (1 = one GPU each)
+    # Ray GPUs reserved per actor: auto = 1 when the cluster has GPUs when the job starts, else 0; or a number
+    num_gpus_per_actor: Any = "auto"
     torch_threads: int = 0  # per actor; 0 = max(1, floor(num_cpus_per_actor))
     num_cpus: Optional[int] = None  # CPUs of a local Ray instance this job starts (None = all cores)
-    max_restarts: int = 3  # restarts of a dead actor; the shards it held are retried as many times
+    # restarts of a dead actor (a lost node's actor restarts on another node); a shard whose actors die under
+    # it more often than this fails the job
+    max_restarts: int = 3
     # shards handed to an actor at once; their rows share one engine batch. 0 = enough to keep the batch
     # full across shard ends: ceil(1.5 x engine.max_batch_size / data.shard_size) + 1
     shards_in_flight_per_actor: int = 0
-    placement_timeout_s: float = 300.0  # fail (exit 1) when the cluster cannot place the actors in this time
+    # start: fail (exit 1) when the cluster cannot place the actors in this time; mid-job: an actor lost for
+    # this long (its node gone, no room elsewhere) is given up, its shards go to the others
+    placement_timeout_s: float = 300.0
+    head_timeout_s: float = 10.0  # stop (exit 1, run on record) when the cluster's head has not answered this long
 
 
 @dataclass
 class FaultConfig:
     """Fault injection for tests: the actor running shard `kill_shard` calls os._exit after its first
-    finished request, on each of the first `kill_attempts` attempts; the driver calls os._exit right after
+    finished request, on each of the first `kill_attempts` attempts; the actor that gets shard `hold_shard`
+    writes `<output.dir>/_faults/hold-N.json` (its node id, IP and pid) and waits until `_faults/release`
+    exists (a test removes its node, or the head, at a known point); the driver calls os._exit right after
     writing its `driver_exit_after_parts`-th part (a driver killed mid-job, at a known point)."""
 
     kill_shard: int = -1  # -1 = off
     kill_attempts: int = 1  # attempts of kill_shard that die (its retries after that run normally)
+    hold_shard: int = -1  # the actor holding this shard waits for _faults/release before running it; -1 = off
     driver_exit_after_parts: int = -1  # the driver exits (code 1, no summary) after writing this many parts; -1 = off
 
 
@@ -220,12 +233,16 @@ def validate(cfg: DictConfig) -> None:
         cfg.data.chat_template in CHAT_TEMPLATE_MODES,
         f"data.chat_template={cfg.data.chat_template!r} is unknown; choose auto, always or never",
     )
+    need(cfg.data.turn_history in TURN_HISTORY_MODES,
+         f"data.turn_history={cfg.data.turn_history!r} is unknown; choose stripped or raw")
     need(cfg.data.limit is None or cfg.data.limit >= 0, f"data.limit={cfg.data.limit} must be >= 0")
     need(cfg.data.shard_size >= 1, f"data.shard_size={cfg.data.shard_size} must be >= 1")
     need(cfg.data.id_column != "", "data.id_column must not be empty")
     need(cfg.ray.num_actors >= 1, f"ray.num_actors={cfg.ray.num_actors} must be >= 1")
     need(cfg.ray.num_cpus_per_actor >= 0, f"ray.num_cpus_per_actor={cfg.ray.num_cpus_per_actor} must be >= 0")
-    need(cfg.ray.num_gpus_per_actor >= 0, f"ray.num_gpus_per_actor={cfg.ray.num_gpus_per_actor} must be >= 0")
+    gpus = cfg.ray.num_gpus_per_actor
+    need(gpus == "auto" or (isinstance(gpus, (int, float)) and not isinstance(gpus, bool) and gpus >= 0),
+         f"ray.num_gpus_per_actor={gpus!r} must be auto or a number >= 0")
     need(cfg.ray.torch_threads >= 0, f"ray.torch_threads={cfg.ray.torch_threads} must be >= 0")
     need(cfg.ray.max_restarts >= 0, f"ray.max_restarts={cfg.ray.max_restarts} must be >= 0")
     need(
@@ -233,6 +250,7 @@ def validate(cfg: DictConfig) -> None:
         f"ray.shards_in_flight_per_actor={cfg.ray.shards_in_flight_per_actor} must be >= 0 (0 = auto)",
     )
     need(cfg.ray.placement_timeout_s > 0, "ray.placement_timeout_s must be > 0")
+    need(cfg.ray.head_timeout_s > 0, "ray.head_timeout_s must be > 0")
     need(cfg.output.progress_interval_s > 0, "output.progress_interval_s must be > 0")
     need(cfg.fault.kill_attempts >= 0, "fault.kill_attempts must be >= 0")
     problem = _generation_problem(cfg)

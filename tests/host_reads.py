@@ -23,6 +23,7 @@ SETTINGS = [
     dict(method="lade", block_complexity=10),
     dict(method="esp", num_masks=1, block_complexity="auto"),
     dict(method="hybrid", num_masks=1, block_complexity="auto"),
+    dict(method="dmtd", dmtd_tau=3, dmtd_decoding_layers=1),  # rows at their own cycle phases (not lossless)
 ]
 
 

@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"  # ../shared beside the checkout
 SPEC_BENCH = SHARED_DATA / "spec_bench_dev.jsonl"
 TINY_PROMPTS = SHARED_DATA / "tiny_prompts_dev.jsonl"
+TINY_LLAMA = SHARED_DATA.parent / "models" / "esp-tiny-llama"  # a small trained model (MODEL_CARD.md there)
 
 # offline: nothing in the tests downloads (models and tokenizers are local or tiny-random)
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="hf-home-"))

@@ -44,7 +44,9 @@ def _schemas() -> dict[str, type]:
     bench = _import_first("jobs.bench.config:BenchConfig", "jobs.bench_config:BenchConfig")
     train = _import_first("jobs.train.heads:TrainHeadsConfig", "jobs.train.config:TrainHeadsConfig",
                           "jobs.train_heads:TrainHeadsConfig")
-    return {"generate": JobConfig, "bench": bench, "train-heads": train}
+    from jobs.train.dmtd import TrainDmtdConfig
+
+    return {"generate": JobConfig, "bench": bench, "train-heads": train, "train-dmtd": TrainDmtdConfig}
 
 
 def _keys(schema: type) -> tuple[set[str], set[str]]:
@@ -114,9 +116,11 @@ def _kind(cmd: list[str]) -> str | None:
                 return "bench"
             if mod in ("jobs.train_heads", "jobs.train"):
                 return "train-heads"
+            if mod == "jobs.train_dmtd":
+                return "train-dmtd"
         if tok.endswith("esp-batch") and i + 1 < len(cmd):
             sub = cmd[i + 1]
-            return sub if sub in ("generate", "train-heads", "report") else None
+            return sub if sub in ("generate", "train-heads", "train-dmtd", "report") else None
     return None
 
 
@@ -239,6 +243,7 @@ def _leaves(schema: type) -> list[str]:
     ("bench", "docs/guide/benchmarking.md", ("model.", "storage.", "data.", "engine.", "generation.", "output.",
                                              "ray.", "fault.")),
     ("train-heads", "docs/guide/training-heads.md", ("model.",)),
+    ("train-dmtd", "docs/methods/dmtd.md", ("model.",)),
 ])
 def test_the_reference_pages_document_every_key(kind, page, skip):
     text = (ROOT / page).read_text()

@@ -10,7 +10,7 @@ from .mask_probe import MaskModel, MaskSettings
 
 def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
     """The drafter for `cfg.method`, sized by the block complexity."""
-    if cfg.method == "ar":
+    if cfg.method in ("ar", "dmtd"):  # dmtd: one token per pass, the model's layer groups (engine.cycle)
         return PlainDrafter()
     if cfg.method == "pld":
         from .pld import PromptLookupDrafter
@@ -48,6 +48,10 @@ def make_drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
         return LookaheadDrafter.from_config(cfg, runner)
     if cfg.method == "cp_heads":
         return _cp_heads(cfg, runner, cfg.block_complexity - 1)
+    if cfg.method == "dmtd_verified":
+        from .dmtd_verified import DmtdVerifiedDrafter
+
+        return DmtdVerifiedDrafter(runner, cfg.dmtd_path, cfg.dmtd_tau)
     raise ValueError(f"engine.method={cfg.method!r} is unknown")
 
 

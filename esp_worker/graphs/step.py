@@ -5,7 +5,7 @@
 1. input embeddings of [root, draft nodes], then the auxiliary inputs (ESP's masks);
 2. positions (each row's cached length + the layout's relative positions) and the additive attention bias over
    the class's C key slots, from the rows' lengths and the in-block visibility (`attention_bias`);
-3. every layer (`DirectDecoder.decode`), its keys and values written into the KV slab at each row's slots;
+3. every layer (`DirectDecoder.run`), its keys and values written into the KV slab at each row's slots;
 4. the LM head at the tree slots;
 5. the settle: verification (greedy, or sampled with each row's next uniforms), stops (stop ids, limits), and the
    accepted nodes' KV slots moved behind each row's root.
@@ -85,6 +85,10 @@ def graph_support(runner: ModelRunner) -> Optional[str]:
         return "its rotary embedding depends on the sequence length"
     if runner._embed_fn is None or runner._head_fn is None:
         return "its input embedding or LM head is not a plain lookup / linear layer"
+    if runner.tap_layer is not None:
+        return "a drafter reads hidden states inside the model (runner.tap_layer: dmtd_verified)"
+    if runner.direct.compiled is not None:
+        return "engine.compile=true compiles the eager passes' layers instead (choose one)"
     return None
 
 
@@ -131,8 +135,9 @@ def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: Shap
     pos = (cache_len.unsqueeze(1) + inp.rel_pos).clamp(max=model.max_position)  # [B, Q]
     bias = attention_bias(inp.visible, cache_len, pos, shape.capacity, model.dtype, model.window)  # [B, 1, Q, C]
     dec = model.decoder
-    rope = dec.rope(model.cos[pos], model.sin[pos])
-    hidden = dec.decode(embeds, rope, bias, StaticCache(kv, cache_len, q, shape.capacity))  # [B, Q, D]
+    rope = dec.rope_factors(model.cos[pos], model.sin[pos])
+    layers = dec.run(embeds, 0, len(dec.base.layers), rope, bias, StaticCache(kv, cache_len, q, shape.capacity))
+    hidden = dec.norm(layers)  # [B, Q, D]
     logits = model.head(hidden.narrow(1, 0, t))  # [B, T, V]
 
     tree = DraftTree(inp.tokens, inp.parents, inp.valid,

@@ -60,7 +60,7 @@ class SettleArgs:
     limit_code: torch.Tensor  # [B]
     hist: torch.Tensor  # [B, H], H >= hist_len + max_depth + 1, written in place
     hists: torch.Tensor  # [B, W * W] pass counts, in place
-    drafted: torch.Tensor  # [B] in place
+    drafted: torch.Tensor  # [B, 2] in place
     source: Optional[torch.Tensor] = None  # [B|1, T] proposer of each slot
     accepted_by: Optional[torch.Tensor] = None  # [B, P] in place
     ema_m: Optional[torch.Tensor] = None  # [B, 1, D]

@@ -97,14 +97,16 @@ class CompiledLayers:
         return self.post(h, out.reshape(b, q, -1), attn.o_proj.weight, attn.o_proj.bias,
                          layer.post_attention_layernorm.weight, gu.weight, gu.bias, mlp.down_proj.weight, mlp.down_proj.bias)
 
-    def run(self, h: torch.Tensor, rope: tuple, bias: Optional[torch.Tensor], cache: Any) -> torch.Tensor:
-        """All layers; the first call of a new shape class (a compile) is timed into compile_s."""
+    def run(self, h: torch.Tensor, rope: tuple, bias: Optional[torch.Tensor], cache: Any, start: int = 0,
+            stop: Optional[int] = None) -> torch.Tensor:
+        """Layers start .. stop-1 (all by default); the first call of a new shape class (a compile) is timed into
+        compile_s."""
         from torch._dynamo.utils import counters
 
         before = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
         b, q = h.shape[:2]
-        for i in range(len(self.dec.base.layers)):
+        for i in range(start, len(self.dec.base.layers) if stop is None else stop):
             h = self.layer(i, h, rope, bias, cache, b, q)
         new = counters["stats"]["unique_graphs"] - before
         if new:

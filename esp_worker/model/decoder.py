@@ -124,6 +124,18 @@ class DirectDecoder:
             self._cos_sin = (cos[0], sin[0])
         return self._cos_sin
 
+    def rope(self, x: torch.Tensor, position_ids: torch.Tensor, max_position: Optional[int] = None) -> tuple:
+        """The rotary factors of `position_ids` [B, Q] in the form `run` takes (one per forward, shared by its
+        layer groups)."""
+        return self.rope_factors(*self._rotary(x, position_ids, max_position))  # from cos, sin [B, Q, hd]
+
+    def rope_factors(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run`'s rotary factors from cos, sin [B, Q, hd] (also the captured pass's, from its own table): with the
+        fast rotary, broadcast over heads in the [B, Q, H, hd] layout and sin carrying rotate_half's sign."""
+        if self.fast_rope:
+            return cos[:, :, None], _signed_sin(sin)[:, :, None]
+        return cos, sin
+
     @inference
     def __call__(
         self,
@@ -139,42 +151,36 @@ class DirectDecoder:
         only at the kept positions: a prefill that needs the prompt's last token (and the masks after it) skips
         most of one layer's work per prompt token. Bitwise the full computation's rows (products of >= 4 rows
         are checked at start-up to give each row what a larger product gives it; else `keep` only selects)."""
-        b, q, _ = inputs_embeds.shape
-        rope = self.rope(*self._rotary(inputs_embeds, position_ids, max_position))
-        if self.compiled is not None or (keep is not None and not self.rows_invariant):
-            h = self.norm(self.compiled.run(inputs_embeds, rope, bias, cache)) if self.compiled is not None \
-                else self(inputs_embeds, bias, position_ids, cache, max_position)
-            return h if keep is None else gather_slots(h, keep)
-        if keep is None:
-            return self.decode(inputs_embeds, rope, bias, cache)
-        k = keep.shape[1]
-        if b * k < MIN_ROWS:  # pad to a product of >= MIN_ROWS rows (extra rows: position 0)
-            keep = torch.cat([keep, keep.new_zeros(b, -(-MIN_ROWS // b) - k)], 1)
-        h = inputs_embeds
+        rope = self.rope(inputs_embeds, position_ids, max_position)
+        h = self.run(inputs_embeds, 0, len(self.base.layers), rope, bias, cache, keep)
+        return self.norm(h) if keep is None else self.norm(h)[:, : keep.shape[1]]
+
+    @inference
+    def run(self, h: torch.Tensor, start: int, stop: int, rope: tuple, bias: Optional[torch.Tensor], cache: Any,
+            keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Layers start .. stop-1 on h [B, Q, D] (no final norm): [B, Q, D]. `keep` [B, K] (only with the model's
+        last layer in the range): that layer's projection and MLP at the kept positions only, [B, K', D] with
+        K' >= K (padded to a product of >= MIN_ROWS rows; the first K are the kept positions). DMTD runs its
+        layer groups through here (model/dmtd.py)."""
+        b, q, _ = h.shape
         last = len(self.base.layers) - 1
-        for i, layer in enumerate(self.base.layers):
+        if keep is not None:
+            assert stop - 1 == last, "keep applies to the model's last layer"
+        if self.compiled is not None:
+            h = self.compiled.run(h, rope, bias, cache, start, stop)
+            return h if keep is None else gather_slots(h, keep)
+        if keep is not None and not self.rows_invariant:
+            return gather_slots(self.run(h, start, stop, rope, bias, cache), keep)
+        k = 0 if keep is None else keep.shape[1]
+        if keep is not None and b * k < MIN_ROWS:  # pad to a product of >= MIN_ROWS rows (extra rows: position 0)
+            keep = torch.cat([keep, keep.new_zeros(b, -(-MIN_ROWS // b) - k)], 1)
+        for i in range(start, stop):
+            layer = self.base.layers[i]
             sel = keep if i == last else None
             a = self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q, sel)
             h = (h if sel is None else gather_slots(h, sel)) + a
             h = h + self._mlp(layer.mlp, self.norms[i][1](h), self.gate_up[i])
-        return self.norm(h)[:, :k]
-
-    def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary arguments of `_attention` from cos, sin [B, Q, hd]: with the fast rotary, broadcast over heads
-        in the [B, Q, H, hd] layout and sin carrying rotate_half's sign."""
-        if self.fast_rope:
-            return cos[:, :, None], _signed_sin(sin)[:, :, None]
-        return cos, sin
-
-    def decode(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bias: Optional[torch.Tensor],
-               cache: Any) -> torch.Tensor:
-        """norm(layers(h)) [B, Q, D] at every input, each layer's keys and values through `cache.update` (the eager
-        pass's forward, and the captured pass's: `graphs/step.py`)."""
-        b, q, _ = h.shape
-        for i, layer in enumerate(self.base.layers):
-            h = h + self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q)
-            h = h + self._mlp(layer.mlp, self.norms[i][1](h), self.gate_up[i])
-        return self.norm(h)
+        return h
 
     def _rows_invariant(self) -> bool:
         """Each row of a product of the last layer's weights with >= MIN_ROWS rows is bitwise that row of a larger

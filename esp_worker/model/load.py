@@ -209,9 +209,15 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from .dmtd import hf_config, read_config_json
+
         kw = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+        raw = read_config_json(name, cfg.revision)
+        dmtd = hf_config(raw) if raw is not None else None  # the authors' DMTD format (mtpqwen3): its base class
+        if dmtd is not None:
+            kw["config"] = dmtd
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name, **kw)
+            tokenizer = AutoTokenizer.from_pretrained(name, **{k: v for k, v in kw.items() if k != "config"})
             model = AutoModelForCausalLM.from_pretrained(
                 name, dtype=dtype, attn_implementation=cfg.attn_implementation, **kw
             )

@@ -12,6 +12,7 @@ import torch
 from ..grad import inference
 from ..tree import gather_slots
 from .decoder import direct_decoder
+from .layers import ModuleLayers
 from .errors import ModelLoadError
 from .load import LoadedModel, sliding_window
 
@@ -56,6 +57,12 @@ class ModelRunner:
         self.sliding_window = sliding_window(self.model.config)  # None = full attention
         # seconds inside forward() and logits() (and a replayed pass): model compute, for host-overhead accounting
         self._clock = ModelClock(self.device)
+        # the layers as groups (DMTD runs some layers for some tokens): the direct loop, else the model's modules
+        self.layers: Any = self.direct if self.direct is not None else ModuleLayers(self.base)
+        # a drafter that reads the model's hidden states entering one layer (dmtd_verified: its trunk's output) sets
+        # the layer here; every forward then leaves them in `tapped` [B, Q, D] (every input, `keep` or not)
+        self.tap_layer: Optional[int] = None
+        self.tapped: Optional[torch.Tensor] = None
 
     # name the model's calls in a torch.profiler trace (jobs/bench/profiling.py turns it on; off, no cost per call)
     profile_marks = False
@@ -69,12 +76,6 @@ class ModelRunner:
         pass's one host read are all of that pass's)."""
         return self._clock.seconds()
 
-    def start_timing(self) -> Any:
-        """A mark for `stop_timing`: the model's time between the two counts in model_s."""
-        return self._clock.start()
-
-    def stop_timing(self, mark: Any) -> None:
-        self._clock.stop(mark)
 
     @property
     def embed_weight(self) -> Optional[torch.Tensor]:
@@ -106,6 +107,12 @@ class ModelRunner:
         return hidden
 
     def _forward(self, inputs_embeds, bias, position_ids, cache, max_position, keep) -> torch.Tensor:
+        if self.tap_layer is not None:  # the layers in two groups, the hidden states between them kept
+            layers, tap = self.layers, self.tap_layer
+            rope = layers.rope(inputs_embeds, position_ids, max_position)
+            self.tapped = layers.run(inputs_embeds, 0, tap, rope, bias, cache)
+            hidden = layers.norm(layers.run(self.tapped, tap, len(self.base.layers), rope, bias, cache, keep))
+            return hidden if keep is None else hidden[:, : keep.shape[1]]
         if self.direct is not None:
             hidden = self.direct(inputs_embeds, bias, position_ids, cache, max_position, keep)
         else:
@@ -119,6 +126,15 @@ class ModelRunner:
             if keep is not None:
                 hidden = gather_slots(hidden, keep)
         return hidden
+
+    @contextlib.contextmanager
+    def timing(self, name: str = "model.forward"):
+        """Count the block's time as model time (a forward run as layer groups, model/dmtd.py; a replayed pass,
+        engine.cuda_graphs)."""
+        mark = self._clock.start()
+        with self._mark(name):
+            yield
+        self._clock.stop(mark)
 
     @inference
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

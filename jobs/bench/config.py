@@ -19,6 +19,7 @@ OPTIONS = ("compile_host", "eager")  # what may follow METHOD:BC in bench.settin
 
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
+DMTD_METHODS = ("dmtd", "dmtd_verified")  # bench.settings "dmtd:TAU" / "dmtd_verified:TAU" (bench.dmtd_paths)
 
 
 @dataclass
@@ -31,6 +32,10 @@ class BenchSection:
     # esp dynamic trees with k >= 2: top1 (paper, Appendix D) and/or frontier (literal Algorithm 1)
     expansions: list[str] = field(default_factory=lambda: ["top1", "frontier"])
     heads_paths: list[str] = field(default_factory=list)  # cp_heads: one setting per trained heads directory
+    # dmtd / dmtd_verified (bench.settings dmtd:TAU, dmtd_verified:TAU): DMTD model directories and trained copies
+    # (esp-batch train-dmtd); dmtd runs each model trained with that tau, dmtd_verified each copy at that tau.
+    # Their records carry PLT, lossless and the retention against ar (the bench's model's greedy output)
+    dmtd_paths: list[str] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # engine.max_batch_size per run
     warmup: int = 2  # prompts generated (untimed) by each setting before its timed run
     repeats: int = 1  # timed runs per setting, round-robin over the settings; the median time is reported
@@ -83,6 +88,7 @@ def validate_bench(cfg: DictConfig) -> None:
     need(len(b.methods) > 0, "bench.methods must name at least one method")
     for m in b.methods:
         need(m in METHODS, f"bench.methods: {m!r} is unknown; choose from {', '.join(METHODS)}")
+        need(m not in DMTD_METHODS, f"bench.methods: {m} runs from bench.settings=[{m}:TAU] (and bench.dmtd_paths)")
     need("cp_heads" not in b.methods or len(b.heads_paths) > 0, "bench.methods has cp_heads: give bench.heads_paths=[DIR,...]")
     need(all(t in TREES for t in b.trees), f"bench.trees={list(b.trees)} must hold static and/or dynamic")
     need(len(b.expansions) > 0 and all(e in EXPANSIONS for e in b.expansions),
@@ -104,6 +110,10 @@ def validate_bench(cfg: DictConfig) -> None:
     for spec in b.settings:
         method, _, rest = str(spec).partition(":")
         bc, _, opt = rest.partition(":")
+        if method in DMTD_METHODS:
+            need(bc.isdigit() and int(bc) >= (1 if method == "dmtd" else 2) and opt == "",
+                 f"bench.settings: {spec!r} must be {method}:TAU with TAU an integer >= {1 if method == 'dmtd' else 2}")
+            continue
         need(opt in ("",) + OPTIONS, f"bench.settings: {spec!r}: the options after METHOD:BC are :compile_host "
              "and :eager")
         if method == "ar":  # ar itself always runs first; an entry can only add it under an option
@@ -128,3 +138,4 @@ def validate_bench(cfg: DictConfig) -> None:
              f"bench.profile: {spec!r} must be ar, hf or METHOD:BC naming one of the bench's settings")
     m = list(b.mixed_max_new_tokens)
     need(not m or (len(m) == 2 and 1 <= m[0] <= m[1]), "bench.mixed_max_new_tokens must be [] or [lo, hi] with 1 <= lo <= hi")
+

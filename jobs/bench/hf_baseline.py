@@ -74,7 +74,7 @@ def run_hf(loaded: Any, batch: int, prompts: list[Any], generation: dict[str, An
     """Same shape as bench.run_setting's result: outputs (RequestOutput per id), seconds per category, timing.
     compiled: `hf generate compiled` (its compiles happen in the warm-up prompts and rounds, and in the first
     call of each new shape)."""
-    from esp_worker import RequestOutput, RequestStats
+    from .turns import all_turns
 
     pad_to = max(len(p.ids) for p in prompts) if compiled else 0
     if warmup:
@@ -83,11 +83,21 @@ def run_hf(loaded: Any, batch: int, prompts: list[Any], generation: dict[str, An
     for cat in dict.fromkeys(p.category for p in prompts):
         ps = [p for p in prompts if p.category == cat]
         t0 = time.perf_counter()
-        got = hf_generate(loaded, ps, generation, batch, compiled, pad_to)
+        outputs.update(all_turns(ps, lambda turn: _outputs(
+            loaded, turn, hf_generate(loaded, turn, generation, batch, compiled, pad_to))))
         seconds[cat] = time.perf_counter() - t0
-        for p in ps:
-            n = len(got[p.id])
-            stats = RequestStats(num_prompt_tokens=len(p.ids), num_generated_tokens=n, num_decode_passes=max(n - 1, 0),
-                                 num_decode_tokens=max(n - 1, 0), block_size_histogram={1: max(n - 1, 0)})
-            outputs[p.id] = RequestOutput(id=p.id, token_ids=got[p.id], text="", finish_reason=None, stats=stats)
     return {"outputs": outputs, "seconds": seconds, "timing": {}}
+
+
+def _outputs(loaded: Any, prompts: list[Any], got: dict[str, list[int]]) -> dict[str, Any]:
+    """generate's token ids as the engine's RequestOutputs (one decode pass per token after the first)."""
+    from esp_worker import RequestOutput, RequestStats
+
+    out = {}
+    for p in prompts:
+        n = len(got[p.id])
+        stats = RequestStats(num_prompt_tokens=len(p.ids), num_generated_tokens=n, num_decode_passes=max(n - 1, 0),
+                             num_decode_tokens=max(n - 1, 0), block_size_histogram={1: max(n - 1, 0)})
+        text = loaded.tokenizer.decode(got[p.id], skip_special_tokens=True)  # a later turn's history
+        out[p.id] = RequestOutput(id=p.id, token_ids=got[p.id], text=text, finish_reason=None, stats=stats)
+    return out

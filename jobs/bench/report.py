@@ -130,12 +130,26 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
     for r in overall:
         mem = f"{fmt(r.get('peak_cache_mb'), 1)} ({fmt(r.get('cache_vs_ar'))})" if r.get("peak_cache_mb") else "-"
         lines.append(
-            f"| {r['setting']} | {r['batch_size']} | {fmt(r['tau'])} | {fmt(r['accepted_per_pass'])} | "
+            f"| {r['setting']}{' (not lossless)' if r.get('lossless') is False else ''} | {r['batch_size']} | {fmt(r['tau'])} | {fmt(r['accepted_per_pass'])} | "
             f"{fmt(r['calls_saved'])} | {fmt(r['mean_block_size'], 1)} | {fmt(r['tokens_per_s'], 1)} | "
             f"{fmt(r['speedup_vs_ar'])} | {fmt(r.get('speedup_vs_hf'))} | "
             f"{paired_cell(r, 'speedup_vs_ar_paired')} / {fmt(r.get('speedup_vs_hf_paired'))} | {fmt(r['predicted_speedup'])} | "
             f"{fmt(r['host_overhead'], 3)} | {mem} | {fmt(r['exact_match_rate'])} | {fmt(r.get('token_mismatch_rate'), 4)} |"
         )
+    dmtd = [r for r in overall if r.get("dmtd_tau")]
+    if dmtd:
+        lines += ["", "## DMTD", "",
+                  "`dmtd` decodes with a DMTD model's cycles (docs/methods/dmtd.md): **not lossless**, its retention is "
+                  "measured against `ar` (this model's greedy output): token agreement (equal tokens at equal positions / "
+                  "ar's tokens), the mean first divergence (token index), and this model's mean NLL (nats per token) "
+                  "of the output beside that of its own greedy output. `dmtd_verified` is lossless. PLT = layers run "
+                  "per token / the model's layers.", "",
+                  "| setting | batch | tau | PLT | tokens/s | speedup | lossless | token agreement | first divergence | "
+                  "NLL (vs ar's) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['setting']} | {r['batch_size']} | {r['dmtd_tau']} | {fmt(r.get('plt'), 3)} | "
+                  f"{fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup_vs_ar'])} | {'yes' if r['lossless'] else '**no**'} | "
+                  f"{fmt(r.get('token_agreement'), 3)} | {fmt(r.get('first_divergence'), 1)} | "
+                  f"{fmt(r.get('base_nll'), 3)} ({fmt(r.get('base_nll_ar'), 3)}) |" for r in dmtd]
     auto = [r for r in overall if r["block_complexity"] == "auto"]
     if auto:
         lines += ["", "## block_complexity=auto", "",

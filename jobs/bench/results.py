@@ -19,6 +19,8 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from esp_worker.config import NOT_LOSSLESS
+
 from .settings import ALL, HF_METHODS
 
 if TYPE_CHECKING:
@@ -96,9 +98,12 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
             rec[key] = q[1] if q else None
             if base == "ar":
                 rec[key + "_q1"], rec[key + "_q3"] = (q[0], q[2]) if q else (None, None)
+        # dmtd / dmtd_verified: the cycle length, PLT (dmtd: layers per token / layers), whether the output is ar's
+        rec.update(dmtd_tau=s.dmtd_tau or None, plt=st.plt, lossless=s.method not in NOT_LOSSLESS)
         rec["predicted_speedup"] = None
         rec["within_tolerance"] = None
-        if curve is not None and tau and block and s.method not in HF_METHODS:
+        # (the cost curve times whole passes: it says nothing of a pass over some of the layers, dmtd's)
+        if curve is not None and tau and block and s.method not in (*HF_METHODS, "dmtd"):
             cache = sum(len(p.ids) for p in ps) / len(ps) + max_new_tokens / 2
             rec["predicted_speedup"] = predict_speedup(tau, block, curve, batch=batch, cache_len=cache)
             if rec["speedup_vs_ar"]:

@@ -5,9 +5,9 @@ One process, no Ray: the model is loaded once and every setting of the grid (`be
 `bench.batch_sizes`) runs the same prompts, category by category, after `bench.warmup` untimed prompts.
 `ar` always runs (it is the denominator of every speedup and the reference of the exact-match rate).
 
-Inputs: any `data.*` source the job runner reads. A multi-turn row (Spec-Bench's `turns`) is benchmarked
-on its first turn only, as one user message: later turns would need the earlier answers, which differ
-between methods only when outputs are not exact.
+Inputs: any `data.*` source the job runner reads. A multi-turn row (Spec-Bench's `turns`) runs every turn, as a
+job does: each later turn's prompt holds the setting's own earlier answers (`data.turn_history`), the same for
+every setting whenever outputs are exact (jobs/bench/turns.py).
 
 Writes to `output.dir` (default outputs/bench-<model>-<hash8>): bench.json and bench.csv (one record per
 method, setting, batch size and category, plus category "all"), cost_curve.json/.csv, report.md and the
@@ -32,13 +32,16 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from esp_worker.config import NOT_LOSSLESS
 from omegaconf import DictConfig, OmegaConf
 
 from ..report.plots import fmt
 from .profiling import matches, profile_run
 from .report import bench_plots, write_bench_report
 from .results import against_fastest_fixed, summarise, write_table
+from .retention import add_retention
 from .settings import ALL, HF_METHODS, Prompt, Setting, grid
+from .turns import Conversation, all_turns
 
 log = logging.getLogger("esp_batch.bench")
 
@@ -65,8 +68,10 @@ def load_prompts(cfg: DictConfig, tokenizer: Any) -> tuple[list[Prompt], int]:
                 ids = builder.prompt_ids(row.input)
             elif row.kind == "messages":
                 ids = builder.chat_ids(list(row.input))
-            else:  # turns: the first one
-                ids = builder.chat_ids([{"role": "user", "content": row.input[0]}])
+            else:  # turns: the first one, the later ones after their answers (all_turns)
+                conversation = Conversation(list(row.input), builder, d.turn_history)
+                prompts.append(Prompt(row.id, row.category or ALL, conversation.ids([]), dict(row.params), conversation))
+                continue
             prompts.append(Prompt(row.id, row.category or ALL, ids, dict(row.params)))
     return prompts, skipped
 
@@ -109,6 +114,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         heads_path=s.heads_path or (base.heads_path if s.method == "cp_heads" else ""),
         compile_host=base.compile_host or s.compile_host,
         cuda_graphs=False if s.eager else base.cuda_graphs,
+        dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )
     engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
     if engine.graphs is not None and engine.graphs.capture:
@@ -120,11 +126,11 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
     engine.stats.reset_timing()
     outputs, seconds = {}, {}
     for cat in dict.fromkeys(p.category for p in prompts):
-        reqs = _requests([p for p in prompts if p.category == cat], generation)
+        ps = [p for p in prompts if p.category == cat]
         t0 = time.perf_counter()
-        outs = engine.generate(reqs)
+        outs = all_turns(ps, lambda turn: {o.id: o for o in engine.generate(_requests(turn, generation))})
         seconds[cat] = time.perf_counter() - t0
-        outputs.update({o.id: o for o in outs})
+        outputs.update(outs)
     # compile time (engine.compile, engine.compile_host, engine.cuda_graphs' captures), warm-up included: a job pays
     # it once per actor
     graphs = {} if engine.graphs is None else {"graphs": engine.graphs.summary()}
@@ -165,6 +171,23 @@ def quiet_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
+class DmtdModels:
+    """The model a setting runs: the bench's, or for `dmtd` with a DMTD model directory that model (loaded once,
+    with the bench's model.* settings)."""
+
+    def __init__(self, loaded: Any, model_cfg: Any):
+        self.loaded, self.model_cfg, self.models = loaded, model_cfg, {}
+
+    def __call__(self, s: Setting) -> Any:
+        if s.method != "dmtd" or not s.dmtd_path:
+            return self.loaded
+        if s.dmtd_path not in self.models:
+            from esp_worker import load_model
+
+            self.models[s.dmtd_path] = load_model(dataclasses.replace(self.model_cfg, name_or_path=s.dmtd_path))
+        return self.models[s.dmtd_path]
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One run from repeats: the first repeat's outputs and timing shares, the median seconds per category."""
     first = runs[0]
@@ -189,7 +212,10 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
 
     from ..config import engine_config, generation_defaults, model_config
 
+    from .settings import check_dmtd_paths
+
     b = cfg.bench
+    check_dmtd_paths(b)
     if b.torch_threads:
         torch.set_num_threads(b.torch_threads)
     out = Path(cfg.output.dir or default_output_dir(cfg))
@@ -219,6 +245,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         del timer
         (out / "cost_curve.json").write_text(json.dumps(curve.to_dict(), indent=1))
         write_table(out / "cost_curve.csv", curve.records())
+    dmtd_models = DmtdModels(loaded, model_config(cfg))
     records = []
     for batch in b.batch_sizes:
         # repeats run round-robin over the settings (drift hits every setting alike); per category the
@@ -229,7 +256,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
             for s in rotated(settings, r):
                 t0 = time.perf_counter()
                 with quiet_heap():
-                    run = run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve)
+                    run = run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, curve)
                 if r < 0:
                     log.info("%-24s batch %d warm-up round (%.1fs)", s.label, batch, time.perf_counter() - t0)
                     continue
@@ -245,6 +272,8 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
             rounds = {"self": secs[s], "ar": secs[settings[0]], "hf": secs[hf[0]] if hf else []}
             recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance, hf_run,
                              rounds)
+            if s.method in NOT_LOSSLESS:  # untimed: against ar's greedy output, under the bench's model
+                add_retention(recs, loaded, prompts, median_run(runs[s])["outputs"], ar_run["outputs"])
             batch_records += recs
             top = recs[-1]
             log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s (vs hf %s), exact %s", s.label, batch,
@@ -254,7 +283,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         for s in settings:
             if any(matches(spec, s.method, s.block_complexity, s.heads_path) for spec in b.profile):
                 with quiet_heap():
-                    path = profile_run(lambda: run_setting(loaded, base, s, batch, prompts, generation, b.warmup, curve),
+                    path = profile_run(lambda: run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, curve),
                                        s.label, batch, out, loaded.device.type)
                 log.info("%-24s batch %d: profile in %s", s.label, batch, path)
         records += batch_records

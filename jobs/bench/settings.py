@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from omegaconf import DictConfig
 
-from .config import AUTO_METHODS, HYBRID_HEADS
+from .config import AUTO_METHODS, DMTD_METHODS, HYBRID_HEADS
+
+if TYPE_CHECKING:
+    from .turns import Conversation
 
 ALL = "all"  # the category of a record over every prompt
 HF_METHODS = ("hf", "hf_compiled")  # Hugging Face generate: eager, and with a static cache and compiled forward
@@ -23,6 +26,10 @@ class Setting:
     heads_path: str = ""  # cp_heads and hybrid+heads: directory of the trained heads
     compile_host: bool = False  # engine.compile_host for this setting ("METHOD:BC:compile_host")
     eager: bool = False  # engine.cuda_graphs=false for this setting ("METHOD:BC:eager"): passes run eagerly
+    dmtd_tau: int = 0  # dmtd / dmtd_verified: tokens per cycle
+    # dmtd: the DMTD model directory ("" = the bench's own model, split by engine.dmtd_decoding_layers);
+    # dmtd_verified: the trained copy's directory
+    dmtd_path: str = ""
 
     @property
     def label(self) -> str:
@@ -30,6 +37,8 @@ class Setting:
 
     @property
     def _label(self) -> str:
+        if self.method in DMTD_METHODS:
+            return f"{self.family} tau{self.dmtd_tau}"
         if self.method in ("ar", *HF_METHODS):
             return {"ar": "ar", "hf": "hf generate", "hf_compiled": "hf generate compiled"}[self.method]
         if self.method == "esp":
@@ -42,6 +51,8 @@ class Setting:
     @property
     def family(self) -> str:
         """The label without the block complexity (one line in the speedup-vs-BC plot)."""
+        if self.method in DMTD_METHODS:
+            return self.method + (f" {Path(self.dmtd_path).name}" if self.dmtd_path else "")
         if self.heads_path:
             return f"{'cp_heads' if self.method == 'cp_heads' else 'hybrid+heads'} {Path(self.heads_path).name}"
         if self.method != "esp":
@@ -53,8 +64,9 @@ class Setting:
 class Prompt:
     id: str
     category: str
-    ids: list[int]
+    ids: list[int]  # the prompt (of a multi-turn row: its first turn)
     params: dict[str, Any]
+    conversation: Optional["Conversation"] = None  # a multi-turn row's turns (jobs/bench/turns.py)
 
 
 def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
@@ -64,7 +76,9 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
     ar, pld BC10, pld BC30, esp k1 static BC10, esp k1 static BC30.
     With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto; an entry
     METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so), METHOD:BC:eager with
-    engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's).
+    engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's). dmtd:TAU runs each
+    DMTD model of `bench.dmtd_paths` trained with that tau (none given: the bench's model, split by
+    engine.dmtd_decoding_layers); dmtd_verified:TAU each trained copy there, drafting TAU - 1 tokens per pass.
     `hf generate compiled` follows `hf generate` when bench.hf_compiled is true, or auto on an accelerator.
     """
     hf_compiled = bench.hf_compiled is True or (bench.hf_compiled == "auto" and accelerator)
@@ -75,7 +89,9 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
             m, _, rest = str(spec).partition(":")
             bc, _, opt = rest.partition(":")
             bc, ch, eager = (bc if bc == "auto" else int(bc)), opt == "compile_host", opt == "eager"
-            if m in ("cp_heads", HYBRID_HEADS):
+            if m in DMTD_METHODS:
+                out.extend(dmtd_settings(m, int(bc), list(bench.get("dmtd_paths") or [])))
+            elif m in ("cp_heads", HYBRID_HEADS):
                 out.extend(Setting(m.partition("+")[0], bc, 0, "", heads_path=h, compile_host=ch, eager=eager)
                            for h in bench.heads_paths)
             elif m == "esp":
@@ -104,3 +120,58 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
                     for exp in (bench.expansions if tree == "dynamic" and k >= 2 else ["top1"]):
                         out.append(Setting(m, bc, k, tree, exp))
     return out
+
+
+def dmtd_kind(path: str) -> str:
+    """What a `bench.dmtd_paths` directory holds: "dmtd_verified" (a trained copy, dmtd_draft.json), "dmtd" (a DMTD
+    model, its config.json with mtp_horizon), or "" (neither)."""
+    import json
+
+    p = Path(path)
+    if (p / "dmtd_draft.json").is_file():
+        return "dmtd_verified"
+    try:
+        raw = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return "dmtd" if "mtp_horizon" in raw else ""
+
+
+def trained_tau(path: str) -> int:
+    """The cycle length a DMTD model directory (or copy) was trained with (0 when unknown)."""
+    import json
+
+    p = Path(path)
+    for name in ("dmtd_draft.json", "config.json"):
+        try:
+            return int(json.loads((p / name).read_text()).get("mtp_horizon") or 0)
+        except (OSError, ValueError):
+            continue
+    return 0
+
+
+def dmtd_settings(method: str, tau: int, paths: list[str]) -> list[Setting]:
+    """dmtd:TAU -> the DMTD models of `paths` trained with tau TAU (none given: the bench's own model);
+    dmtd_verified:TAU -> every trained copy of `paths`, at TAU."""
+    mine = [p for p in paths if dmtd_kind(p) == method]
+    if method == "dmtd":
+        if not paths:
+            return [Setting(method, tau, 0, "", dmtd_tau=tau)]
+        mine = [p for p in mine if trained_tau(p) == tau]
+    return [Setting(method, tau, 0, "", dmtd_tau=tau, dmtd_path=p) for p in mine]
+
+
+def check_dmtd_paths(b: DictConfig) -> None:
+    """The directories of bench.dmtd_paths and what the dmtd settings find there (read when the bench starts, before
+    the model loads; the config alone names no file). Raises ConfigError."""
+    from ..config import ConfigError
+
+    for p in b.dmtd_paths:
+        if not dmtd_kind(p):
+            raise ConfigError(f"bench.dmtd_paths: {p!r} is neither a DMTD model (config.json with mtp_horizon) nor a "
+                              "trained copy (dmtd_draft.json); give directories written by esp-batch train-dmtd")
+    for spec in b.settings:
+        method, _, tau = str(spec).partition(":")
+        if method in DMTD_METHODS and not dmtd_settings(method, int(tau), list(b.dmtd_paths)):
+            raise ConfigError(f"bench.settings: {spec!r} matches none of bench.dmtd_paths (dmtd: DMTD models trained "
+                              "with that tau; dmtd_verified: trained copies)")

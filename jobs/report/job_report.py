@@ -23,6 +23,8 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from esp_worker.config import NOT_LOSSLESS
+
 from ..io.output import REPORT_DIR, SUMMARY
 from ..io.storage import is_uri, join, resolve
 from ..run.schema import CATEGORY
@@ -273,6 +275,10 @@ def job_markdown(output_dir: str, stats: JobStats, num_parts: int, summary: dict
     model = summary.get("model") or ((summary.get("config") or {}).get("model") or {}).get("name_or_path", "?")
     method = summary.get("method") or ", ".join(sorted(stats.methods)) or "?"
     lines = [f"# Job report: `{model}`, method `{method}`", ""]
+    if summary.get("lossless") is False or method in NOT_LOSSLESS:
+        lines += [f"**Not lossless.** `{method}` decodes with a fine-tuned model's layer cycles (DMTD): the text is "
+                  "not the base model's own decoding. PLT (layers run per token / the model's layers): "
+                  f"{fmt(summary.get('plt'), 3)}.", ""]
     where = f"Output `{output_dir}`: {a.rows} rows in {num_parts} Parquet part(s)"
     if summary:
         run = summary.get("this_run") or {}

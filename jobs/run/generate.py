@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -37,17 +38,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if ns.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
-    from .cluster import ClusterError
+    from .cluster import ClusterError, HeadLost
     from .runner import JobError, run_job
 
     try:
-        run_job(cfg)
+        result = run_job(cfg)
     except ConfigError as exc:
         print(f"esp-batch: error: {exc}", file=sys.stderr)
         return 2
+    except HeadLost as exc:  # Ray's shutdown (also at interpreter exit) would wait for the lost head: exit now
+        print(f"esp-batch: job failed: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
     except (JobError, ClusterError) as exc:
         print(f"esp-batch: job failed: {exc}", file=sys.stderr)
         return 1
+    if result.head_lost:  # finished, but Ray's shutdown would wait for the lost head
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

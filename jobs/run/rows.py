@@ -119,6 +119,9 @@ class RowNormalizer:
         self.carry_columns = list(carry_columns)
         self.seen: set[str] = set()
         self.duplicates_dropped = 0
+        # Python types of the input's ids (int, str, ...; "derived" for rows without one): the output's id column
+        # is a string, and an exporter gives ids back their input type (Spec-Bench's question_id is an int)
+        self.id_types: set[str] = set()
 
     def input_value(self, raw: dict[str, Any]) -> tuple[Any, Optional[str]]:
         """(value, error) of the row's input column."""
@@ -137,11 +140,13 @@ class RowNormalizer:
     def __call__(self, position: int, raw: dict[str, Any]) -> Optional[JobRow]:
         """The JobRow for the row at `position`, or None when its id was seen before (dropped)."""
         value, error = (None, raw[ERROR_KEY]) if ERROR_KEY in raw else self.input_value(raw)
-        row_id = _clean_id(raw.get(self.id_column)) or derived_id(position, value)
+        given = _clean_id(raw.get(self.id_column))
+        row_id = given or derived_id(position, value)
         if row_id in self.seen:
             self.duplicates_dropped += 1
             return None
         self.seen.add(row_id)
+        self.id_types.add(type(raw[self.id_column]).__name__ if given else "derived")
         kind = None
         if error is None:
             kind, error = input_problem(value)

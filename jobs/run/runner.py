@@ -1,10 +1,10 @@
 """Run a generation job: stream the input into shards, hand them to engine actors, write Parquet parts.
 
 Scheduling uses Ray core: `ray.num_actors` actors (one engine each, placed through a placement group so
-a cluster that cannot hold them fails after `ray.placement_timeout_s` instead of waiting forever), with
-`max_restarts` / `max_task_retries`, so the shards held by an actor that dies are retried on the restarted
-actor. Each actor takes several shards at once (`ray.shards_in_flight_per_actor`) and batches their rows
-in one engine loop; the driver writes each shard's part when the actor returns its table.
+a cluster that cannot hold them fails after `ray.placement_timeout_s` instead of waiting forever; see
+actors.py for what happens when one is lost). Each actor takes several shards at once
+(`ray.shards_in_flight_per_actor`) and batches their rows in one engine loop; the driver (dispatch.py)
+writes each shard's part when the actor returns its table, and hands a lost actor's shards on.
 
 The driver reads the input once, in order, `data.shard_size` rows at a time, and holds only the shards in
 flight. Shard i is input rows [i * shard_size, (i + 1) * shard_size). A rerun skips a shard whose part
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import logging
 import math
 import os
@@ -25,11 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from esp_worker.config import NOT_LOSSLESS
 from omegaconf import DictConfig, OmegaConf
 
 from esp_worker.config import RANDOM_PREFIX
 
-from .cluster import ClusterError, check_resources, connect
+from .actors import ActorPool, StartError
+from .cluster import HeadLost, HeadWatch, actor_resources, check_resources, connect, stop_local
 from ..config import (ConfigError, config_hash, engine_config, generation_defaults, hashed_part, looks_local,
                       shards_in_flight)
 from ..io.output import SUMMARY, OutputDir, PartInfo
@@ -37,8 +40,10 @@ from .progress import Progress
 from .rows import INPUT_COLUMNS, JobRow, RowNormalizer, shard_fingerprint
 from .schema import CATEGORY, carry_types, output_schema, to_table
 from ..io.sources import Source, SourceError, open_source
+from ..io.storage import is_uri
 from .stats import COLUMNS, Totals
-from .worker import ShardWorker, WorkerSpec
+from .dispatch import Dispatcher, first_line
+from .worker import WorkerSpec
 
 log = logging.getLogger("esp_batch")
 _SAMPLE_ROWS = 256  # rows read up front to check columns and infer carried column types
@@ -54,6 +59,7 @@ class JobResult:
     output_dir: str
     summary_path: str
     summary: dict[str, Any]
+    head_lost: bool = False  # the job finished while the cluster's head did not answer: Ray cannot shut down cleanly
 
 
 def default_output_dir(cfg: DictConfig, chash: str) -> str:
@@ -123,6 +129,17 @@ def _preflight(cfg: DictConfig) -> None:
     if heads and cfg.engine.method in ("cp_heads", "hybrid") and not (Path(heads).expanduser() / "heads.json").is_file():
         raise ConfigError(f"engine.heads_path={heads!r} holds no heads.json; give the output.dir of a jobs.train_heads "
                           "run (or a directory under heads/)")
+    copy = cfg.engine.dmtd_path
+    if cfg.engine.method == "dmtd_verified" and not (Path(copy).expanduser() / "dmtd_draft.json").is_file():
+        raise ConfigError(f"engine.dmtd_path={copy!r} holds no dmtd_draft.json; give the output.dir of an "
+                          "esp-batch train-dmtd dmtd.verified=true run")
+    if cfg.engine.method == "dmtd" and not cfg.engine.dmtd_decoding_layers and (looks_local(name) or ":" in name
+                                                                               or name.startswith("tiny-random-")):
+        config = Path(name).expanduser() / "config.json"
+        if not (config.is_file() and "mtp_horizon" in config.read_text()):
+            raise ConfigError(f"engine.method=dmtd needs a DMTD model (esp-batch train-dmtd writes one) and "
+                              f"model.name_or_path={name!r} has no DMTD split; set engine.dmtd_decoding_layers to split it "
+                              "untrained (speed measurements only)")
 
 
 def _no_rows(cfg: DictConfig, source: Source) -> str:
@@ -130,6 +147,22 @@ def _no_rows(cfg: DictConfig, source: Source) -> str:
     generated, and an output directory without a part is an error to every reader of it."""
     why = f" (data.limit={cfg.data.limit})" if cfg.data.limit == 0 else ""
     return f"data.path={source.path!r} has no rows{why}; nothing to generate"
+
+
+def _check_output_location(cfg: DictConfig) -> None:
+    """Under `ray job submit --working-dir` the job runs in Ray's temporary copy of the working dir, deleted
+    with the cluster's session: refuse a relative (or unset) output.dir, which would be written there."""
+    try:
+        runtime_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return
+    where = cfg.output.dir
+    if not runtime_env.get("working_dir") or is_uri(where) or (where and Path(where).expanduser().is_absolute()):
+        return
+    given = f"output.dir={where!r} is relative" if where else "output.dir is unset"
+    raise ConfigError(f"{given}: under `ray job submit --working-dir` it would be written into Ray's temporary copy "
+                      "of the working dir, deleted when the cluster stops; give an absolute output.dir (on the head "
+                      "node or shared storage) or an object-store URL (s3://...)")
 
 
 def _check_partitioning(cfg: DictConfig, schema: Any) -> None:
@@ -159,203 +192,9 @@ def worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
         fault_dir=out.fault_dir,
         kill_shard=cfg.fault.kill_shard,
         kill_attempts=cfg.fault.kill_attempts,
+        hold_shard=cfg.fault.hold_shard,
+        turn_history=cfg.data.turn_history,
     )
-
-
-def _place(cfg: DictConfig, n: int) -> Any:
-    """A placement group holding n actor bundles, or None when actors ask for no resources. Raises
-    ClusterError when the cluster cannot place them within ray.placement_timeout_s."""
-    import ray
-    from ray.exceptions import GetTimeoutError
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    bundle = {k: v for k, v in (("CPU", cfg.ray.num_cpus_per_actor), ("GPU", cfg.ray.num_gpus_per_actor)) if v > 0}
-    if not bundle:
-        return None
-    pg = placement_group([bundle] * n, strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=cfg.ray.placement_timeout_s)
-    except GetTimeoutError:
-        remove_placement_group(pg)
-        have = ray.cluster_resources()
-        free = ray.available_resources()
-        asked = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
-        avail = ", ".join(f"{k} {free.get(k, 0):g} free of {have.get(k, 0):g}" for k in bundle)
-        raise ClusterError(
-            f"the cluster could not place {n} actors x ({asked}) within ray.placement_timeout_s="
-            f"{cfg.ray.placement_timeout_s:g}s (available: {avail}); lower ray.num_actors or the per-actor "
-            "resources, or add nodes"
-        ) from None
-    return pg
-
-
-def _start_actors(cfg: DictConfig, spec: WorkerSpec, n: int, cap: int) -> tuple[list[Any], Any]:
-    """(actors, their placement group or None); the caller releases both with _stop_actors."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = _place(cfg, n)
-    options = dict(
-        num_cpus=cfg.ray.num_cpus_per_actor,
-        num_gpus=cfg.ray.num_gpus_per_actor,
-        max_restarts=cfg.ray.max_restarts,
-        max_task_retries=cfg.ray.max_restarts,
-        max_concurrency=cap + 2,  # cap run_shard calls + info/stats
-    )
-    remote = ray.remote(ShardWorker)
-    actors = [
-        remote.options(**options, **({} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=i)})).remote(spec)
-        for i in range(n)
-    ]
-    infos = ray.get([a.info.remote() for a in actors])
-    bad = next((i["error"] for i in infos if i["error"]), None)
-    if bad:
-        _stop_actors(actors, pg)
-        raise JobError(f"the engine failed to load: {bad}")
-    log.info("%d actor(s) ready, %d shards in flight each (max_context %s, chat template %s)", n, cap,
-             infos[0]["max_context"], "on" if infos[0]["chat_template"] else "off")
-    return actors, pg
-
-
-def _stop_actors(actors: list[Any], pg: Any) -> None:
-    """Kill the actors and give their placement group's resources back to the cluster."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for actor in actors:
-        ray.kill(actor)
-    if pg is not None:
-        remove_placement_group(pg)
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
-    return (lines[0] if lines else "")[:limit]
-
-
-class _Dispatcher:
-    """Keeps up to `cap` shards in flight per actor, writes each finished shard's part, and records
-    failures as (shard, cause)."""
-
-    def __init__(self, actors: list[Any], cap: int, out: OutputDir, compression: str, progress: Progress,
-                 max_restarts: int, exit_after_parts: int = -1):
-        self.actors = actors
-        self.cap = cap
-        self.out = out
-        self.compression = compression
-        self.progress = progress
-        self.max_restarts = max_restarts
-        self.in_flight: dict[Any, tuple[int, int, str]] = {}  # ObjectRef -> (shard, actor index, fingerprint)
-        self.load = [0] * len(actors)
-        self.dead: set[int] = set()
-        self.failures: list[tuple[int, str]] = []
-        self.finished: list[tuple[int, Any, str]] = []  # (shard, table, fingerprint) returned, not yet written
-        self.shards_written = 0
-        self.exit_after_parts = exit_after_parts  # fault injection (tests): the driver dies after this many parts
-        self.graph_records: list[dict[str, Any]] = []  # the actors' engine.cuda_graphs counters (`batch_histogram`)
-
-    @property
-    def can_submit(self) -> bool:
-        return not self.failures and len(self.dead) < len(self.actors)
-
-    def submit(self, shard_index: int, rows: list[JobRow], fingerprint: str) -> None:
-        while self.can_submit and min(self._live_loads()) >= self.cap:
-            self.wait_one()
-        if not self.can_submit:
-            return
-        a = min((i for i in range(len(self.actors)) if i not in self.dead), key=lambda i: self.load[i])
-        ref = self.actors[a].run_shard.remote(shard_index, rows)
-        self.in_flight[ref] = (shard_index, a, fingerprint)
-        self.load[a] += 1
-        self.flush()  # write finished parts only now: the actor got its next shard first
-
-    def _live_loads(self) -> list[int]:
-        return [n for i, n in enumerate(self.load) if i not in self.dead]
-
-    def wait_one(self) -> None:
-        import ray
-        from ray.exceptions import RayActorError, RaySystemError, RayTaskError
-
-        ready: list[Any] = []
-        while not ready:
-            ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=1.0)
-            self.progress.update()
-        ref = ready[0]
-        shard_index, a, fingerprint = self.in_flight.pop(ref)
-        self.load[a] -= 1
-        try:
-            table = ray.get(ref)
-        except RayActorError as exc:
-            self.dead.add(a)
-            held = sorted([shard_index] + [s for s, b, _ in self.in_flight.values() if b == a])
-            self.failures.append((shard_index, f"actor died more than ray.max_restarts={self.max_restarts} times "
-                                               f"while holding shards {held} ({_first_line(getattr(exc, 'error_msg', exc), 160)})"))
-            return
-        except RayTaskError as exc:
-            cause = exc.cause if exc.cause is not None else exc
-            self.failures.append((shard_index, _first_line(cause) or type(cause).__name__))
-            return
-        except (RaySystemError, ConnectionError) as exc:
-            self.failures.append((shard_index, f"cluster lost: {_first_line(exc)}"))
-            return
-        self.finished.append((shard_index, table, fingerprint))
-
-    def flush(self) -> None:
-        """Write the parts of the shards collected by wait_one."""
-        while self.finished:
-            self.write(*self.finished.pop(0))
-
-    def write(self, shard_index: int, table: Any, fingerprint: str) -> None:
-        self.out.write_part(shard_index, table, self.compression, fingerprint)
-        self.shards_written += 1
-        if self.shards_written == self.exit_after_parts:
-            os._exit(1)  # as a killed driver: no cleanup, no summary
-        self.progress.run.add(table)
-        self.progress.update()
-
-    def drain(self) -> None:
-        while self.in_flight:
-            self.wait_one()
-            self.flush()
-        self.flush()
-
-    def failure_message(self) -> str:
-        shard, cause = self.failures[0]
-        more = len(self.failures) - 1
-        return f"shard {shard} failed: {cause}" + (f" ({more} more shard(s) failed)" if more else "")
-
-    def batch_histogram(self) -> dict[int, int]:
-        """Sum of the actors' engine batch-size histograms (actors that died lose theirs)."""
-        import ray
-
-        total: collections.Counter[int] = collections.Counter()
-        self.graph_records = []
-        for i, actor in enumerate(self.actors):
-            if i in self.dead:
-                continue
-            try:
-                stats = ray.get(actor.stats.remote(), timeout=60)
-                total.update({int(k): v for k, v in stats["batch_histogram"].items()})
-                if stats.get("cuda_graphs"):
-                    self.graph_records.append(stats["cuda_graphs"])
-            except Exception:  # noqa: BLE001 - statistics only
-                log.warning("could not read actor %d's batch statistics", i)
-        return dict(sorted(total.items()))
-
-    def cuda_graphs(self) -> Optional[dict[str, Any]]:
-        """The actors' engine.cuda_graphs counters summed (read by `batch_histogram`); None when no engine had graphs.
-        Capture seconds are part of each actor's start-up."""
-        records = self.graph_records
-        if not records:
-            return None
-        eager: collections.Counter[str] = collections.Counter()
-        for r in records:
-            eager.update(r["eager_passes"])
-        return {"actors": len(records), "captured": sum(r["captured"] for r in records),
-                "capture_s": round(sum(r["capture_s"] for r in records), 3),
-                "graph_mb": round(sum(r["graph_bytes"] for r in records) / 2**20, 1),
-                "graph_passes": sum(r["graph_passes"] for r in records), "eager_passes": dict(eager)}
 
 
 @dataclass
@@ -385,12 +224,15 @@ class _Plan:
 
 
 def run_job(cfg: DictConfig) -> JobResult:
-    """Run (or resume) the job. Raises ConfigError (bad config/data/output dir), ClusterError or JobError."""
+    """Run (or resume) the job. Raises ConfigError (bad config/data/output dir), ClusterError or JobError
+    (HeadLost, a ClusterError, when the cluster's head is lost mid-job: the run is on record in _summary.json
+    and Ray is left initialised, since its shutdown would wait for the lost head)."""
     import ray
 
     t_start = time.monotonic()
     chash = config_hash(cfg)
     _preflight(cfg)
+    _check_output_location(cfg)
     out = OutputDir(cfg.output.dir or default_output_dir(cfg, chash), cfg.storage, tuple(cfg.output.partition_by))
     try:
         source = open_source(cfg.data.path, cfg.data.format, cfg.data.split, cfg.data.limit, cfg.storage)
@@ -407,65 +249,81 @@ def run_job(cfg: DictConfig) -> JobResult:
              chash, "?" if total_rows is None else total_rows, source.path, source.format, out.path, len(plan.parts))
 
     started = False
+    lost = False  # the cluster's head is gone: Ray cannot be used (nor shut down) any more
     cap = shards_in_flight(cfg)
+    pool: Optional[ActorPool] = None
     try:
         progress = Progress(total_rows, cfg.output.progress_interval_s)
         normalizer = RowNormalizer(cfg.data.id_column, cfg.data.prompt_column, cfg.data.params_column,
                                    cfg.data.category_column, list(cfg.data.carry_columns))
-        actors: list[Any] = []
-        pg: Any = None
-        dispatcher: Optional[_Dispatcher] = None
+        dispatcher: Optional[Dispatcher] = None
         t_ready: Optional[float] = None
-        for shard_index, rows in _iter_shards(source, normalizer, cfg.data.shard_size):
-            fingerprint = shard_fingerprint(rows)
-            if not plan.decide(shard_index, fingerprint):
-                progress.kept(plan.parts[shard_index].rows)
-                continue
-            if dispatcher is None:  # Ray and the engines start only when there is work
-                started = connect(cfg.ray)
-                check_resources(cfg.ray, started)
-                n = cfg.ray.num_actors
-                if total_rows is not None:  # no more actors than shards left to run
-                    n = max(1, min(n, -(-(total_rows - shard_index * cfg.data.shard_size) // cfg.data.shard_size)))
-                actors, pg = _start_actors(cfg, worker_spec(cfg, schema, out), n, cap)
-                dispatcher = _Dispatcher(actors, cap, out, cfg.output.compression, progress, cfg.ray.max_restarts,
-                                         cfg.fault.driver_exit_after_parts)
-                t_ready = time.monotonic()
-                progress.restart()
-            if not dispatcher.can_submit:
-                break
-            if rows:
-                dispatcher.submit(shard_index, rows, fingerprint)
-            else:  # every row was a duplicate: an empty part marks the shard done
-                dispatcher.write(shard_index, to_table([], schema), fingerprint)
-        if plan.num_shards == 0:  # an input of unknown length (a hub stream) that held no row
-            raise ConfigError(_no_rows(cfg, source))
-        histogram: dict[int, int] = {}
-        if dispatcher is not None:
-            dispatcher.drain()
-            histogram = dispatcher.batch_histogram()
-        _stop_actors(actors, pg)
-        actors, pg = [], None
+        failure: Optional[str] = None
+        try:
+            for shard_index, rows in _iter_shards(source, normalizer, cfg.data.shard_size):
+                fingerprint = shard_fingerprint(rows)
+                if not plan.decide(shard_index, fingerprint):
+                    progress.kept(plan.parts[shard_index].rows)
+                    continue
+                if dispatcher is None:  # Ray and the engines start only when there is work
+                    started = connect(cfg.ray)
+                    resources = actor_resources(cfg.ray)
+                    check_resources(cfg.ray, resources, started)
+                    n = cfg.ray.num_actors
+                    if total_rows is not None:  # no more actors than shards left to run
+                        n = max(1, min(n, -(-(total_rows - shard_index * cfg.data.shard_size) // cfg.data.shard_size)))
+                    pool = ActorPool(cfg, worker_spec(cfg, schema, out), n, cap, resources,
+                                     HeadWatch(cfg.ray.head_timeout_s))
+                    try:
+                        pool.start()
+                    except StartError as exc:
+                        raise JobError(str(exc)) from None
+                    dispatcher = Dispatcher(pool, cap, out, cfg.output.compression, progress, cfg.ray.max_restarts,
+                                            cfg.fault.driver_exit_after_parts)
+                    t_ready = time.monotonic()
+                    progress.restart()
+                if not dispatcher.can_submit:
+                    break
+                if rows:
+                    dispatcher.submit(shard_index, rows, fingerprint)
+                else:  # every row was a duplicate: an empty part marks the shard done
+                    dispatcher.write(shard_index, to_table([], schema), fingerprint)
+            if plan.num_shards == 0:  # an input of unknown length (a hub stream) that held no row
+                raise ConfigError(_no_rows(cfg, source))
+            if dispatcher is not None:
+                dispatcher.drain()
+        except HeadLost as exc:
+            lost, failure = True, str(exc)
+        if pool is not None and not lost and not pool.head.answers_now():  # every shard back, the head silent
+            lost = True
+            log.warning("the cluster's head does not answer: the actors are left to the cluster")
+        histogram = pool.batch_histogram() if pool is not None and not lost else {}
+        if pool is not None and not lost:
+            pool.stop()
         progress.close()
         t_end = time.monotonic()
         run = _run_record(t_start, t_ready, t_end, progress.run, dispatcher, plan, histogram)
-        run["cuda_graphs"] = dispatcher.cuda_graphs() if dispatcher is not None else None
-        if dispatcher is not None and dispatcher.failures:
+        run["cuda_graphs"] = pool.cuda_graphs() if pool is not None and not lost else None
+        if failure is None and dispatcher is not None and dispatcher.failed:
+            failure = dispatcher.failure_message()
+        if failure is not None:
+            run["failure"] = failure
             _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check=None)
-            raise JobError(f"{dispatcher.failure_message()}; finished parts are kept in {out.path}: "
-                           "rerun the same command to resume")
+            error = HeadLost if lost else JobError
+            raise error(f"{failure}; finished parts are kept in {out.path}: rerun the same command to resume")
         run["stale_parts_removed"] = _remove_stale_parts(out, plan)
         check = _check_ids(out, normalizer.seen)
         result = _write_summary(cfg, chash, out, total_rows, normalizer, plan, run, check)
         _write_report(out, cfg)
         if not check["complete"]:
             raise JobError(f"output check failed: {check['problem']}; see {out.shown(SUMMARY)}")
+        result.head_lost = lost
         return result
     finally:
-        if actors and ray.is_initialized():  # an exception left them running
-            _stop_actors(actors, pg)
-        if started:
-            ray.shutdown()
+        if pool is not None and not lost and ray.is_initialized():  # an exception left them running
+            pool.stop()
+        if started and not lost:
+            stop_local()
 
 
 def _write_report(out: OutputDir, cfg: DictConfig) -> None:
@@ -476,7 +334,7 @@ def _write_report(out: OutputDir, cfg: DictConfig) -> None:
         rep = write_job_report(out.location if out.location != out.path else out.path, cfg.storage)
         log.info("report: %s", rep.path)
     except Exception as exc:  # noqa: BLE001
-        log.warning("could not write the report: %s", _first_line(exc))
+        log.warning("could not write the report: %s", first_line(exc))
 
 
 def _remove_stale_parts(out: OutputDir, plan: _Plan) -> int:
@@ -516,7 +374,7 @@ def _check_ids(out: OutputDir, expected: set[str]) -> dict[str, Any]:
     }
 
 
-def _run_record(t_start: float, t_ready: Optional[float], t_end: float, run: Totals, dispatcher: Optional[_Dispatcher],
+def _run_record(t_start: float, t_ready: Optional[float], t_end: float, run: Totals, dispatcher: Optional[Dispatcher],
                 plan: _Plan, histogram: dict[int, int]) -> dict[str, Any]:
     startup = (t_ready if t_ready is not None else t_end) - t_start
     gen_s = t_end - t_ready if t_ready is not None else 0.0
@@ -557,9 +415,13 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
         "rows": totals.rows,
         "errors": totals.errors,
         "duplicates_dropped": normalizer.duplicates_dropped,
+        "input_id_types": sorted(normalizer.id_types),  # e.g. ["int"]: `esp-batch export` restores int ids
         "prompt_tokens": totals.prompt_tokens,
         "generated_tokens": totals.generated_tokens,
         "tau": totals.tau,
+        # false for a method whose output is not the model's own decoding (dmtd); plt: its layers per token / layers
+        "lossless": cfg.engine.method not in NOT_LOSSLESS,
+        "plt": totals.plt,
         # all runs: tokens generated / seconds the engines were generating (start-up excluded)
         "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else None,
         "this_run": run,

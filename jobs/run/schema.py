@@ -17,6 +17,7 @@ BASE_FIELDS = [
     pa.field("num_generated_tokens", pa.int64()),
     pa.field("finish_reason", pa.string()),  # stop | length | context; null on error
     pa.field("method", pa.string()),
+    pa.field("lossless", pa.bool_()),  # false: the method's output is not the model's own decoding (dmtd)
     pa.field("num_decode_passes", pa.int64()),
     pa.field("num_decode_tokens", pa.int64()),  # tokens committed by decode passes (tau's numerator)
     pa.field("num_drafted_tokens", pa.int64()),
@@ -25,8 +26,19 @@ BASE_FIELDS = [
     pa.field("committed_histogram", pa.list_(pa.int32())),  # [n] decode passes that committed n tokens
     pa.field("accepted_by_proposer", pa.map_(pa.string(), pa.int64())),  # hybrid: accepted drafts per proposer
     pa.field("tau", pa.float64()),  # mean tokens committed per decode pass; null without decode passes
-    pa.field("time_s", pa.float64()),  # seconds from the request's admission to its finish
+    pa.field("plt", pa.float64()),  # dmtd: layers per token / the model's layers; null for other methods
+    pa.field("time_s", pa.float64()),  # seconds from the request's admission to its finish; null if none ran
     pa.field("error", pa.string()),  # null when fine
+    # one entry per answered turn (prompt and messages rows: one); the counters above are their sums
+    pa.field("turn_generated_tokens", pa.list_(pa.int64())),
+    pa.field("turn_time_s", pa.list_(pa.float64())),
+    pa.field("turn_decode_passes", pa.list_(pa.int64())),
+    pa.field("committed_per_pass", pa.list_(pa.int32())),  # [pass] tokens it committed, in order, over all turns
+    # vLLM's per-request spec-decode metrics, under vLLM's names (docs/guide/outputs.md)
+    pa.field("num_drafts", pa.int64()),
+    pa.field("num_draft_tokens", pa.int64()),
+    pa.field("num_accepted_tokens", pa.int64()),
+    pa.field("num_accepted_tokens_per_pos", pa.list_(pa.int32())),
 ]
 CATEGORY = "category"
 
@@ -41,6 +53,8 @@ DESCRIPTIONS = {
     "num_generated_tokens": "tokens generated (summed over turns)",
     "finish_reason": "stop (EOS or stop string) | length (max_new_tokens) | context (model context full); null on error",
     "method": "decoding method: " + " | ".join(METHODS),
+    "lossless": "true when the text is exactly the model's own decoding (every method but dmtd, which decodes with "
+                "a different, fine-tuned model's layer cycles)",
     "num_decode_passes": "model forward passes after the prefill",
     "num_decode_tokens": "tokens committed by decode passes (bonus included, prefill's first token not): tau's numerator",
     "num_drafted_tokens": "draft tokens fed to the model for verification",
@@ -49,8 +63,21 @@ DESCRIPTIONS = {
     "committed_histogram": "[n] = decode passes that committed n tokens",
     "accepted_by_proposer": "hybrid: accepted draft tokens per proposer (ngram, store, esp, corpus, and heads with engine.heads_path); empty for other methods",
     "tau": "mean acceptance length: num_decode_tokens / num_decode_passes; null without decode passes",
-    "time_s": "seconds from the request's admission to its finish (rows share the engine's batches)",
+    "plt": "dmtd: layers run per generated token / the model's layers over the decode passes (the DMTD paper's PLT); "
+           "null for other methods",
+    "time_s": "seconds from the request's admission to its finish, summed over turns (rows share the engine's "
+              "batches); null when no turn was generated",
     "error": "one-line error message; null when the row was generated",
+    "turn_generated_tokens": "tokens generated per answered turn, in order (one entry for prompt and messages rows)",
+    "turn_time_s": "seconds per answered turn, from its admission to its finish",
+    "turn_decode_passes": "decode passes per answered turn",
+    "committed_per_pass": "tokens each decode pass committed, in order over all turns (Spec-Bench's accept_lengths; "
+                          "sum = num_decode_tokens, length = num_decode_passes)",
+    "num_drafts": "vLLM num_drafts: decode passes that fed this row at least one draft token",
+    "num_draft_tokens": "vLLM num_draft_tokens: draft tokens fed for verification (= num_drafted_tokens)",
+    "num_accepted_tokens": "vLLM num_accepted_tokens: draft tokens accepted and kept (= num_accepted_drafts)",
+    "num_accepted_tokens_per_pos": "vLLM num_accepted_tokens_per_pos: [i] = passes whose accepted draft reached "
+                                   "position i+1 (= accepted_per_depth)",
     CATEGORY: "the input's category column (data.category_column), used for per-category statistics",
 }
 DESCRIPTION_KEY = b"description"

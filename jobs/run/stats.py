@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 
 from .schema import CATEGORY
 
-COLUMNS = ["error", "num_prompt_tokens", "num_generated_tokens", "num_decode_tokens", "num_decode_passes"]
+COLUMNS = ["error", "num_prompt_tokens", "num_generated_tokens", "num_decode_tokens", "num_decode_passes", "plt"]
 
 
 def _sum(table: pa.Table, name: str) -> int:
@@ -51,6 +51,13 @@ class Totals(Group):
     """Group counters over whole tables (vectorised), plus rows / decode tokens / passes per category."""
 
     per_category: dict[str, Group] = field(default_factory=dict)
+    plt_tokens: float = 0.0  # dmtd: sum of plt x decode tokens (layers run / the model's layers) over rows with a plt
+    plt_decode_tokens: int = 0  # their decode tokens
+
+    @property
+    def plt(self) -> Optional[float]:
+        """dmtd: the job's layers per token / the model's layers (rows weighted by their decode tokens)."""
+        return self.plt_tokens / self.plt_decode_tokens if self.plt_decode_tokens else None
 
     def add(self, table: pa.Table) -> None:
         """Add a table holding (some of) COLUMNS, and `category` when the job has one."""
@@ -61,6 +68,11 @@ class Totals(Group):
         self.generated_tokens += _sum(table, "num_generated_tokens")
         self.decode_tokens += _sum(table, "num_decode_tokens")
         self.decode_passes += _sum(table, "num_decode_passes")
+        if {"plt", "num_decode_tokens"} <= set(table.column_names):
+            for plt, tokens in zip(table["plt"].to_pylist(), table["num_decode_tokens"].to_pylist()):
+                if plt is not None and tokens:
+                    self.plt_tokens += plt * tokens
+                    self.plt_decode_tokens += tokens
         if not {CATEGORY, "num_decode_tokens", "num_decode_passes"} <= set(table.column_names):
             return
         for cat, tokens, passes in zip(
@@ -72,4 +84,7 @@ class Totals(Group):
             g.rows += 1
 
     def tau_per_category(self) -> dict[str, dict[str, Any]]:
-        return {cat: {"rows": g.rows, "tau": g.tau} for cat, g in sorted(self.per_category.items())}
+        """{category: rows, tau and its counts}: groups of categories (Spec-Bench's mt_bench) pool as
+        sum(decode_tokens) / sum(decode_passes)."""
+        return {cat: {"rows": g.rows, "tau": g.tau, "decode_tokens": g.decode_tokens, "decode_passes": g.decode_passes}
+                for cat, g in sorted(self.per_category.items())}

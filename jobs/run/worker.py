@@ -11,15 +11,19 @@ Heavy imports (torch, transformers, the engine) happen in `__init__`, inside the
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
+
+from esp_worker.config import NOT_LOSSLESS
 
 from .rows import JobRow
 from .schema import CATEGORY, to_table
@@ -39,6 +43,8 @@ class WorkerSpec:
     fault_dir: str  # where fault-injection attempt markers live
     kill_shard: int = -1
     kill_attempts: int = 0
+    hold_shard: int = -1
+    turn_history: str = "stripped"  # data.turn_history: stripped | raw
 
 
 class EngineFailure(RuntimeError):
@@ -54,6 +60,7 @@ class _RowState:
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     stats: Any = None  # RequestStats merged over turns
+    turns: list[Any] = field(default_factory=list)  # each answered turn's own RequestStats, in order
     finish_reason: Optional[str] = None
     error: Optional[str] = None
 
@@ -72,6 +79,20 @@ class _Shard:
     pending: int = 0  # rows not finished yet
     done: threading.Event = field(default_factory=threading.Event)
     failure: Optional[str] = None
+
+
+def where() -> dict[str, Any]:
+    """This process's host, pid and, inside a Ray worker, its node id and IP."""
+    place: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "node_id": "", "ip": ""}
+    try:
+        import ray
+
+        if ray.is_initialized():
+            place["node_id"] = ray.get_runtime_context().get_node_id()
+            place["ip"] = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - where we run is for the log only
+        pass
+    return place
 
 
 class ShardWorker:
@@ -100,15 +121,16 @@ class ShardWorker:
             self.load_error = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
     def info(self) -> dict[str, Any]:
-        """Load status and where this actor runs."""
+        """Load status and where this actor runs (node id, IP, pid: the driver logs them and tells a
+        restarted actor from one that was only unreachable)."""
         if self.load_error is not None:
-            return {"error": self.load_error}
+            return {"error": self.load_error, **where()}
         return {
             "error": None,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
+            **where(),
             "max_context": self.engine.loaded.max_context,
             "chat_template": self.prompts.use_template,
+            "device": str(self.engine.loaded.device),
         }
 
     def stats(self) -> dict[str, Any]:
@@ -122,6 +144,7 @@ class ShardWorker:
         """One output row per input row, in input order. Safe to call from several threads at once."""
         from esp_worker import RequestStats
 
+        self._maybe_hold(shard_index)
         shard = _Shard(shard_index)
         shard.states = [_RowState(row=r, shard=shard, stats=RequestStats(), error=r.error) for r in rows]
         requests = []
@@ -216,9 +239,11 @@ class ShardWorker:
             return
         s.answers.append(out.text)
         s.token_ids.extend(out.token_ids)
+        s.turns.append(out.stats)
         s.finish_reason = out.finish_reason
         if s.row.kind == "turns":
-            s.history.append({"role": "assistant", "content": out.text})
+            answer = out.text.strip() if self.spec.turn_history == "stripped" else out.text
+            s.history.append({"role": "assistant", "content": answer})
 
     def _record(self, s: _RowState) -> dict[str, Any]:
         st = s.stats
@@ -232,6 +257,7 @@ class ShardWorker:
             "num_generated_tokens": len(s.token_ids),
             "finish_reason": s.finish_reason if s.error is None else None,
             "method": self.spec.engine["method"],
+            "lossless": self.spec.engine["method"] not in NOT_LOSSLESS,
             "num_decode_passes": st.num_decode_passes,
             "num_decode_tokens": st.num_decode_tokens,
             "num_drafted_tokens": st.num_drafted_tokens,
@@ -240,12 +266,39 @@ class ShardWorker:
             "committed_histogram": list(st.committed_histogram),
             "accepted_by_proposer": dict(st.accepted_by_proposer),
             "tau": tau if tau is not None and math.isfinite(tau) else None,
-            "time_s": st.time_s,
+            "plt": st.plt,
+            "time_s": sum(t.time_s for t in s.turns) if s.turns else None,  # no turn ran: no time to divide by
             "error": s.error,
+            "turn_generated_tokens": [t.num_generated_tokens for t in s.turns],
+            "turn_time_s": [t.time_s for t in s.turns],
+            "turn_decode_passes": [t.num_decode_passes for t in s.turns],
+            "committed_per_pass": list(st.committed_per_pass),
+            "num_drafts": st.num_drafts,
+            "num_draft_tokens": st.num_drafted_tokens,
+            "num_accepted_tokens": st.num_accepted_drafts,
+            "num_accepted_tokens_per_pos": list(st.accepted_per_depth),
             CATEGORY: s.row.category,
         }
         rec.update({k: v for k, v in s.row.carry.items() if k not in rec})
         return rec
+
+    def _maybe_hold(self, shard_index: int) -> None:
+        """Fault injection: on `hold_shard`, write hold-N.json (where this actor runs) and wait until the
+        test writes `release` (after removing this actor's node, or the head). A retry that starts after
+        the release runs at once."""
+        if shard_index != self.spec.hold_shard:
+            return
+        markers = Path(self.spec.fault_dir)
+        release = markers / "release"
+        if release.exists():
+            return
+        markers.mkdir(parents=True, exist_ok=True)
+        tmp = markers / f".hold-{shard_index}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(where()))
+        tmp.rename(markers / f"hold-{shard_index}.json")
+        deadline = time.monotonic() + 900  # a hang guard: a test that never releases does not leave it waiting
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _maybe_die(self, shard_index: int) -> None:
         """Fault injection: exit the process when a row of `kill_shard` finishes, on the first

@@ -23,12 +23,13 @@ def test_counters_give_the_request_statistics():
     t = rows.t
     st = [RequestStats(), RequestStats()]
     for r in range(2):
-        finish_stats(st[r], int(t.drafted[r]), t.hists[r].tolist(), 7, 3, {})
+        finish_stats(st[r], t.drafted[r].tolist(), t.hists[r].tolist(), 7, 3, {})
     # row 0 kept 2, 2 (a stop cut its 3 accepted drafts at 2 tokens), 0 drafts; row 1 kept 0, 3, 0
     assert [s.num_accepted_drafts for s in st] == [4, 3]
     assert st[0].accepted_per_depth == [2, 2] and st[1].accepted_per_depth == [1, 1, 1]
     assert st[0].committed_histogram == [0, 1, 1, 1] and st[1].committed_histogram == [0, 2, 0, 0, 1]
     assert [s.num_drafted_tokens for s in st] == [13, 13]
+    assert [s.num_drafts for s in st] == [2, 2]  # the third pass fed no draft token (vLLM's num_drafts)
     # accepted drafts by proposer: row 0's path slots 1, 3 (proposers 0, 2) then a chain of proposer 0 (2 kept);
     # row 1 nothing, then a chain of proposer 2 (3 kept)
     assert t.accepted_by.tolist() == [[3, 0, 1], [0, 0, 3]]
@@ -40,7 +41,7 @@ def test_counters_widen_for_deeper_blocks_and_keep_their_counts():
     deep = STAT_WIDTH + 5
     rows.count(torch.tensor([deep]), torch.tensor([deep]), torch.tensor([deep]), deep)
     st = RequestStats()
-    finish_stats(st, int(rows.t.drafted[0]), rows.t.hists[0].tolist(), deep + 3, 2, {})
+    finish_stats(st, rows.t.drafted[0].tolist(), rows.t.hists[0].tolist(), deep + 3, 2, {})
     assert st.num_accepted_drafts == 2 + deep - 1 and st.accepted_per_depth == [2, 2] + [1] * (deep - 3)
     assert st.committed_histogram == [0, 0, 1] + [0] * (deep - 3) + [1]
 
@@ -58,7 +59,7 @@ def test_rows_of_different_counter_widths_join_with_their_counts():
         joined = a.t.hists
         st = [RequestStats(), RequestStats()]
         for i in range(2):
-            finish_stats(st[i], 0, joined[i].tolist(), 3, 1, {})
+            finish_stats(st[i], [0, 0], joined[i].tolist(), 3, 1, {})
         assert st[r].committed_histogram == [0, 0, 1] and st[r].num_accepted_drafts == 2
         assert st[1 - r].committed_histogram == [0] * (STAT_WIDTH + 1) + [1]
 

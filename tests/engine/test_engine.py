@@ -261,3 +261,42 @@ def test_flash_attention_refused_with_one_line():
         load_model(ModelConfig(name_or_path="tiny-random-llama", attn_implementation="flash_attention_2"))
     with pytest.raises(ValueError, match="engine.method"):
         EngineConfig(method="nope").validate()
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(method="ar"), dict(method="pld", block_complexity=11), dict(method="esp", num_masks=1, block_complexity=30),
+    dict(method="hybrid", num_masks=1, block_complexity=30),
+], ids=lambda c: c["method"])
+def test_per_pass_committed_tokens_in_order_and_drafts_counted(monkeypatch, cfg):
+    """committed_per_pass is each decode pass's kept tokens, in order (as the pass settled them on the device),
+    for rows that join a running batch too; num_drafts counts the passes that fed the row a draft token."""
+    lm = tiny("llama")
+    seen: dict[str, list[int]] = {}
+    settle = Engine._settle
+
+    def recording(self, rows, block, out):
+        settled = settle(self, rows, block, out)
+        for s, n in zip(rows.seqs, settled.num_kept.tolist()):
+            seen.setdefault(s.req.id, []).append(n)
+        return settled
+
+    monkeypatch.setattr(Engine, "_settle", recording)
+    outs = run(lm, EngineConfig(max_batch_size=2, **cfg), GenerationParams(max_new_tokens=40))  # 4 prompts, 2 slots
+    for o in outs:
+        st = o.stats
+        assert st.committed_per_pass == seen.get(o.id, [])
+        assert len(st.committed_per_pass) == st.num_decode_passes
+        assert sum(st.committed_per_pass) == st.num_decode_tokens
+        hist = [0] * len(st.committed_histogram)
+        for n in st.committed_per_pass:
+            hist[n] += 1
+        assert hist == st.committed_histogram
+        assert 0 <= st.num_drafts <= st.num_decode_passes
+        assert (st.num_drafts > 0) == (st.num_drafted_tokens > 0)
+        if cfg["method"] == "ar":
+            assert st.num_drafts == 0 and set(st.committed_per_pass) <= {1}
+    if cfg["method"] != "ar":
+        assert sum(o.stats.num_drafts for o in outs) > 0
+    merged = outs[0].stats.merge(outs[1].stats)
+    assert merged.committed_per_pass == outs[0].stats.committed_per_pass + outs[1].stats.committed_per_pass
+    assert merged.num_drafts == outs[0].stats.num_drafts + outs[1].stats.num_drafts

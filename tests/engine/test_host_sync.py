@@ -32,6 +32,24 @@ def test_at_most_one_host_read_per_decode_pass(monkeypatch, setting, batch, temp
     auto = SETTINGS[setting].get("block_complexity") == "auto"
     over = [(i, n, changed) for i, (n, changed) in enumerate(seen["per_pass"]) if n > 1 + (auto and changed)]
     assert not over, (over[:5], seen["where"])
+    if temperature == 0 and cfg.lossless:
+        assert [tuple(o.token_ids) for o in outs] == [r[:32] for r in reference("llama", "sdpa")]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dmtd_verified_one_host_read_per_decode_pass(monkeypatch, tmp_path, batch, temperature):
+    """dmtd_verified's copy drafts inside the pass (its tau - 1 forwards) without reading the device."""
+    from esp_worker.model.dmtd import DmtdConfig, new_draft_layers, save_draft
+
+    lm = tiny("llama")
+    split = DmtdConfig.split(2, 3, 1)
+    save_draft(tmp_path, new_draft_layers(lm.model.get_decoder(), split), split, lm.model, {})
+    cfg = EngineConfig(method="dmtd_verified", dmtd_path=str(tmp_path), max_batch_size=batch)
+    with count_reads_per_pass(monkeypatch) as seen:
+        outs = run(lm, cfg, GenerationParams(max_new_tokens=32, temperature=temperature, seed=1))
+    assert all(o.error is None for o in outs) and seen["passes"] > 0
+    assert all(n <= 1 for n, _ in seen["per_pass"]), seen["where"]
     if temperature == 0:
         assert [tuple(o.token_ids) for o in outs] == [r[:32] for r in reference("llama", "sdpa")]
 

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from shared_data import REPO, SHARED_DATA, SPEC_BENCH, TINY_PROMPTS, shared  # noqa: F401  (re-exported)
+from shared_data import REPO, SHARED_DATA, SPEC_BENCH, TINY_LLAMA, TINY_PROMPTS, shared  # noqa: F401  (re-exported)
 
 
 os.environ["RAY_AUTH_MODE"] = "disabled"  # a local test head; see ARCHITECTURE.md

@@ -152,6 +152,7 @@ def test_module_entry_points_exit_codes(tmp_path):
     ("jobs.generate", ["--print-config", "engine.block_complexity=30"], "block_complexity: 30"),
     ("jobs.bench", ["--print-config", "bench.repeats=2"], "repeats: 2"),
     ("jobs.train_heads", ["--print-config", "data.text_dir=docs"], "text_dir: docs"),
+    ("jobs.train_dmtd", ["--print-config", "data.text_dir=docs", "dmtd.tau=4"], "tau: 4"),
     ("jobs.job_bench", ["--help"], "--shard-sizes"),
     ("jobs.memory_bench", ["--help"], "--prompt-tokens"),
     ("jobs.loss_plot", ["--help"], "--smooth"),

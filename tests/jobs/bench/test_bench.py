@@ -294,6 +294,52 @@ def test_bench_rejects_a_profile_that_names_no_setting(tmp_path, monkeypatch, ca
     assert "bench.profile" in err and words in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("history", ["stripped", "raw"])
+def test_bench_runs_every_turn_of_a_multi_turn_row_as_a_job_does(tmp_path, history):
+    """A `turns` row is benchmarked on all its turns, each later one prompted with the setting's own earlier
+    answers: the same tokens and prompt lengths as the job's worker gives the row (hf generate's too)."""
+    import torch
+
+    from esp_worker import load_model
+    from jobs.bench.config import load_bench_config
+    from jobs.bench.runner import load_prompts, run_setting
+    from jobs.bench.settings import Setting
+    from jobs.config import engine_config, generation_defaults, model_config
+    from jobs.io.output import OutputDir
+    from jobs.io.sources import open_source
+    from jobs.run.rows import RowNormalizer
+    from jobs.run.runner import plan_schema, worker_spec
+    from jobs.run.worker import ShardWorker
+    from jobs_helpers import TINY_LLAMA, job_cfg, shared, write_jsonl
+
+    data = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "t", "category": "writing", "turns": ["Write a line.", "Another one.", "And a last one."]},
+        {"id": "p", "category": "writing", "prompt": "def f(x):\n    return"},
+    ])
+    common = [f"data.path={data}", f"model.name_or_path={shared(TINY_LLAMA)}", "generation.max_new_tokens=8",
+              f"data.turn_history={history}"]
+    cfg = load_bench_config(None, common)
+    loaded = load_model(model_config(cfg))
+    prompts, _ = load_prompts(cfg, loaded.tokenizer)
+    gen = generation_defaults(cfg)
+    runs = {m: run_setting(loaded, engine_config(cfg), Setting(m, 1, 0, ""), 1, prompts, gen, 0) for m in ("ar", "hf")}
+
+    job = job_cfg(tmp_path / "out", *common)
+    source = open_source(job.data.path, job.data.format, job.data.split, job.data.limit)
+    norm = RowNormalizer("id", "", "params", "category", [])
+    threads = torch.get_num_threads()
+    worker = ShardWorker(worker_spec(job, plan_schema(job, source), OutputDir(str(tmp_path / "out"))))
+    torch.set_num_threads(threads)
+    rows = {r["id"]: r for r in worker.run_shard(0, [norm(i, r) for i, r in enumerate(next(source.batches(10)))])
+            .to_pylist()}
+    assert len(rows["t"]["turn_generated_tokens"]) == 3
+    for rid, row in rows.items():
+        for m, run in runs.items():
+            out = run["outputs"][rid]
+            assert out.token_ids == row["generated_token_ids"], (m, rid)
+            assert out.stats.num_prompt_tokens == row["num_prompt_tokens"], (m, rid)
+
+
 @pytest.mark.parametrize("args", [
     ["bench.settings=[pld:30]", "bench.profile=[esp:30]"],  # refused after the config is read
     ["bench.settings=[esp:3]", "bench.num_masks=[1]"],

@@ -170,6 +170,32 @@ def test_output_dir_claims_and_writes_atomically(tmp_path):
         foreign.claim("h", {}, {}, overwrite=False)
 
 
+def test_normalizer_records_the_input_id_types():
+    """The output's id is a string; the input's id types are kept so that an exporter can give them back."""
+    norm = RowNormalizer("id", "", "params", "category", [])
+    norm(0, {"id": 81, "prompt": "x"})
+    norm(1, {"id": 82, "prompt": "y"})
+    assert norm.id_types == {"int"}
+    norm(2, {"prompt": "z"})
+    norm(3, {"id": "q4", "prompt": "w"})
+    assert norm.id_types == {"int", "derived", "str"}
+
+
+def test_tau_per_category_carries_the_counts_that_pool_groups():
+    import pyarrow as pa
+
+    from jobs.run.stats import Totals
+
+    totals = Totals()
+    totals.add(pa.table({"category": ["writing", "math", "math", "qa"], "num_decode_tokens": [10, 6, 3, 4],
+                         "num_decode_passes": [4, 2, 3, 4], "error": [None, None, None, "x"]}))
+    per = totals.tau_per_category()
+    assert per["math"] == {"rows": 2, "tau": 9 / 5, "decode_tokens": 9, "decode_passes": 5}
+    pooled = sum(per[c]["decode_tokens"] for c in ("writing", "math")) / sum(
+        per[c]["decode_passes"] for c in ("writing", "math"))
+    assert pooled == 19 / 9
+
+
 def test_a_malformed_jsonl_line_names_its_line_and_column(tmp_path):
     """The row's error says where the JSON breaks (the decoder's position), not only what broke."""
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "fine"}, '{"id": "b", "prompt": "x",, "c": 1}',

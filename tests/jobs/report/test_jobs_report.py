@@ -70,6 +70,18 @@ def test_report_lists_every_category_and_the_counts(tmp_path):
     assert len(pd.read_parquet(tmp_path / "out")) == 40
 
 
+def test_report_marks_a_method_that_is_not_lossless(tmp_path):
+    """A dmtd job's report says, before anything else, that its text is not the base model's decoding."""
+    _write_output(tmp_path / "out")
+    summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
+    assert "Not lossless" not in write_job_report(str(tmp_path / "out")).markdown
+    summary.update(method="dmtd", lossless=False, plt=0.5678)
+    (tmp_path / "out" / "_summary.json").write_text(json.dumps(summary))
+    md = write_job_report(str(tmp_path / "out")).markdown
+    assert "**Not lossless.** `dmtd`" in md and "0.568" in md
+    assert md.index("Not lossless") < md.index("| rows | errors |")
+
+
 def test_esp_batch_report_rebuilds_the_same_report(tmp_path, capsys):
     _write_output(tmp_path / "out")
     first = write_job_report(str(tmp_path / "out"))

@@ -21,3 +21,6 @@ def test_cluster_yaml_matches_rays_schema():
     assert head["resources"].get("CPU") == 0  # engine actors stay off the head
     assert workers and all(w["max_workers"] >= 1 for w in workers)
     assert any("esp-batch" in cmd for cmd in config["setup_commands"])
+    # the dashboard serves job submission (code execution): only on the head's loopback, reached by `ray dashboard`
+    start = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in start and "0.0.0.0" not in start

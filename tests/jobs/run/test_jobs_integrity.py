@@ -243,7 +243,8 @@ def test_actor_killed_with_several_shards_in_flight(ray_head, tmp_path):
 def test_actor_dying_too_often_names_the_shard_and_cause(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))
     out = tmp_path / "out"
-    with pytest.raises(JobError, match=r"shard \d failed: actor died more than ray.max_restarts=1 times .*rerun"):
+    with pytest.raises(JobError, match=r"shard \d failed: the actors running it died 2 times \(more than "
+                                      r"ray.max_restarts=1\); the last, actor 0 on node \w+ \([\d.]+\): \w*Actor.*rerun"):
         run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=4", "ray.max_restarts=1",
                         "fault.kill_shard=1", "fault.kill_attempts=5"))
     assert _summary(out)["complete"] is False

@@ -163,3 +163,21 @@ def test_ray_job_submit(ray_head, tmp_path):
     assert "done: 8 rows" in res.stdout + res.stderr
     assert len(read_output(out)) == 8
 
+
+
+def test_ray_job_submit_without_an_absolute_output_dir_is_refused(ray_head, tmp_path):
+    """The job would write into Ray's temporary copy of --working-dir (deleted with the cluster): one line, exit 2,
+    before Ray or any actor starts."""
+    work = tmp_path / "work"
+    for pkg in ("jobs", "esp_worker"):
+        shutil.copytree(REPO / pkg, work / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    for where in ([], ["output.dir=out/run1"]):
+        res = subprocess.run([ray_bin, "job", "submit", "--address", ray_head.dashboard, "--working-dir", str(work), "--",
+                              "python", "-m", "jobs.generate", *FAST, "data.limit=8", "ray.num_actors=1", *where],
+                             capture_output=True, text=True, timeout=900)
+        text = res.stdout + res.stderr
+        assert res.returncode != 0 and "exit code 2" in text, text[-3000:]
+        line = next(ln for ln in text.splitlines() if ln.startswith("esp-batch: error:"))
+        assert "ray job submit --working-dir" in line and "absolute output.dir" in line, line
+        assert "connected to Ray" not in text and not list(work.rglob("part-*.parquet"))

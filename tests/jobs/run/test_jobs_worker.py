@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobs_helpers import SPEC_BENCH, shared, job_cfg
+from jobs_helpers import SPEC_BENCH, TINY_LLAMA, shared, job_cfg
 from esp_worker import ModelConfig
 from esp_worker import load_model
 from jobs.io.output import OutputDir
@@ -45,19 +45,61 @@ def test_prompt_rows_match_model_generate(tmp_path, tiny):
         assert got["generated_token_ids"] == ref and got["num_prompt_tokens"] == ids.shape[1]
 
 
-def test_turns_answer_each_turn_with_the_earlier_ones_in_context(tmp_path, tiny):
+@pytest.mark.parametrize("history", ["stripped", "raw"])
+def test_turns_answer_each_turn_with_the_earlier_ones_in_context(tmp_path, history):
+    """The earlier answers go back as history stripped of surrounding whitespace (Spec-Bench's way, the default)
+    or exactly as generated (data.turn_history=raw)."""
+    model = shared(TINY_LLAMA)  # trained: its answers start with a space, so the two modes differ
     worker, rows = _worker(tmp_path, f"data.path={shared(SPEC_BENCH)}", "data.id_column=question_id", "data.limit=2",
-                           "generation.max_new_tokens=4")
+                           "generation.max_new_tokens=4", f"data.turn_history={history}", f"model.name_or_path={model}")
     out = worker.run_shard(0, rows).to_pylist()
-    tok = tiny.tokenizer
+    tok = worker.engine.tokenizer
+    assert any(g["generated_turns"][0] != g["generated_turns"][0].strip() for g in out)  # the modes differ here
     for job_row, got in zip(rows, out):
         t1, t2 = job_row.input
         a1, a2 = got["generated_turns"]
+        fed = a1.strip() if history == "stripped" else a1
         first = tok(render_plain([{"role": "user", "content": t1}])).input_ids
-        second = tok(render_plain([{"role": "user", "content": t1}, {"role": "assistant", "content": a1},
+        second = tok(render_plain([{"role": "user", "content": t1}, {"role": "assistant", "content": fed},
                                    {"role": "user", "content": t2}])).input_ids
         assert got["num_prompt_tokens"] == len(first) + len(second)
         assert got["generated_text"] == a2 and got["num_generated_tokens"] == len(got["generated_token_ids"])
+
+
+def test_turns_rows_have_per_turn_lists_that_sum_to_the_row(tmp_path):
+    """One entry per turn in each per-turn list, summing to the row's counters; the per-pass committed tokens sum
+    to the decode tokens; vLLM's names carry our counters."""
+    worker, rows = _worker(tmp_path, f"data.path={shared(SPEC_BENCH)}", "data.id_column=question_id", "data.limit=3",
+                           "generation.max_new_tokens=24", "engine.method=pld", "engine.block_complexity=10",
+                           f"model.name_or_path={shared(TINY_LLAMA)}")
+    out = worker.run_shard(0, rows).to_pylist()
+    for job_row, got in zip(rows, out):
+        n = len(job_row.input)
+        assert got["error"] is None
+        assert len(got["turn_generated_tokens"]) == len(got["turn_time_s"]) == len(got["turn_decode_passes"]) == n
+        assert sum(got["turn_generated_tokens"]) == got["num_generated_tokens"]
+        assert sum(got["turn_decode_passes"]) == got["num_decode_passes"]
+        assert got["time_s"] == pytest.approx(sum(got["turn_time_s"])) and min(got["turn_time_s"]) > 0
+        assert len(got["committed_per_pass"]) == got["num_decode_passes"]
+        assert sum(got["committed_per_pass"]) == got["num_decode_tokens"]
+        assert got["num_draft_tokens"] == got["num_drafted_tokens"]
+        assert got["num_accepted_tokens"] == got["num_accepted_drafts"]
+        assert got["num_accepted_tokens_per_pos"] == got["accepted_per_depth"]
+        assert 0 <= got["num_drafts"] <= got["num_decode_passes"]
+    assert any(got["num_drafts"] for got in out)
+
+
+def test_error_rows_have_no_time(tmp_path):
+    """A row that never reached the engine has no seconds (null), not 0 s a reader would divide by."""
+    from jobs_helpers import write_jsonl
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": "ok", "prompt": "hello"}, {"id": "bad", "prompt": ""},
+                                                {"id": "long", "prompt": "word " * 5000}])
+    worker, rows = _worker(tmp_path, f"data.path={data}")
+    out = {r["id"]: r for r in worker.run_shard(0, rows).to_pylist()}
+    assert out["ok"]["error"] is None and out["ok"]["time_s"] > 0 and len(out["ok"]["turn_time_s"]) == 1
+    for rid in ("bad", "long"):
+        assert out[rid]["error"] is not None and out[rid]["time_s"] is None and out[rid]["turn_time_s"] == []
 
 
 def test_load_errors_are_reported_not_raised(tmp_path):
@@ -65,3 +107,15 @@ def test_load_errors_are_reported_not_raised(tmp_path):
     assert "tiny-random" in worker.info()["error"]
     worker, _ = _worker(tmp_path, "data.chat_template=always")
     assert "no chat template" in worker.info()["error"]
+
+
+def test_dmtd_rows_say_they_are_not_lossless(tmp_path):
+    """engine.method=dmtd rows carry lossless=false and their PLT; a lossless method's rows lossless=true, no PLT."""
+    worker, rows = _worker(tmp_path, "data.limit=3", "generation.max_new_tokens=8", "engine.method=dmtd",
+                           "engine.dmtd_tau=2", "engine.dmtd_decoding_layers=1")
+    out = worker.run_shard(0, rows).to_pylist()
+    assert all(r["error"] is None and r["lossless"] is False for r in out)
+    assert all(r["method"] == "dmtd" and 0.5 < r["plt"] < 1.0 for r in out)  # tau 2, D 1 of 2 layers: ~0.75
+    worker, rows = _worker(tmp_path / "ar", "data.limit=2", "generation.max_new_tokens=4", "engine.method=ar")
+    out = worker.run_shard(0, rows).to_pylist()
+    assert all(r["lossless"] is True and r["plt"] is None for r in out)

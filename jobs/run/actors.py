@@ -1,0 +1,376 @@
+"""The job's engine actors: placed, started, and followed while nodes come and go.
+
+Ray restarts a dead actor (`max_restarts = ray.max_restarts`) but does not retry its calls
+(`max_task_retries = 0`): a call on an actor that went away fails, and the dispatcher hands the shard on
+itself, so every retry is one it counted. An actor whose call failed is *lost*; the pool asks it (`info`)
+until it answers:
+
+- Ray calls an actor on a node it has not yet marked dead (~15 s of missed health checks) *unavailable*;
+  the pool asks again every second. A lost node's actor is then restarted wherever its placement-group
+  bundle fits again, and the answer comes from there.
+- The answer tells a restart (another process: one death) from a blip (the same process: nothing counted).
+- An actor Ray will not restart (two asks in a row fail with ActorDiedError: an ask waits for a restart
+  that is coming) is dead. One that is not back within ray.placement_timeout_s (its node lost and no room
+  elsewhere) is given up and killed. The job goes on while any actor is live or may come back.
+
+The log names each actor's node at start and at every loss and return.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig
+
+from .cluster import ClusterError, HeadWatch, Resources
+from .worker import ShardWorker, WorkerSpec
+
+log = logging.getLogger("esp_batch")
+
+STARTING, LIVE, LOST, GONE = "starting", "live", "lost", "gone"
+_ASK_AGAIN_S = 1.0  # between asks of an actor Ray calls unavailable
+
+
+class StartError(RuntimeError):
+    """No engine could start (the engine failed to load, or every actor was lost); one-line message."""
+
+
+@dataclass
+class Place:
+    """Where an actor process runs."""
+
+    node_id: str
+    ip: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"node {self.node_id[:8]} ({self.ip})" if self.node_id else f"pid {self.pid}"
+
+
+@dataclass
+class Actor:
+    index: int
+    handle: Any  # the Ray actor handle
+    state: str = STARTING  # starting | live | lost | gone
+    place: Optional[Place] = None  # where it last answered from
+    load: int = 0  # shards in flight on it
+    deaths: int = 0  # restarts seen
+    lost_at: float = 0.0  # time.monotonic() of the loss
+    held: list[int] = field(default_factory=list)  # shards in flight on it when it was lost
+    ask: Any = None  # the `info` call in flight
+    ask_at: float = 0.0  # when to ask next
+    died_answers: int = 0  # asks in a row answered by ActorDiedError
+    end: str = ""  # why it is gone (one line)
+    error: str = ""  # the error of its last loss (one line)
+    info: dict[str, Any] = field(default_factory=dict)  # its last `info` answer
+
+
+def actor_error_text(exc: BaseException, limit: int = 160) -> str:
+    """The informative line of a Ray actor error: Ray's first line is generic, the cause follows its
+    tab-indented details (class, id, pid, ip)."""
+    text = str(getattr(exc, "error_msg", None) or exc)
+    for boilerplate in (r"The actor [0-9a-f]+ is unavailable: ", r"The actor is temporarily unavailable: ",
+                        r"\s*The task may or may not have been executed on the actor\."):
+        text = re.sub(boilerplate, "", text)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("\t")]
+    generic = "The actor died unexpectedly before finishing this task."
+    useful = [ln for ln in lines if ln != generic] or lines or [type(exc).__name__]
+    text = f"{type(exc).__name__}: {' '.join(useful)}"
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+class ActorPool:
+    """`n` ShardWorker actors in one placement group (one bundle each), and what became of each."""
+
+    def __init__(self, cfg: DictConfig, spec: WorkerSpec, n: int, cap: int, resources: Resources, head: HeadWatch):
+        self.cfg = cfg
+        self.spec = spec
+        self.n = n
+        self.cap = cap  # run_shard calls per actor at once
+        self.resources = resources
+        self.head = head
+        self.timeout_s = float(cfg.ray.placement_timeout_s)
+        self.max_restarts = int(cfg.ray.max_restarts)
+        self.note_every_s = float(cfg.output.progress_interval_s)
+        self.actors: list[Actor] = []
+        self.pg: Any = None
+        self.on_death: Callable[[Actor, list[int]], None] = lambda actor, shards: None
+        self._noted = time.monotonic()
+        self.graph_records: list[dict[str, Any]] = []  # the actors' engine.cuda_graphs counters (`batch_histogram`)
+
+    # ---- start and stop ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Place the bundles, start the actors and wait until each has loaded its engine (or is gone).
+        Raises ClusterError (no room within ray.placement_timeout_s), HeadLost or StartError."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.pg = self._place()
+        options = dict(num_cpus=self.resources.cpus, num_gpus=self.resources.gpus, max_restarts=self.max_restarts,
+                       max_task_retries=0, max_concurrency=self.cap + 2)  # cap run_shard calls + info/stats
+        remote = ray.remote(ShardWorker)
+        for i in range(self.n):
+            where = {} if self.pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=i)}
+            actor = Actor(i, remote.options(**options, **where).remote(self.spec))
+            self.actors.append(actor)
+            self._ask(actor)
+        while any(a.state in (STARTING, LOST) for a in self.actors):
+            self.wait([], 1.0)
+        bad = next((a.info["error"] for a in self.actors if a.info.get("error")), None)
+        if not bad and not self.live():
+            self.head.confirm("no engine actor started")
+        if bad or not self.live():
+            self.stop()
+            raise StartError(f"the engine failed to load: {bad}" if bad else self.none_left())
+        info = self.live()[0].info
+        log.info("%d actor(s) ready (%s each%s), %d shards in flight each (engine on %s, max_context %s, chat "
+                 "template %s): %s", len(self.live()), self.resources,
+                 f"; {self.resources.note}" if self.resources.note else "", self.cap, info.get("device", "?"),
+                 info["max_context"], "on" if info["chat_template"] else "off",
+                 ", ".join(f"actor {a.index} on {a.place}" for a in self.live()))
+
+    def _place(self) -> Any:
+        """A placement group holding the n actor bundles, or None when actors ask for no resources. Raises
+        ClusterError when the cluster cannot place them within ray.placement_timeout_s."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = self.resources.bundle()
+        if not bundle:
+            return None
+        pg = placement_group([bundle] * self.n, strategy="PACK")
+        ready = pg.ready()
+        t0 = time.monotonic()
+        while not ray.wait([ready], timeout=1.0)[0]:
+            self.head.check()
+            waited = time.monotonic() - t0
+            if waited >= self.timeout_s:
+                remove_placement_group(pg)
+                raise ClusterError(
+                    f"the cluster could not place {self.n} actors x ({self.resources}) within ray.placement_timeout_s="
+                    f"{self.timeout_s:g}s (available: {self._free()}); lower ray.num_actors or the per-actor "
+                    "resources, or add nodes")
+            self._note(lambda: f"waiting for the cluster to place {self.n} actors x ({self.resources}) ({waited:.0f}s "
+                               f"of ray.placement_timeout_s={self.timeout_s:g}s; available: {self._free()})")
+        return pg
+
+    def stop(self) -> None:
+        """Kill the actors and give their placement group's resources back to the cluster."""
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            if a.state != GONE:
+                _kill(a.handle)
+            a.state, a.ask = GONE, None
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def live(self) -> list[Actor]:
+        return [a for a in self.actors if a.state == LIVE]
+
+    @property
+    def any_left(self) -> bool:
+        """Whether any actor is live or may come back."""
+        return any(a.state != GONE for a in self.actors)
+
+    def none_left(self) -> str:
+        """One line: why no actor is left."""
+        gone = [a for a in self.actors if a.state == GONE and a.end]
+        if not gone:
+            return "no engine actor is left"
+        more = f" ({len(gone) - 1} other actor(s) gone before)" if len(gone) > 1 else ""
+        return f"no engine actor is left: {gone[-1].end}{more}"
+
+    def batch_histogram(self) -> dict[int, int]:
+        """Sum of the live actors' engine batch-size histograms (an actor that restarted lost its own)."""
+        import collections
+
+        import ray
+
+        total: collections.Counter[int] = collections.Counter()
+        self.graph_records = []
+        asks = {a.handle.stats.remote(): a for a in self.live()}
+        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=30) if asks else ([], [])
+        for ref, a in asks.items():
+            try:
+                if ref not in ready:
+                    raise TimeoutError
+                stats = ray.get(ref)
+                total.update({int(k): v for k, v in stats["batch_histogram"].items()})
+                if stats.get("cuda_graphs"):
+                    self.graph_records.append(stats["cuda_graphs"])
+            except Exception:  # noqa: BLE001 - statistics only
+                log.warning("could not read actor %d's batch statistics", a.index)
+        return dict(sorted(total.items()))
+
+    def cuda_graphs(self) -> Optional[dict[str, Any]]:
+        """The live actors' engine.cuda_graphs counters summed (read by `batch_histogram`); None when no engine had
+        graphs. Capture seconds are part of each actor's start-up."""
+        import collections
+
+        records = self.graph_records
+        if not records:
+            return None
+        eager: collections.Counter[str] = collections.Counter()
+        for r in records:
+            eager.update(r["eager_passes"])
+        return {"actors": len(records), "captured": sum(r["captured"] for r in records),
+                "capture_s": round(sum(r["capture_s"] for r in records), 3),
+                "graph_mb": round(sum(r["graph_bytes"] for r in records) / 2**20, 1),
+                "graph_passes": sum(r["graph_passes"] for r in records), "eager_passes": dict(eager)}
+
+    # ---- waiting -------------------------------------------------------------------------------------
+    def wait(self, refs: list[Any], timeout: float) -> list[Any]:
+        """Up to `timeout` seconds for one of `refs` (calls on the actors) to finish, answering the asks of
+        lost actors meanwhile. Returns the finished refs (at most one). Raises HeadLost."""
+        import ray
+
+        self.head.check()
+        self._tick()
+        asks = {a.ask: a for a in self.actors if a.ask is not None}
+        pending = [*refs, *asks]
+        if not pending:  # only lost actors between two asks
+            time.sleep(timeout)
+            return []
+        ready, _ = ray.wait(pending, num_returns=1, timeout=timeout)
+        done = []
+        for ref in ready:
+            if ref in asks:
+                self._answer(asks[ref], ref)
+            else:
+                done.append(ref)
+        return done
+
+    def lose(self, actor: Actor, exc: BaseException, held: list[int]) -> None:
+        """A call on `actor` failed with a RayActorError while it held `held` (shard indices): it is lost
+        until an ask is answered."""
+        if actor.state == LOST:
+            actor.held += [s for s in held if s not in actor.held]
+            return
+        if actor.state == GONE:
+            return
+        actor.state, actor.lost_at, actor.held, actor.error = LOST, time.monotonic(), list(held), actor_error_text(exc)
+        if actor.ask is None:
+            self._ask(actor)
+        where = f"on {actor.place}" if actor.place else "during start-up"
+        shards = ""
+        if held:
+            to = "the live actors" if self.live() else "it when it is back (no other actor is live)"
+            shards = f"; its {len(held)} shard(s) {sorted(held)} go to {to}"
+        log.warning("actor %d lost %s: %s%s", actor.index, where, actor.error, shards)
+
+    def _ask(self, actor: Actor) -> None:
+        actor.ask = actor.handle.info.remote()
+
+    def _answer(self, actor: Actor, ref: Any) -> None:
+        import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        actor.ask = None
+        if actor.state == GONE:
+            return
+        try:
+            info = ray.get(ref)
+        except ActorUnavailableError as exc:  # its node is not marked dead yet, or a blip: ask again soon
+            self.lose(actor, exc, [])
+            actor.died_answers, actor.ask_at = 0, time.monotonic() + _ASK_AGAIN_S
+            return
+        except RayActorError as exc:  # it died: ask again at once; the ask waits for the restart, if any
+            self.lose(actor, exc, [])
+            actor.died_answers += 1
+            if actor.died_answers >= 2:
+                self._gone(actor, f"actor {actor.index} (last on {actor.place or 'no node yet'}) is dead and Ray "
+                                  f"will not restart it (ray.max_restarts={self.max_restarts}; {actor.deaths + 1} "
+                                  f"death(s) seen): {actor_error_text(exc)}", died=True)
+            return
+        actor.died_answers = 0
+        place = Place(info.get("node_id", ""), info.get("ip", ""), int(info.get("pid", 0)))
+        previous, actor.place, actor.info = actor.place, place, info
+        if info.get("error"):
+            reason = f"actor {actor.index} on {place} could not load its engine: {info['error']}"
+            if actor.state == STARTING:  # start() stops the job with this one line
+                actor.state, actor.end = GONE, reason
+            else:
+                self._gone(actor, reason, died=True)
+            return
+        if actor.state == STARTING:
+            actor.state = LIVE
+            return
+        restarted = previous is None or (previous.node_id, previous.pid) != (place.node_id, place.pid)
+        held, actor.held = actor.held, []
+        actor.state = LIVE
+        away = time.monotonic() - actor.lost_at
+        if restarted:
+            actor.deaths += 1
+            log.info("actor %d back on %s after %.0fs: restarted (%d of ray.max_restarts=%d)", actor.index, place,
+                     away, actor.deaths, self.max_restarts)
+            self.on_death(actor, held)
+        else:
+            log.info("actor %d back on %s after %.0fs (the same process: not a restart)", actor.index, place, away)
+
+    def _tick(self) -> None:
+        """Ask lost actors again when due; give up those lost longer than ray.placement_timeout_s; say what
+        the job waits for."""
+        now = time.monotonic()
+        for a in self.actors:
+            if a.state != LOST:
+                continue
+            if now - a.lost_at >= self.timeout_s:
+                self._gone(a, f"actor {a.index} lost {f'with {a.place}' if a.place else 'during start-up'} was not "
+                              f"back within ray.placement_timeout_s={self.timeout_s:g}s (it needs {self.resources}; "
+                              f"the cluster has {self._free()})", died=True)
+            elif a.ask is None and now >= a.ask_at:
+                self._ask(a)
+        lost = [a for a in self.actors if a.state == LOST]
+        starting = [a.index for a in self.actors if a.state == STARTING]
+        if lost:
+            self._note(lambda: "waiting for " + "; ".join(
+                f"actor {a.index} (lost {f'with {a.place}' if a.place else 'during start-up'} {now - a.lost_at:.0f}s "
+                f"ago; given up after ray.placement_timeout_s={self.timeout_s:g}s)" for a in lost))
+        elif starting:
+            self._note(lambda: f"waiting for actor(s) {', '.join(map(str, starting))} to start (placing, loading "
+                               "the engine)")
+
+    def _gone(self, actor: Actor, reason: str, died: bool) -> None:
+        held = actor.held
+        actor.state, actor.end, actor.ask, actor.held = GONE, reason, None, []
+        if not self.head.down:  # ray.kill goes through the GCS
+            _kill(actor.handle)
+        rest = "its shards go to the live actors" if self.any_left else "no engine actor is left"
+        log.error("%s; %s", reason, rest)
+        if died:
+            self.on_death(actor, held)
+
+    def _free(self) -> str:
+        """The cluster's free resources of the kinds an actor needs (a GCS call: not while the head is silent)."""
+        import ray
+
+        if self.head.down:
+            return "unknown: the cluster's head does not answer"
+        try:
+            have, free = ray.cluster_resources(), ray.available_resources()
+        except Exception:  # noqa: BLE001 - for the message only
+            return "unknown"
+        return ", ".join(f"{k} {free.get(k, 0):g} free of {have.get(k, 0):g}" for k in self.resources.bundle()) or "-"
+
+    def _note(self, text: Callable[[], str]) -> None:
+        """A 'waiting for ...' line, at most every output.progress_interval_s."""
+        now = time.monotonic()
+        if now - self._noted >= self.note_every_s:
+            self._noted = now
+            log.info("%s", text())
+
+
+def _kill(handle: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already dead, or the cluster is going away
+        pass
