@@ -70,6 +70,12 @@ class EngineConfig:
     # CPU: a greedy pass's verification, stops, commit and counters as one AOTInductor kernel per block shape
     # that recurs (esp_worker/kernels/settle.py); ~6-10 s to compile each, needs a C++ compiler
     compile_host: bool = False
+    # Decode passes replayed as CUDA graphs, one per shape class (batch bucket, block, capacity bucket): auto = on
+    # for CUDA. true on a CPU runs the same static-buffer path eagerly (tests). esp_worker/graphs/
+    cuda_graphs: Union[bool, str] = "auto"  # auto | true | false
+    # key slots per row the graphs' KV slab holds (pinned at start-up); a row that needs more runs eagerly and
+    # grows the slab, after which graphs are captured again over it
+    cuda_graph_max_len: int = 2048
     # Batching
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
@@ -169,5 +175,11 @@ class EngineConfig:
             bad(f"engine.hybrid_mask_min_nodes={self.hybrid_mask_min_nodes} must be >= 0")
         if self.hybrid_corpus_tokens < 0:
             bad(f"engine.hybrid_corpus_tokens={self.hybrid_corpus_tokens} must be >= 0 (0 turns the corpus off)")
+        if self.cuda_graphs not in ("auto", True, False):
+            bad(f"engine.cuda_graphs={self.cuda_graphs!r} must be auto, true or false")
+        if self.cuda_graphs is True and self.compile_host:
+            bad("engine.cuda_graphs=true and engine.compile_host=true both run a pass's settle; choose one")
+        if self.cuda_graph_max_len < 1:
+            bad(f"engine.cuda_graph_max_len={self.cuda_graph_max_len} must be >= 1")
         if any(b < 1 for b in self.branches):
             bad(f"engine.branches={list(self.branches)} must be positive integers")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import operator
 import time
 import zlib
@@ -27,11 +28,15 @@ from .config import CYCLE_METHODS, EngineConfig, ModelConfig
 from .drafters import Drafter, make_drafter
 from .feed import RequestFeed
 from .grad import inference
+from .graphs.buffers import ModelDims
+from .graphs.runner import GraphPass, GraphRunner
+from .graphs.step import StepModel, graph_support
 from .kernels.aot import AotKernels
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
 from .model.attention import StaticBlockBias, attention_bias
 from .model.dmtd import CycleForward, CycleStarts, resolve as resolve_dmtd
+from .model.errors import ModelLoadError
 from .model.load import LoadedModel, load_model
 from .model.runner import ModelRunner
 from .passes import Block, ForwardOut, PassRecord, RowsView, Settled
@@ -42,11 +47,16 @@ from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
 from .verify import VerifyResult, verify, verify_greedy
 
+log = logging.getLogger(__name__)
+
 PREFILL_PAD = 0.1  # a prefill chunk takes prompts at least 90% as long as its longest
 # block_complexity=auto decides each pass at the end of the one before (`PolicySettings.prepare_looks`) on an
 # accelerator, where a host read drains the device's queue; on a CPU a read costs nothing and deciding with the
 # latest statistics measured faster. None = by device (tests set True to check the accelerator's way on a CPU)
 PREPARE_LOOKS: Optional[bool] = None
+# engine.cuda_graphs captures graphs on CUDA and runs the static path eagerly elsewhere. None = by device (tests
+# set True, with a stand-in for `graphs.runner.capture_graph`, to drive the capture path on a CPU)
+CAPTURE_GRAPHS: Optional[bool] = None
 
 
 def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[int, bool], tuple[list[Request], bool]]:
@@ -76,16 +86,6 @@ class Engine:
         self.auto = cfg.block_complexity == "auto" and cfg.method not in CYCLE_METHODS
         sized = dataclasses.replace(cfg, block_complexity=cfg.auto_max_block) if self.auto else cfg
         self.drafter: Drafter = make_drafter(sized, self.runner)
-        self.policy: Optional[BlockPolicy] = self._policy(cost_curve)
-        self.planner: Planner = self.policy if self.policy is not None else FixedPlanner()
-        if isinstance(self.drafter, DraftSizer):
-            self.drafter.mass_wanted = self.policy is not None
-        # engine.compile_host: the drafter's per-pass work as kernels too (ESP: probe to next block, esp.py)
-        self.drafter_kernels = None
-        if cfg.compile_host and self.runner.embed_weight is not None and isinstance(self.drafter, KernelHooks):
-            self.drafter_kernels = AotKernels("drafter")
-            self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
-        self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
         self.eos = torch.tensor(loaded.eos_token_ids or (-1,), dtype=torch.long)
         self.vocab_size = int(self.runner.embed.weight.shape[0])
         # token ids a pass can commit: the LM head's outputs (the stop table covers them all)
@@ -96,13 +96,54 @@ class Engine:
         self.cycle: Optional[CycleForward] = None
         if cfg.method == "dmtd":
             self.cycle = CycleForward(self.runner, resolve_dmtd(loaded.model.config, cfg.dmtd_tau, cfg.dmtd_decoding_layers))
+        self.graphs: Optional[GraphRunner] = self._graphs()  # engine.cuda_graphs (captures at start-up on CUDA)
+        self.policy: Optional[BlockPolicy] = self._policy(cost_curve)
+        self.planner: Planner = self.policy if self.policy is not None else FixedPlanner()
+        if isinstance(self.drafter, DraftSizer):
+            self.drafter.mass_wanted = self.policy is not None
+        # engine.compile_host: the drafter's per-pass work as kernels too (ESP: probe to next block, esp.py)
+        self.drafter_kernels = None
+        if cfg.compile_host and self.runner.embed_weight is not None and isinstance(self.drafter, KernelHooks):
+            self.drafter_kernels = AotKernels("drafter")
+            self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
+        self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
+
+    def _graphs(self) -> Optional[GraphRunner]:
+        """engine.cuda_graphs' runner over a KV slab pinned for the whole engine (graphs read it at fixed addresses),
+        or None when passes run eagerly. auto = on for CUDA; true on a CPU runs the static path eagerly."""
+        cfg, runner = self.cfg, self.runner
+        wanted = cfg.cuda_graphs if cfg.cuda_graphs != "auto" else self.device.type == "cuda"
+        if not wanted:
+            return None
+        why = graph_support(runner) if self.cycle is None else "engine.method=dmtd runs other layers on some passes"
+        if why is not None:
+            if cfg.cuda_graphs is True:
+                raise ModelLoadError(f"engine.cuda_graphs=true cannot capture this model's passes: {why}; set "
+                                     f"engine.cuda_graphs=auto or false")
+            log.info("engine.cuda_graphs: passes run eagerly: %s", why)
+            return None
+        text = self.loaded.model.config.get_text_config()
+        attn = runner.direct.base.layers[0].self_attn
+        slots = min(cfg.cuda_graph_max_len, self.loaded.max_context)
+        cache = kv_cache.new_cache(self.num_layers)
+        cache.pin(cfg.max_batch_size, slots, text.num_key_value_heads, attn.head_dim, runner.dtype, self.device)
+        dims = ModelDims(int(text.hidden_size), self.num_logits, runner.dtype, self.device)
+        capture = CAPTURE_GRAPHS if CAPTURE_GRAPHS is not None else self.device.type == "cuda"
+        graphs = GraphRunner(StepModel.of(runner, slots), dims, cache, cfg.max_batch_size, capture)
+        self.stats.graphs = graphs.stats
+        graphs.capture_plain()
+        return graphs
 
     def _policy(self, cost_curve: Optional[CostCurve]) -> Optional[BlockPolicy]:
         """block_complexity=auto's policy over the drafter's sizes (None: a fixed size, or nothing to size)."""
         cfg = self.cfg
         if not self.auto or not isinstance(self.drafter, DraftSizer):
             return None
-        curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path)
+        # with CUDA graphs the curve is that of replayed passes (on a CPU the static path runs eagerly: the
+        # eager forward's curve serves)
+        passes = self.graphs.pass_timer if self.graphs is not None and self.graphs.capture else None
+        curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path,
+                                        passes)
         prepare = PREPARE_LOOKS if PREPARE_LOOKS is not None else self.device.type != "cpu"
         settings = PolicySettings(probe_interval=cfg.auto_probe_interval, prepare_looks=prepare)
         return BlockPolicy(curve, self.drafter, cfg.auto_max_block, settings)
@@ -123,7 +164,7 @@ class Engine:
         direct = self.runner.direct
         layers = direct.compiled.compile_s if direct is not None and direct.compiled is not None else 0.0
         host = [k.compile_s for k in (self.settler, self.drafter_kernels) if k is not None]
-        return layers + sum(host)
+        return layers + sum(host) + (self.graphs.stats.capture_s if self.graphs is not None else 0.0)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """All outputs, in input order. Request ids must be unique within one call."""
@@ -140,8 +181,10 @@ class Engine:
         fill while the loop runs; with a feed the loop ends when the feed is closed and drained."""
         take = _feed_taker(requests)
         self.drafter.start_job()
-        rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device),
-                    kv_cache.new_cache(self.num_layers))
+        if self.graphs is not None:  # the pinned slab the graphs read, emptied
+            self.graphs.cache.select_rows([])
+        cache = self.graphs.cache if self.graphs is not None else kv_cache.new_cache(self.num_layers)
+        rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device), cache)
         exhausted = False
         while True:
             admit: list[Seq] = []
@@ -309,8 +352,12 @@ class Engine:
         clock = self.stats.start(self.runner.model_s, self.compile_s if self.policy is not None else 0.0, rows.lens)
         view = rows.view()
         block = self.drafter.propose(view, self.planner.plan(view, rows.lens))
-        out = self._forward(rows, block)
-        settled = self._settle(rows, block, out)
+        graphed = self._replay(rows, block) if self.graphs is not None else None
+        if graphed is not None:  # engine.cuda_graphs: forward and settle replayed over the class's buffers
+            out, settled = graphed.out, self._finish(rows, block, graphed.verified, graphed.num_kept, graphed.reason)
+        else:
+            out = self._forward(rows, block)
+            settled = self._settle(rows, block, out)
         view = rows.view()  # after the commit
         self.drafter.observe(view, self._record(block, out, settled))
         self._end_pass(rows, view, block, clock)
@@ -365,9 +412,24 @@ class Engine:
         res = self._verify(rows, block, out.slot_logits)
         n_fin, reason = self._stops(rows, res.committed, res.num_committed)
         rows.keep_path(block.tree, res.path_slots)
+        return self._finish(rows, block, res, n_fin, reason)
+
+    def _finish(self, rows: Rows, block: Block, res: VerifyResult, n_fin: torch.Tensor, reason: torch.Tensor) -> Settled:
+        """The settle's end, after verification, stops and the KV keep: the commit and the counters."""
         self._commit(rows, res.committed, n_fin, reason, res.last_token)
         rows.count(n_fin, res.num_committed, block.tree.num_drafted(), block.max_depth + 1, block.source, res.path_slots)
         return Settled(res, n_fin, reason)
+
+    def _replay(self, rows: Rows, block: Block) -> Optional[GraphPass]:
+        """The pass's forward and settle from its shape class's graph (`graphs/runner.py`), timed as model time;
+        None = it runs eagerly."""
+        with self.runner.timing("model.graph"):
+            graphed = self.graphs.run(rows, block)
+        if graphed is not None:
+            self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
+            if self.drafter.reads_slot_logits:  # the graph keeps no logits: the LM head again, at the tree slots
+                graphed.out.slot_logits = self.runner.logits(graphed.out.hidden.narrow(1, 0, block.tree.num_slots))
+        return graphed
 
     def _settle_compiled(self, rows: Rows, block: Block, out: ForwardOut) -> Optional[Settled]:
         """The kernel's settle, with the drafter's EMA over the committed tokens when it asks (`settle_ema`) and the
@@ -412,8 +474,10 @@ class Engine:
         for s, new, old in zip(rows.seqs, rows.lens, before):  # each row's committed tokens, from the host mirrors
             s.stats.committed_per_pass.append(new - old)
         seconds, model_s = self.stats.finish(clock, self.runner.model_s)
-        if self.policy is not None:  # a pass that compiled a kernel says nothing of its mode's cost: not timed
-            timed = self.compile_s == clock.compile_s
+        if self.policy is not None:
+            # a pass that compiled a kernel or captured a graph, or ran eagerly before its class's capture, says
+            # nothing of its mode's cost: not timed
+            timed = self.compile_s == clock.compile_s and not (self.graphs is not None and self.graphs.last_uncaptured)
             self.policy.observe_pass(sum(rows.lens) - clock.tokens, seconds if timed else None,
                                      model_s if timed else None)
 

@@ -19,7 +19,9 @@ def inference(fn: F) -> F:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if torch.is_inference_mode_enabled():
+        # while torch.compile traces (the captured pass, graphs/step.py) the caller decides: dynamo cannot trace
+        # torch.is_inference_mode_enabled(), and asks is_compiling() first
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
             return fn(*args, **kwargs)
         with torch.inference_mode():
             return fn(*args, **kwargs)

@@ -128,6 +128,8 @@ class KVCache(Cache):
         self.plan_ = _Plan()
         self.slab: Optional[torch.Tensor] = None  # [L, 2, R, H, C, D] keys and values of every slab layer
         self._listed: Optional[list] = None  # `_tensors()`, until a buffer is made or replaced
+        # (rows, slots) the buffers never shrink below (`pin`: captured passes read the slab at fixed addresses)
+        self.pinned: Optional[tuple[int, int]] = None
 
     # ---- buffers -----------------------------------------------------------------------------------
     def attach(self, layer: _SlabLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -145,6 +147,19 @@ class KVCache(Cache):
         else:
             layer.keys = key_states.new_zeros((r, h, c, d))
             layer.values = value_states.new_zeros((r, h, c, value_states.shape[-1]))
+        self._listed = None
+
+    @inference
+    def pin(self, rows: int, slots: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the slab now at (rows, slots) for every layer (keys and values of `heads` x `head_dim`) and keep
+        it: `reserve` grows it only past that capacity and never shrinks it, so CUDA graphs captured over it stay
+        valid (engine.cuda_graphs; a growth makes a new slab, which the graphs' owner notices)."""
+        self.pinned = (rows, slots)
+        self.capacity = (rows, slots)
+        self.slab = torch.zeros((len(self.layers), 2, rows, heads, slots, head_dim), dtype=dtype, device=device)
+        for layer in self.layers:
+            layer.in_slab, layer.is_initialized = True, True
+            layer.keys, layer.values = self.slab[layer.index, 0], self.slab[layer.index, 1]
         self._listed = None
 
     def _tensors(self) -> list[tuple[torch.Tensor, int, Optional[_SlabLayer], str]]:
@@ -175,10 +190,12 @@ class KVCache(Cache):
         need_c = bucket(length)
         grow = num_rows > r or length > c
         # shrink when the live rows use less than ~2/3 of the buffers (hysteresis: no churn at steady state)
-        shrink = r * c > 1.5 * num_rows * need_c
+        shrink = r * c > 1.5 * num_rows * need_c and self.pinned is None
         if not (grow or shrink):
             return
         new_r, new_c = num_rows, max(need_c, length)
+        if self.pinned is not None:  # a pinned slab only grows, and then at least to the pinned size
+            new_r, new_c = max(new_r, r, self.pinned[0]), max(new_c, c, self.pinned[1])
         self.capacity = (new_r, new_c)
         keep_r, keep_c = min(self.num_rows, new_r), min(c, new_c)
         for old, rd, layer, name in self._tensors():  # rows at dim rd, slots at rd + 2

@@ -73,7 +73,9 @@ class ForwardOut:
     """The model's output over a block."""
 
     hidden: torch.Tensor  # [B, Q, D] hidden states of every input
-    slot_logits: torch.Tensor  # [B, T, V] logits at the tree slots
+    # [B, T, V] logits at the tree slots (None from a replayed pass until the engine computes them for a drafter
+    # that reads them: `Drafter.reads_slot_logits`)
+    slot_logits: Optional[torch.Tensor]
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from .batch import PassCounter
 
@@ -21,6 +22,24 @@ class PassClock:
 
 
 @dataclass
+class GraphStats:
+    """Counters of engine.cuda_graphs (reported with the engine's statistics)."""
+
+    captured: int = 0  # graphs captured (each class once per slab)
+    capture_s: float = 0.0  # seconds capturing (start-up and during the job)
+    graph_bytes: int = 0  # device memory held by the graphs' pool
+    graph_passes: int = 0  # passes run from a class's graph (on a CPU: over its static buffers)
+    # passes that ran eagerly, by reason: stop_strings (the text is checked on the host), capacity (a row longer
+    # than the slab's pinned slots), new_shape (a class's first passes, before its capture), graph_limit
+    eager_passes: collections.Counter = field(default_factory=collections.Counter)
+
+    def record(self) -> dict[str, Any]:
+        """For benchmarks and the job summary."""
+        return dict(captured=self.captured, capture_s=round(self.capture_s, 3), graph_bytes=self.graph_bytes,
+                    graph_passes=self.graph_passes, eager_passes=dict(self.eager_passes))
+
+
+@dataclass
 class EngineStats:
     decode_s: float = 0.0  # seconds in decode passes
     model_s: float = 0.0  # of which inside the model (forward and LM head, the drafter's LM-head calls included)
@@ -29,15 +48,21 @@ class EngineStats:
     # rows in the batch -> decode passes
     batch_histogram: collections.Counter = field(default_factory=collections.Counter)
     blocks: PassCounter = field(default_factory=PassCounter)  # passes and block sizes, for per-row statistics
+    graphs: Optional[GraphStats] = None  # engine.cuda_graphs' counters (None: passes run eagerly)
 
     def reset_timing(self) -> None:
         """Zero the time and pass counters (a benchmark's warm-up is not measured)."""
         self.decode_s, self.model_s, self.decode_passes, self.peak_cache_bytes = 0.0, 0.0, 0, 0
+        if self.graphs is not None:
+            self.graphs.graph_passes = 0
+            self.graphs.eager_passes.clear()
 
     def timing(self) -> dict[str, float]:
         """The time and pass counters as a record (benchmarks and reports)."""
+        graphs = {} if self.graphs is None else dict(graph_passes=self.graphs.graph_passes,
+                                                      eager_passes=sum(self.graphs.eager_passes.values()))
         return dict(decode_s=self.decode_s, model_s=self.model_s, decode_passes=self.decode_passes,
-                    peak_cache_bytes=self.peak_cache_bytes)
+                    peak_cache_bytes=self.peak_cache_bytes, **graphs)
 
     @staticmethod
     def start(model_s: float, compile_s: float, lens: list[int]) -> PassClock:

@@ -90,8 +90,9 @@ def verify_greedy(
         return _verify_chain(tree, target, max_depth)
     if ancestors.shape[1] != t or ancestors.shape[2] != t:
         ancestors = ancestors[:, :t, :t]
-    correct = (tree.tokens == target.gather(1, tree.parents.clamp(min=0))) & tree.valid
-    correct[:, 0] = True
+    # the root always (an OR with a constant: a scalar stored by index would be a host-to-device copy, which a
+    # CUDA graph capture refuses)
+    correct = ((tree.tokens == target.gather(1, tree.parents.clamp(min=0))) & tree.valid) | _root_slot(t, dev)
     accepted = ~(ancestors & ~correct[:, None, :]).any(-1)  # [B, T]: every node on the path is correct
     score = torch.where(accepted, depth.expand(b, t) * t + (t - 1 - torch.arange(t, device=dev)), -1)
     last = score.argmax(-1)  # [B] deepest accepted node, lowest slot first
@@ -143,6 +144,11 @@ def _fan_rank(t: int, dev: torch.device) -> torch.Tensor:
         steps = torch.arange(t, device=dev)
         return torch.where(steps > 0, t - steps, 0)  # no `rank[0] = 0`: a scalar stored by index uploads it
     return constant(("fan_rank", t, dev), make)
+
+
+def _root_slot(t: int, dev: torch.device) -> torch.Tensor:
+    """[T] bool: True at slot 0 only."""
+    return constant(("root_slot", t, dev), lambda: steps(t, dev) == 0)
 
 
 def _zeros(b: int, dev: torch.device) -> torch.Tensor:

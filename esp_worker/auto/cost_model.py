@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -112,6 +112,11 @@ def powers_of_two(max_block: int) -> list[int]:
     return out
 
 
+# (batch, cache length, Q) -> a function running one such pass, or None where it has none (engine.cuda_graphs:
+# `GraphRunner.pass_timer`, a captured chain pass of the shape)
+PassFactory = Callable[[int, int, int], Optional[Callable[[], Any]]]
+
+
 @torch.inference_mode()
 def measure_cost_curve(
     runner: ModelRunner,
@@ -120,12 +125,15 @@ def measure_cost_curve(
     block_sizes: Sequence[int] = tuple(powers_of_two(128)),
     repeats: int = 5,
     warmup: int = 2,
+    passes: Optional[PassFactory] = None,
 ) -> CostCurve:
     """Time one pass of Q new tokens (causal among themselves, seeing the whole cache) on every grid point.
 
     For each (batch, cache length) a cache is filled once by a prefill of token-id-0 inputs; every timed
     pass writes Q tokens at slots s .. s+Q-1 (overwritten by the next), so all passes see the same cache. Each point is the
     median of `repeats` passes after `warmup` untimed ones. Block sizes must include 1 (the baseline).
+    With `passes` (engine.cuda_graphs) a point the factory serves is timed as that pass (a replayed graph: the
+    forward, the LM head and the settle, as the engine runs it); the others as the eager forward and LM head.
     """
     if 1 not in block_sizes:
         raise ValueError("block_sizes must include 1 (plain decoding is the reference)")
@@ -138,28 +146,15 @@ def measure_cost_curve(
     for b in batch_sizes:
         per_cache = []
         for s in cache_lens:
-            cache = kv_cache.new_cache(runner.model.config.get_text_config().num_hidden_layers)
-            cache.reserve(b, s + block_sizes[-1])
-            cache.add_rows(b)
-            ids = torch.zeros((b, s), dtype=torch.long, device=dev)
-            pos = torch.arange(s, device=dev)[None].expand(b, -1)
-            causal = torch.ones((s, s), dtype=torch.bool, device=dev).tril()[None]
-            cache.plan(0, b, s, 0)
-            runner.forward(runner.embed_ids(ids), attention_bias(causal, None, pos, s, runner.dtype), pos, cache)
+            eager = _eager_passes(runner, b, s, block_sizes[-1])
             per_block = []
             for q in block_sizes:
-                new = torch.zeros((b, q), dtype=torch.long, device=dev)
-                qpos = (s + torch.arange(q, device=dev))[None].expand(b, -1)
-                in_block = torch.ones((q, q), dtype=torch.bool, device=dev).tril()[None]
-                cache_len = torch.full((b,), s, dtype=torch.long, device=dev)
+                run = (passes(b, s, q) if passes is not None else None) or eager(q)
                 times = []
                 for i in range(warmup + repeats):
                     _sync(dev)
                     t0 = time.perf_counter()
-                    cache.plan(0, b, s + q, s)  # the block overwrites slots s .. s+q-1 every time
-                    bias = attention_bias(in_block, cache_len, qpos, s + q, runner.dtype)
-                    hidden = runner.forward(runner.embed_ids(new), bias, qpos, cache)
-                    runner.logits(hidden)
+                    run()
                     _sync(dev)
                     if i >= warmup:
                         times.append(time.perf_counter() - t0)
@@ -169,6 +164,39 @@ def measure_cost_curve(
     return CostCurve(
         list(batch_sizes), list(cache_lens), list(block_sizes), seconds, device=str(dev), torch_threads=torch.get_num_threads()
     )
+
+
+def _eager_passes(runner: ModelRunner, b: int, s: int, max_block: int) -> Callable[[int], Callable[[], Any]]:
+    """q -> one eager pass of q tokens at b rows behind s cached slots (a cache of its own, filled lazily by a
+    prefill of token-id-0 inputs at the first pass asked for)."""
+    dev = runner.device
+    cache = None
+
+    def make(q: int) -> Callable[[], Any]:
+        nonlocal cache
+        if cache is None:
+            cache = kv_cache.new_cache(runner.model.config.get_text_config().num_hidden_layers)
+            cache.reserve(b, s + max_block)
+            cache.add_rows(b)
+            ids = torch.zeros((b, s), dtype=torch.long, device=dev)
+            pos = torch.arange(s, device=dev)[None].expand(b, -1)
+            causal = torch.ones((s, s), dtype=torch.bool, device=dev).tril()[None]
+            cache.plan(0, b, s, 0)
+            runner.forward(runner.embed_ids(ids), attention_bias(causal, None, pos, s, runner.dtype), pos, cache)
+        new = torch.zeros((b, q), dtype=torch.long, device=dev)
+        qpos = (s + torch.arange(q, device=dev))[None].expand(b, -1)
+        in_block = torch.ones((q, q), dtype=torch.bool, device=dev).tril()[None]
+        cache_len = torch.full((b,), s, dtype=torch.long, device=dev)
+
+        def run() -> None:
+            cache.plan(0, b, s + q, s)  # the block overwrites slots s .. s+q-1 every time
+            bias = attention_bias(in_block, cache_len, qpos, s + q, runner.dtype)
+            hidden = runner.forward(runner.embed_ids(new), bias, qpos, cache)
+            runner.logits(hidden)
+
+        return run
+
+    return make
 
 
 def _sync(dev: torch.device) -> None:

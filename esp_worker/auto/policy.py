@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from ..passes import PassPlan
-from .cost_model import CostCurve, measure_cost_curve, powers_of_two
+from .cost_model import CostCurve, PassFactory, measure_cost_curve, powers_of_two
 from .sizer import DraftSizer
 from ..model.runner import ModelRunner
 
@@ -460,9 +460,11 @@ def _forward_kind(runner: ModelRunner) -> str:
     return "direct+compiled" if runner.direct.compiled is not None else "direct"
 
 
-def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "") -> CostCurve:
+def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "",
+              passes: Optional[PassFactory] = None) -> CostCurve:
     """The cost curve for this model, device, dtype and thread count: loaded from `path` or the cache
-    directory when present, else measured (a few seconds) and cached."""
+    directory when present, else measured (a few seconds) and cached. passes: engine.cuda_graphs' passes (the
+    curve of replayed passes, which on a GPU is a different machine from the eager one's)."""
     if path:
         return CostCurve.from_dict(json.loads(Path(path).read_text()))
     batches = sorted({1, max_batch} | {b for b in (2, 4, 8, 16, 32, 64) if b < max_batch})
@@ -471,12 +473,12 @@ def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "
     blocks = sorted(set(powers_of_two(max_block)) | {max_block})
     key = json.dumps(
         [CURVE_VERSION, runner.loaded.name, str(runner.device), str(runner.dtype), torch.get_num_threads(),
-         _forward_kind(runner), batches, cache_lens, blocks]
+         _forward_kind(runner) + ("+graphs" if passes is not None else ""), batches, cache_lens, blocks]
     )
     file = cache_dir() / f"cost-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
     if file.exists():
         return CostCurve.from_dict(json.loads(file.read_text()))
-    curve = measure_cost_curve(runner, batches, cache_lens, blocks, repeats=3, warmup=1)
+    curve = measure_cost_curve(runner, batches, cache_lens, blocks, repeats=3, warmup=1, passes=passes)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(".tmp")

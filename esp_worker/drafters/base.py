@@ -28,6 +28,9 @@ class Drafter(ABC):
     num_masks: int = 0  # auxiliary mask inputs owned by each tree slot (their hidden states come back)
     # names of the proposers a Block.source indexes (hybrid); () = one proposer, the drafter itself
     proposers: tuple[str, ...] = ()
+    # whether `observe` reads PassRecord.slot_logits: a pass replayed from a CUDA graph keeps no logits (their
+    # [B, T, V] per shape class would hold gigabytes), so the engine computes them for such a drafter afterwards
+    reads_slot_logits: bool = True
 
     def __init__(self) -> None:
         self.blocks = BlockBuilder()
@@ -86,6 +89,7 @@ class PlainDrafter(Drafter):
     """`ar`: no draft; the same loop as every other method with a one-slot tree (plain decoding)."""
 
     name = "ar"
+    reads_slot_logits = False
 
     def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
         return self.blocks.build(DraftTree.root_only(view.root), max_depth=0)

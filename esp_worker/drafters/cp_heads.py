@@ -44,6 +44,7 @@ class CPHeadsState(RowState):
 
 class CPHeadsDrafter(Drafter, DraftSizer):
     name = "cp_heads"
+    reads_slot_logits = False
     state_type = CPHeadsState
 
     def __init__(self, heads: CPHeads, unembed, num_nodes: int):

@@ -34,6 +34,7 @@ __all__ = ["ESPDrafter", "ESPState", "MaskModel", "MaskSettings", "candidate_poo
 class ESPDrafter(Drafter, DraftSizer, KernelHooks):
     state_type = ESPState
     name = "esp"
+    reads_slot_logits = False
     needs_probe_to_draft = True  # ESP drafts from its last probe only
 
     def __init__(self, model: MaskModel, mask: MaskSettings, block_complexity: int, tree: str = "dynamic",

@@ -115,6 +115,7 @@ def ngram_trie(root: torch.Tensor, cands: torch.Tensor, ok: torch.Tensor) -> Dra
 class LookaheadDrafter(Drafter, DraftSizer):
     state_type = LadeState
     name = "lade"
+    reads_slot_logits = False
 
     def __init__(
         self,

@@ -23,6 +23,7 @@ class PromptLookupDrafter(Drafter, DraftSizer):
     """
 
     name = "pld"
+    reads_slot_logits = False
 
     def __init__(self, max_ngram: int, min_ngram: int, depth: int, corpus: Optional[CorpusNgrams] = None):
         super().__init__()

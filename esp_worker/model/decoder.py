@@ -110,19 +110,29 @@ class DirectDecoder:
         """(cos, sin) [B, Q, hd] for the positions: rows of a table where the caller bounds the positions."""
         if not self.rope_table or max_position is None:
             return self.base.rotary_emb(x, position_ids=position_ids)
+        cos, sin = self.rotary_table(max_position, x)
+        return cos[position_ids], sin[position_ids]
+
+    def rotary_table(self, max_position: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [P, hd] of positions 0 .. P-1, P > max_position, in the dtype of like [B, Q, D] (rope_table
+        models only): built with the model's own rotary module, grown to the next power of two when a position
+        passes it. Each entry is a function of its position alone, so a larger table holds the same values."""
         if self._cos_sin is None or self._cos_sin[0].shape[0] <= max_position:
             size = max(256, 1 << int(max_position).bit_length())  # next power of two above max_position
-            pos = torch.arange(size, device=x.device)[None]
-            cos, sin = self.base.rotary_emb(x[:1, :1], position_ids=pos)
+            pos = torch.arange(size, device=like.device)[None]
+            cos, sin = self.base.rotary_emb(like[:1, :1], position_ids=pos)
             self._cos_sin = (cos[0], sin[0])
-        cos, sin = self._cos_sin
-        return cos[position_ids], sin[position_ids]
+        return self._cos_sin
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor, max_position: Optional[int] = None) -> tuple:
         """The rotary factors of `position_ids` [B, Q] in the form `run` takes (one per forward, shared by its
         layer groups)."""
-        cos, sin = self._rotary(x, position_ids, max_position)  # [B, Q, hd]
-        if self.fast_rope:  # broadcast over heads in the [B, Q, H, hd] layout; sin with rotate_half's sign
+        return self.rope_factors(*self._rotary(x, position_ids, max_position))  # from cos, sin [B, Q, hd]
+
+    def rope_factors(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run`'s rotary factors from cos, sin [B, Q, hd] (also the captured pass's, from its own table): with the
+        fast rotary, broadcast over heads in the [B, Q, H, hd] layout and sin carrying rotate_half's sign."""
+        if self.fast_rope:
             return cos[:, :, None], _signed_sin(sin)[:, :, None]
         return cos, sin
 

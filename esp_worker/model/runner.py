@@ -1,6 +1,7 @@
 """One forward over a block of input embeddings: the only code that calls the Hugging Face model's layers."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import time
@@ -54,10 +55,8 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.mask_min = torch.finfo(loaded.dtype).min
         self.sliding_window = sliding_window(self.model.config)  # None = full attention
-        self.model_s = 0.0  # wall seconds inside forward() and logits(): model compute, for host-overhead accounting
-        # wait for the device after each call so model_s is true model time (CUDA only; turn off to keep a
-        # pass free of synchronisations, e.g. under torch.cuda.set_sync_debug_mode("error"))
-        self.timed = True
+        # seconds inside forward() and logits() (and a replayed pass): model compute, for host-overhead accounting
+        self._clock = ModelClock(self.device)
         # the layers as groups (DMTD runs some layers for some tokens): the direct loop, else the model's modules
         self.layers: Any = self.direct if self.direct is not None else ModuleLayers(self.base)
         # a drafter that reads the model's hidden states entering one layer (dmtd_verified: its trunk's output) sets
@@ -71,9 +70,12 @@ class ModelRunner:
     def _mark(self, name: str):
         return torch.profiler.record_function(name) if self.profile_marks else contextlib.nullcontext()
 
-    def _sync(self) -> None:
-        if self.timed and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    @property
+    def model_s(self) -> float:
+        """Seconds inside the model's calls so far (on CUDA: of the calls the device has finished, which after a
+        pass's one host read are all of that pass's)."""
+        return self._clock.seconds()
+
 
     @property
     def embed_weight(self) -> Optional[torch.Tensor]:
@@ -98,11 +100,10 @@ class ModelRunner:
         """Hidden states [B, Q, D] (or [B, K, D] at `keep`); the cache holds the block's keys and values where it
         was planned."""
         assert inputs_embeds.ndim == 3 and (bias is None or bias.ndim == 4) and position_ids.ndim == 2
-        t0 = time.perf_counter()
+        mark = self._clock.start()
         with self._mark("model.forward"):
             hidden = self._forward(inputs_embeds, bias, position_ids, cache, max_position, keep)
-        self._sync()
-        self.model_s += time.perf_counter() - t0
+        self._clock.stop(mark)
         return hidden
 
     def _forward(self, inputs_embeds, bias, position_ids, cache, max_position, keep) -> torch.Tensor:
@@ -128,28 +129,69 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def timing(self, name: str = "model.forward"):
-        """Count the block's wall time as model time (a forward run as layer groups, model/dmtd.py)."""
-        t0 = time.perf_counter()
+        """Count the block's time as model time (a forward run as layer groups, model/dmtd.py; a replayed pass,
+        engine.cuda_graphs)."""
+        mark = self._clock.start()
         with self._mark(name):
             yield
-        self._sync()
-        self.model_s += time.perf_counter() - t0
+        self._clock.stop(mark)
 
     @inference
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., D] -> logits [..., V] in float32
-        t0 = time.perf_counter()
+        mark = self._clock.start()
         with self._mark("model.logits"):
-            logits = self._head_fn(hidden) if self._head_fn is not None else self.lm_head(hidden)
-            if logits.dtype != torch.float32:
-                logits = logits.float()
-            if self.logit_scale is not None:
-                logits = logits * self.logit_scale
-            if self.softcap is not None:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-        self._sync()
-        self.model_s += time.perf_counter() - t0
+            logits = self.head(hidden)
+        self._clock.stop(mark)
         return logits
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> float32 logits [..., V]: the LM head with the model's scale and soft cap, a function
+        of tensors only (also inside the captured pass, `graphs/step.py`)."""
+        logits = self._head_fn(hidden) if self._head_fn is not None else self.lm_head(hidden)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class ModelClock:
+    """Seconds inside the model's calls. On a CPU the wall clock around each call. On CUDA a pair of events per
+    call, summed once the device has passed them: no call waits for the device, and the pass's one host read
+    (which waits for everything queued before it) completes the pass's events, so its model time is known at its
+    end. Events are reused (a few per pass)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.done_s = 0.0
+        self._pending: collections.deque = collections.deque()  # (start, end) events not read yet, in order
+        self._free: list = []  # events to record again
+
+    def start(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        return self._record()
+
+    def stop(self, mark: Any) -> None:
+        if not self.cuda:
+            self.done_s += time.perf_counter() - mark
+            return
+        self._pending.append((mark, self._record()))
+
+    def seconds(self) -> float:
+        while self._pending and self._pending[0][1].query():  # query() asks, it does not wait
+            start, end = self._pending.popleft()
+            self.done_s += start.elapsed_time(end) / 1000.0
+            self._free += [start, end]
+        return self.done_s
+
+    def _record(self) -> Any:
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 def _plain_embedding(m: Any) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:

@@ -15,6 +15,8 @@ from esp_worker.config import EXPANSIONS, METHODS, TREES
 
 from ..config import ConfigError, JobConfig, load_config
 
+OPTIONS = ("compile_host", "eager")  # what may follow METHOD:BC in bench.settings (settings.py reads them)
+
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
 DMTD_METHODS = ("dmtd", "dmtd_verified")  # bench.settings "dmtd:TAU" / "dmtd_verified:TAU" (bench.dmtd_paths)
@@ -48,12 +50,16 @@ class BenchSection:
     cost_repeats: int = 5
     tolerance: float = 0.25  # |measured / predicted speedup - 1| allowed before the report flags a setting
     hf_baseline: bool = True  # also run Hugging Face model.generate on the same prompts (row "hf generate")
+    # also run generate with a static cache and its forward compiled (row "hf generate compiled"): auto = on an
+    # accelerator (on a CPU its compiles take minutes)
+    hf_compiled: Union[bool, str] = "auto"
     # [lo, hi]: each prompt asks for its own max_new_tokens in [lo, hi] (deterministic per id); [] = generation.*
     mixed_max_new_tokens: list[int] = field(default_factory=list)
     # explicit settings instead of the grid, "method:BC" (BC an integer >= 2 or auto; esp takes the first of
     # num_masks, trees and expansions; cp_heads one per heads path), e.g. [pld:30,esp:auto,hybrid:auto]; ar
     # (and hf) still run first. Fewer settings per round-robin round pair each with ar more closely in time.
-    # "method:BC:compile_host" (and "ar:1:compile_host") runs that setting with engine.compile_host=true.
+    # "method:BC:compile_host" (and "ar:1:compile_host") runs that setting with engine.compile_host=true;
+    # "method:BC:eager" (and "ar:1:eager") with engine.cuda_graphs=false (the eager engine beside the default's).
     settings: list[str] = field(default_factory=list)
     # settings to run once more under torch.profiler after the timed runs, "method:BC" as in `settings` (or ar,
     # hf): op tables per setting and batch size in profile-<label>-b<batch>.txt (jobs/bench/profiling.py)
@@ -100,6 +106,7 @@ def validate_bench(cfg: DictConfig) -> None:
     need(b.cost_max_block >= 1 and b.cost_repeats >= 1, "bench.cost_max_block and bench.cost_repeats must be >= 1")
     need(len(b.cost_cache_lens) > 0 and all(c >= 1 for c in b.cost_cache_lens), "bench.cost_cache_lens must be >= 1")
     need(b.tolerance > 0, "bench.tolerance must be > 0")
+    need(b.hf_compiled in ("auto", True, False), f"bench.hf_compiled={b.hf_compiled!r} must be auto, true or false")
     for spec in b.settings:
         method, _, rest = str(spec).partition(":")
         bc, _, opt = rest.partition(":")
@@ -107,10 +114,11 @@ def validate_bench(cfg: DictConfig) -> None:
             need(bc.isdigit() and int(bc) >= (1 if method == "dmtd" else 2) and opt == "",
                  f"bench.settings: {spec!r} must be {method}:TAU with TAU an integer >= {1 if method == 'dmtd' else 2}")
             continue
-        need(opt in ("", "compile_host"), f"bench.settings: {spec!r}: the only option after METHOD:BC is :compile_host")
-        if method == "ar":  # ar itself always runs first; an entry can only add it under engine.compile_host
-            need(bc == "1" and opt == "compile_host", f"bench.settings: {spec!r}: ar always runs; the one ar entry is "
-                 "ar:1:compile_host")
+        need(opt in ("",) + OPTIONS, f"bench.settings: {spec!r}: the options after METHOD:BC are :compile_host "
+             "and :eager")
+        if method == "ar":  # ar itself always runs first; an entry can only add it under an option
+            need(bc == "1" and opt in OPTIONS, f"bench.settings: {spec!r}: ar always runs; the ar entries are "
+                 "ar:1:compile_host and ar:1:eager")
             continue
         heads = method == HYBRID_HEADS
         method = "hybrid" if heads else method

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from ..report.plots import REPORT, Sink, fmt, grouped_bars, pyplot, save
-from .settings import ALL, Setting
+from .settings import ALL, HF_METHODS, Setting
 
 
 def paired_cell(rec: dict, key: str) -> str:
@@ -29,7 +29,7 @@ def bench_plots(out: Path, records: list[dict[str, Any]], curve: Any, tolerance:
     batch = records[0]["batch_size"]
     rows = [r for r in records if r["batch_size"] == batch]
     cats = list(dict.fromkeys(r["category"] for r in rows if r["category"] != ALL)) or [ALL]
-    rows = [r for r in rows if r["method"] != "hf"]  # hf generate has no tau or block size
+    rows = [r for r in rows if r["method"] not in HF_METHODS]  # hf generate has no tau or block size
     bcs = sorted({r["block_complexity"] for r in rows if r["method"] != "ar"}, key=_bc_key) or [1]
     fig, axes = plt.subplots(len(bcs), 1, figsize=(max(7, 1.3 * len(cats) + 4), 3.4 * len(bcs)), squeeze=False)
     for ax, bc in zip(axes[:, 0], bcs):
@@ -70,7 +70,7 @@ def bench_plots(out: Path, records: list[dict[str, Any]], curve: Any, tolerance:
         a1.set_ylabel("time(Q) / time(1)")
         a1.set_title("cost of one pass")
         a1.legend()
-        pts = [r for r in records if r["category"] == overall[0]["category"] and r["method"] not in ("ar", "hf")
+        pts = [r for r in records if r["category"] == overall[0]["category"] and r["method"] not in ("ar", *HF_METHODS)
                and r["predicted_speedup"] and r["speedup_vs_ar"]]
         if pts:
             pred = [r["predicted_speedup"] for r in pts]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from esp_worker.config import NOT_LOSSLESS
 
-from .settings import ALL
+from .settings import ALL, HF_METHODS
 
 if TYPE_CHECKING:
     from .settings import Prompt, Setting
@@ -103,7 +103,7 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
         rec["predicted_speedup"] = None
         rec["within_tolerance"] = None
         # (the cost curve times whole passes: it says nothing of a pass over some of the layers, dmtd's)
-        if curve is not None and tau and block and s.method not in ("hf", "dmtd"):
+        if curve is not None and tau and block and s.method not in (*HF_METHODS, "dmtd"):
             cache = sum(len(p.ids) for p in ps) / len(ps) + max_new_tokens / 2
             rec["predicted_speedup"] = predict_speedup(tau, block, curve, batch=batch, cache_len=cache)
             if rec["speedup_vs_ar"]:
@@ -114,6 +114,11 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
         # peak KV-cache bytes of the run (the whole run, so on every record), and against ar's
         rec["peak_cache_mb"] = t["peak_cache_bytes"] / 2**20 if t.get("peak_cache_bytes") else None
         rec["compile_s"] = t.get("compile_s") or None  # engine.compile: seconds compiling (warm-up included)
+        # engine.cuda_graphs: passes replayed from graphs and passes run eagerly (timed runs), captures (whole engine)
+        g = t.get("graphs")
+        rec["graph_passes"], rec["eager_passes"] = t.get("graph_passes"), t.get("eager_passes")
+        rec["graphs_captured"] = g["captured"] if g else None
+        rec["graph_mb"] = g["graph_bytes"] / 2**20 if g else None
         rec["cache_vs_ar"] = (t["peak_cache_bytes"] / t_ar["peak_cache_bytes"]
                               if t.get("peak_cache_bytes") and t_ar.get("peak_cache_bytes") else None)
         records.append(rec)
@@ -148,7 +153,7 @@ def against_fastest_fixed(records: list[dict[str, Any]], rounds: dict[str, list[
     whole = [r for r in records if r["category"] == ALL or not has_all]
     for batch in {r["batch_size"] for r in whole}:
         here = [r for r in whole if r["batch_size"] == batch and r["tokens_per_s"]]
-        fixed = [r for r in here if r["method"] not in ("ar", "hf") and r["block_complexity"] != "auto"]
+        fixed = [r for r in here if r["method"] not in ("ar", *HF_METHODS) and r["block_complexity"] != "auto"]
         if not fixed:
             continue
         best = max(fixed, key=lambda r: r["tokens_per_s"])

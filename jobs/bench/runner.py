@@ -40,7 +40,7 @@ from .profiling import matches, profile_run
 from .report import bench_plots, write_bench_report
 from .results import against_fastest_fixed, summarise, write_table
 from .retention import add_retention
-from .settings import ALL, Prompt, Setting, grid
+from .settings import ALL, HF_METHODS, Prompt, Setting, grid
 from .turns import Conversation, all_turns
 
 log = logging.getLogger("esp_batch.bench")
@@ -101,10 +101,10 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
     """
     from esp_worker import Engine
 
-    if s.method == "hf":
+    if s.method in HF_METHODS:
         from .hf_baseline import run_hf
 
-        return run_hf(loaded, batch, prompts, generation, warmup)
+        return run_hf(loaded, batch, prompts, generation, warmup, compiled=s.method == "hf_compiled")
 
     cfg = dataclasses.replace(
         base, method=s.method, num_masks=max(s.num_masks, 1), tree=s.tree or base.tree, max_batch_size=batch,
@@ -113,9 +113,14 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         # hybrid takes heads only from its own setting (hybrid+heads), so that its label tells
         heads_path=s.heads_path or (base.heads_path if s.method == "cp_heads" else ""),
         compile_host=base.compile_host or s.compile_host,
+        cuda_graphs=False if s.eager else base.cuda_graphs,
         dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )
     engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
+    if engine.graphs is not None and engine.graphs.capture:
+        # CUDA graphs: a class is captured at its second pass, so the warm-up runs a full batch (its shapes are
+        # the timed run's); a class first seen in the timed run is captured there, in its compile_s
+        warmup = max(warmup, batch)
     if warmup:
         engine.generate(_requests(prompts[:warmup], generation))
     engine.stats.reset_timing()
@@ -126,8 +131,24 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         outs = all_turns(ps, lambda turn: {o.id: o for o in engine.generate(_requests(turn, generation))})
         seconds[cat] = time.perf_counter() - t0
         outputs.update(outs)
-    # compile time (engine.compile, engine.compile_host), warm-up included: a job pays it once per actor
-    return {"outputs": outputs, "seconds": seconds, "timing": {**engine.stats.timing(), "compile_s": engine.compile_s}}
+    # compile time (engine.compile, engine.compile_host, engine.cuda_graphs' captures), warm-up included: a job pays
+    # it once per actor
+    graphs = {} if engine.graphs is None else {"graphs": engine.graphs.summary()}
+    return {"outputs": outputs, "seconds": seconds,
+            "timing": {**engine.stats.timing(), "compile_s": engine.compile_s, **graphs}}
+
+
+def _graph_timer(loaded: Any, base: Any, b: DictConfig) -> Any:
+    """An engine whose CUDA graphs time the cost curve's passes (engine.cuda_graphs on, on CUDA: the curve is then
+    that of replayed passes, as the settings run them), or None (the eager forward is timed)."""
+    from esp_worker import Engine
+
+    slots = max(base.cuda_graph_max_len, max(b.cost_cache_lens) + b.cost_max_block)
+    cfg = dataclasses.replace(base, method="ar", block_complexity=1, max_batch_size=max(b.batch_sizes),
+                              cuda_graph_max_len=slots, compile_host=False)
+    engine = Engine(loaded, cfg) if base.cuda_graphs is True or (base.cuda_graphs == "auto" and
+                                                                 loaded.device.type == "cuda") else None
+    return engine if engine is not None and engine.graphs is not None and engine.graphs.capture else None
 
 
 def rotated(items: list, r: int) -> list:
@@ -204,6 +225,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
             raise ValueError(f"bench.profile: {spec!r} names none of this bench's settings "
                              f"({', '.join(s.label for s in settings)})")
     loaded = load_model(model_config(cfg))
+    settings = grid(b, accelerator=loaded.device.type != "cpu")  # hf generate compiled: auto on an accelerator
     prompts, skipped = load_prompts(cfg, loaded.tokenizer)
     if not prompts:
         raise ValueError(f"no usable prompt in {cfg.data.path or 'the bundled prompts'}")
@@ -216,8 +238,11 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     curve = None
     if b.cost_curve:
         log.info("measuring the cost curve")
-        curve = measure_cost_curve(ModelRunner(loaded), list(b.batch_sizes), list(b.cost_cache_lens),
-                                   powers_of_two(b.cost_max_block), repeats=b.cost_repeats)
+        timer = _graph_timer(loaded, base, b)
+        curve = measure_cost_curve(ModelRunner(loaded) if timer is None else timer.runner, list(b.batch_sizes),
+                                   list(b.cost_cache_lens), powers_of_two(b.cost_max_block), repeats=b.cost_repeats,
+                                   passes=None if timer is None else timer.graphs.pass_timer)
+        del timer
         (out / "cost_curve.json").write_text(json.dumps(curve.to_dict(), indent=1))
         write_table(out / "cost_curve.csv", curve.records())
     dmtd_models = DmtdModels(loaded, model_config(cfg))

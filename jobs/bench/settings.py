@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .turns import Conversation
 
 ALL = "all"  # the category of a record over every prompt
+HF_METHODS = ("hf", "hf_compiled")  # Hugging Face generate: eager, and with a static cache and compiled forward
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Setting:
     expansion: str = "top1"  # esp dynamic trees
     heads_path: str = ""  # cp_heads and hybrid+heads: directory of the trained heads
     compile_host: bool = False  # engine.compile_host for this setting ("METHOD:BC:compile_host")
+    eager: bool = False  # engine.cuda_graphs=false for this setting ("METHOD:BC:eager"): passes run eagerly
     dmtd_tau: int = 0  # dmtd / dmtd_verified: tokens per cycle
     # dmtd: the DMTD model directory ("" = the bench's own model, split by engine.dmtd_decoding_layers);
     # dmtd_verified: the trained copy's directory
@@ -31,14 +33,14 @@ class Setting:
 
     @property
     def label(self) -> str:
-        return self._label + (" compile_host" if self.compile_host else "")
+        return self._label + (" compile_host" if self.compile_host else "") + (" eager" if self.eager else "")
 
     @property
     def _label(self) -> str:
         if self.method in DMTD_METHODS:
             return f"{self.family} tau{self.dmtd_tau}"
-        if self.method in ("ar", "hf"):
-            return {"ar": "ar", "hf": "hf generate"}[self.method]
+        if self.method in ("ar", *HF_METHODS):
+            return {"ar": "ar", "hf": "hf generate", "hf_compiled": "hf generate compiled"}[self.method]
         if self.method == "esp":
             tree = self.tree if self.expansion == "top1" else f"{self.tree}-{self.expansion}"
             return f"esp k{self.num_masks} {tree} BC{self.block_complexity}"
@@ -67,30 +69,36 @@ class Prompt:
     conversation: Optional["Conversation"] = None  # a multi-turn row's turns (jobs/bench/turns.py)
 
 
-def grid(bench: DictConfig) -> list[Setting]:
+def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
     """The settings to run, ar first. esp settings whose BC leaves no draft node are skipped.
 
     Example: methods [ar, pld, esp], BCs [10, 30], num_masks [1], trees [static] ->
     ar, pld BC10, pld BC30, esp k1 static BC10, esp k1 static BC30.
     With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto; an entry
-    METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so). dmtd:TAU runs each
+    METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so), METHOD:BC:eager with
+    engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's). dmtd:TAU runs each
     DMTD model of `bench.dmtd_paths` trained with that tau (none given: the bench's model, split by
     engine.dmtd_decoding_layers); dmtd_verified:TAU each trained copy there, drafting TAU - 1 tokens per pass.
+    `hf generate compiled` follows `hf generate` when bench.hf_compiled is true, or auto on an accelerator.
     """
-    out = [Setting("ar", 1, 0, "")] + ([Setting("hf", 1, 0, "")] if bench.hf_baseline else [])
+    hf_compiled = bench.hf_compiled is True or (bench.hf_compiled == "auto" and accelerator)
+    out = [Setting("ar", 1, 0, "")] + ([Setting("hf", 1, 0, "")] if bench.hf_baseline else []) \
+        + ([Setting("hf_compiled", 1, 0, "")] if hf_compiled else [])
     if bench.get("settings"):  # explicit "method:BC" list instead of the grid
         for spec in bench.settings:
             m, _, rest = str(spec).partition(":")
             bc, _, opt = rest.partition(":")
-            bc, ch = (bc if bc == "auto" else int(bc)), opt == "compile_host"
+            bc, ch, eager = (bc if bc == "auto" else int(bc)), opt == "compile_host", opt == "eager"
             if m in DMTD_METHODS:
                 out.extend(dmtd_settings(m, int(bc), list(bench.get("dmtd_paths") or [])))
             elif m in ("cp_heads", HYBRID_HEADS):
-                out.extend(Setting(m.partition("+")[0], bc, 0, "", heads_path=h, compile_host=ch) for h in bench.heads_paths)
+                out.extend(Setting(m.partition("+")[0], bc, 0, "", heads_path=h, compile_host=ch, eager=eager)
+                           for h in bench.heads_paths)
             elif m == "esp":
-                out.append(Setting(m, bc, bench.num_masks[0], bench.trees[0], bench.expansions[0], compile_host=ch))
+                out.append(Setting(m, bc, bench.num_masks[0], bench.trees[0], bench.expansions[0], compile_host=ch,
+                                   eager=eager))
             else:
-                out.append(Setting(m, bc, 0, "", compile_host=ch))
+                out.append(Setting(m, bc, 0, "", compile_host=ch, eager=eager))
         return out
     for m in bench.methods:
         if m == "ar":

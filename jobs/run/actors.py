@@ -99,6 +99,7 @@ class ActorPool:
         self.pg: Any = None
         self.on_death: Callable[[Actor, list[int]], None] = lambda actor, shards: None
         self._noted = time.monotonic()
+        self.graph_records: list[dict[str, Any]] = []  # the actors' engine.cuda_graphs counters (`batch_histogram`)
 
     # ---- start and stop ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -193,16 +194,36 @@ class ActorPool:
         import ray
 
         total: collections.Counter[int] = collections.Counter()
+        self.graph_records = []
         asks = {a.handle.stats.remote(): a for a in self.live()}
         ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=30) if asks else ([], [])
         for ref, a in asks.items():
             try:
                 if ref not in ready:
                     raise TimeoutError
-                total.update({int(k): v for k, v in ray.get(ref)["batch_histogram"].items()})
+                stats = ray.get(ref)
+                total.update({int(k): v for k, v in stats["batch_histogram"].items()})
+                if stats.get("cuda_graphs"):
+                    self.graph_records.append(stats["cuda_graphs"])
             except Exception:  # noqa: BLE001 - statistics only
                 log.warning("could not read actor %d's batch statistics", a.index)
         return dict(sorted(total.items()))
+
+    def cuda_graphs(self) -> Optional[dict[str, Any]]:
+        """The live actors' engine.cuda_graphs counters summed (read by `batch_histogram`); None when no engine had
+        graphs. Capture seconds are part of each actor's start-up."""
+        import collections
+
+        records = self.graph_records
+        if not records:
+            return None
+        eager: collections.Counter[str] = collections.Counter()
+        for r in records:
+            eager.update(r["eager_passes"])
+        return {"actors": len(records), "captured": sum(r["captured"] for r in records),
+                "capture_s": round(sum(r["capture_s"] for r in records), 3),
+                "graph_mb": round(sum(r["graph_bytes"] for r in records) / 2**20, 1),
+                "graph_passes": sum(r["graph_passes"] for r in records), "eager_passes": dict(eager)}
 
     # ---- waiting -------------------------------------------------------------------------------------
     def wait(self, refs: list[Any], timeout: float) -> list[Any]:

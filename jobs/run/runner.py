@@ -302,6 +302,7 @@ def run_job(cfg: DictConfig) -> JobResult:
         progress.close()
         t_end = time.monotonic()
         run = _run_record(t_start, t_ready, t_end, progress.run, dispatcher, plan, histogram)
+        run["cuda_graphs"] = pool.cuda_graphs() if pool is not None and not lost else None
         if failure is None and dispatcher is not None and dispatcher.failed:
             failure = dispatcher.failure_message()
         if failure is not None:

@@ -134,8 +134,11 @@ class ShardWorker:
         }
 
     def stats(self) -> dict[str, Any]:
-        """The engine's batch-size histogram (rows in the batch -> decode passes) since the actor started."""
-        return {"pid": os.getpid(), "batch_histogram": dict(self.engine.stats.batch_histogram)}
+        """The engine's batch-size histogram (rows in the batch -> decode passes) since the actor started, and its
+        CUDA graphs' counters (captures, capture seconds, graph memory, replayed and eager passes; None: off)."""
+        graphs = self.engine.stats.graphs
+        return {"pid": os.getpid(), "batch_histogram": dict(self.engine.stats.batch_histogram),
+                "cuda_graphs": None if graphs is None else graphs.record()}
 
     def run_shard(self, shard_index: int, rows: list[JobRow]) -> pa.Table:
         """One output row per input row, in input order. Safe to call from several threads at once."""

@@ -375,7 +375,7 @@ def test_engine_stops_drafting_when_its_drafting_forwards_are_slow(monkeypatch):
     from shared_data import SHARED_DATA, TINY_PROMPTS, shared
     from esp_worker import ModelConfig, Request, stats
     from esp_worker.model import runner as runner_module
-    from esp_worker.model.runner import ModelRunner
+    from esp_worker.model.runner import ModelClock, ModelRunner
     from esp_worker.model.load import load_model
 
     model_dir = shared(SHARED_DATA.parent / "models" / "esp-tiny-llama")
@@ -390,27 +390,28 @@ def test_engine_stops_drafting_when_its_drafting_forwards_are_slow(monkeypatch):
     def drafting_share(slow: bool) -> float:
         cfg = EngineConfig(method="pld", block_complexity="auto", max_batch_size=1)
         eng = Engine(lm, cfg, cost_curve=FLAT)
-        forward, sync = ModelRunner.forward, ModelRunner._sync
+        forward, stop = ModelRunner.forward, ModelClock.stop
+        cost_now = [0.0]
 
         def timed_forward(self, inputs_embeds, *a, **kw):
             # a decode forward of more than one token per row (the prefill passes `keep`) drafts
             drafting = inputs_embeds.shape[1] > 1 and kw.get("keep") is None
-            self.cost_now = FLAT.time(1, 1, 100) * (20 if slow and drafting else 1)
+            cost_now[0] = FLAT.time(1, 1, 100) * (20 if slow and drafting else 1)
             return forward(self, inputs_embeds, *a, **kw)
 
-        def timed_sync(self):  # inside the forward's timed region: the model's time
-            clock[0] += getattr(self, "cost_now", 0.0)
-            self.cost_now = 0.0
-            return sync(self)
+        def timed_stop(self, mark):  # the end of a model call's timed region: the model's time
+            clock[0] += cost_now[0]
+            cost_now[0] = 0.0
+            return stop(self, mark)
 
         monkeypatch.setattr(ModelRunner, "forward", timed_forward)
-        monkeypatch.setattr(ModelRunner, "_sync", timed_sync)
+        monkeypatch.setattr(ModelClock, "stop", timed_stop)
         try:
             reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=96)) for i, p in enumerate(prompts)]
             outs = eng.generate(reqs)
         finally:
             monkeypatch.setattr(ModelRunner, "forward", forward)
-            monkeypatch.setattr(ModelRunner, "_sync", sync)
+            monkeypatch.setattr(ModelClock, "stop", stop)
         hist: dict = {}
         for o in outs:
             assert o.error is None

@@ -91,6 +91,41 @@ def test_explicit_settings_replace_the_grid():
     assert [s.compile_host for s in settings] == [False] * 5 + [True] * 2
 
 
+def test_eager_option_and_the_compiled_hf_baseline_in_the_grid():
+    """METHOD:BC:eager runs a setting with engine.cuda_graphs=false; `hf generate compiled` follows `hf generate`
+    when asked, and by default (auto) on an accelerator only."""
+    from jobs.bench.settings import grid
+    from jobs.bench.config import load_bench_config
+
+    cfg = load_bench_config(None, ["bench.settings=[ar:1:eager,pld:10:eager,pld:10]"])
+    assert [s.label for s in grid(cfg.bench)] == ["ar", "hf generate", "ar eager", "pld BC10 eager", "pld BC10"]
+    assert [s.label for s in grid(cfg.bench, accelerator=True)][:3] == ["ar", "hf generate", "hf generate compiled"]
+    assert [s.eager for s in grid(cfg.bench)] == [False, False, True, True, False]
+    off = load_bench_config(None, ["bench.settings=[pld:10]", "bench.hf_compiled=false"])
+    assert "hf generate compiled" not in [s.label for s in grid(off.bench, accelerator=True)]
+    on = load_bench_config(None, ["bench.settings=[pld:10]", "bench.hf_compiled=true", "bench.hf_baseline=false"])
+    assert [s.label for s in grid(on.bench)] == ["ar", "hf generate compiled", "pld BC10"]
+
+
+@pytest.mark.slow
+def test_bench_graphs_against_the_eager_engine_and_compiled_generate(tmp_path):
+    """The issue's comparison on a CPU: ar over the static-buffer path (engine.cuda_graphs=true), the eager
+    engine's ar, eager generate and generate with a static cache and a compiled forward (asked for: on a CPU
+    it is off by default); every row reproduces ar and the graph counters say which path ran."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n"
+                            for i, w in enumerate(["the cat sat on the mat, the cat", "def f(x):\n    return"])))
+    out = tmp_path / "out"
+    code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=12", "engine.cuda_graphs=true",
+                 "bench.hf_compiled=true", "bench.settings=[ar:1:eager]", "bench.warmup=1", "bench.cost_curve=false"])
+    assert code == 0
+    records = {r["setting"]: r for r in json.loads((out / "bench.json").read_text()) if r["category"] == "all"}
+    assert list(records) == ["ar", "hf generate", "hf generate compiled", "ar eager"]
+    assert all(r["exact_match_rate"] == 1.0 for r in records.values())
+    assert records["ar"]["graph_passes"] > 0 and records["ar"]["eager_passes"] == 0
+    assert records["ar eager"]["graph_passes"] is None
+
+
 @pytest.mark.slow
 def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch):
     """bench.settings with :compile_host: the setting runs under engine.compile_host (its compile time is
@@ -112,7 +147,7 @@ def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("spec,words", [
     ("pld", "METHOD:BC"), ("ar:10", "ar:1:compile_host"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
-    ("pld:10:fast", ":compile_host"),
+    ("pld:10:fast", ":compile_host"), ("ar:1:fast", ":eager"),
     ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"),
 ])
 def test_bench_rejects_bad_settings(tmp_path, monkeypatch, capsys, spec, words):

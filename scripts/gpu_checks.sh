@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Issue 40's checks on a GPU in one command under one deadline, each step's result in OUTDIR as soon as it is done.
+#
+#   bash scripts/gpu_checks.sh --prepare                   # here, once: gpu_data/ (prompts, esp-tiny-llama), .whl/
+#   bash scripts/gpu_checks.sh OUTDIR [SECONDS]            # the device machine, repository root (default 540 s)
+#   bash scripts/gpu_checks.sh --dry-run OUTDIR [SECONDS]  # a CPU: every step on tiny-random-llama, float32, 8 tokens
+#
+# The device call: run(command="bash scripts/gpu_checks.sh $OUT 540", carry=["gpu_data", ".whl"], timeout_s=600).
+# What the machine needs: python3 with CUDA torch, transformers, pyarrow, pytest, matplotlib (its image has them) and
+# omegaconf (it has not: --prepare downloads the omegaconf and antlr4-python3-runtime wheels into .whl/, which the
+# env step installs into /tmp/site when omegaconf does not import). No network there; nothing else is fetched.
+# A device call brings back at most 8 files: env.txt, gpu_tests.txt, ar.txt, methods.txt, tiny.txt, log.txt and
+# results.tgz (every bench directory, re-packed after each step).
+#
+# Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
+# (own limits: env 120, gpu_tests 150, ar 170, methods 150, tiny 60 s; at 540 s the last may not fit):
+#   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
+#   gpu_tests  pytest -m gpu tests/gpu tests/engine/test_host_sync.py (graph-vs-eager float32 equality on a
+#              two-layer 1B-shape model, no synchronisation inside a replayed pass for every method, ...)
+#   ar         Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
+#              round-robin repeats, medians: ar (graphs) vs ar eager vs hf generate vs hf generate compiled, at
+#              batch 1 (prompts4) and 64 (prompts64)
+#   methods    the same model: esp k1 BC 30 and hybrid auto beside ar at batch 1 (prompts4), 16 and 64 (prompts64),
+#              each run with the cost curve of replayed passes (Q = 1..128; batch 1, then 16 and 64)
+#   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
+#              hybrid auto, with tau
+# STEPS picks steps (default all; env always runs); T_<STEP> overrides a step's own limit.
+set -uo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+
+if [[ ${1:-} == --prepare ]]; then
+  python3 scripts/gpu_data.py --out gpu_data
+  src=${TINY_MODEL:-../shared/models/esp-tiny-llama}
+  mkdir -p gpu_data/esp-tiny-llama && cp "$src"/*.json "$src"/*.safetensors gpu_data/esp-tiny-llama/
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl omegaconf==2.4.0 antlr4-python3-runtime==4.13.2
+  du -sh gpu_data .whl
+  exit 0
+fi
+
+dry=0
+if [[ ${1:-} == --dry-run ]]; then dry=1; shift; fi
+out=${1:?usage: gpu_checks.sh [--prepare | [--dry-run] OUTDIR [SECONDS]]}; budget=${2:-540}
+mkdir -p "$out"; out=$(cd "$out" && pwd)
+work=$(mktemp -d)  # bench output directories: packed into one file (a device call brings back few files)
+end=$(( $(date +%s) + budget ))
+if (( dry )); then  # the same steps and commands on a CPU, small and fast, the static-buffer path on (graphs: auto)
+  DEV=cpu SHAPE=tiny-random-llama DTYPE=float32 NEW=8 TINY_NEW=8 TINY_PROMPTS=prompts4 GRAPHS=true
+else
+  DEV=cuda SHAPE=random:llama-1b DTYPE=bfloat16 NEW=64 TINY_NEW=64 TINY_PROMPTS=prompts16 GRAPHS=auto
+fi
+P=gpu_data
+export PYTHONUNBUFFERED=1 PYTHONPATH="$here:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+log="$out/log.txt"
+left() { echo $(( end - $(date +%s) )); }
+pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
+step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
+  local name=$1 file=$2 max=${3}; shift 3
+  local var="T_${name}"; max=${!var:-$max}
+  if [[ $name != env && " ${STEPS:-gpu_tests ar methods tiny} " != *" $name "* ]]; then return; fi
+  local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
+  if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
+  echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
+  local t0; t0=$(date +%s)
+  timeout -k 10 "$t" "$@" >>"$out/$file" 2>&1
+  local rc=$?
+  echo "== $name: rc $rc in $(( $(date +%s) - t0 )) s" | tee -a "$log" "$out/$file"
+  pack
+}
+bench() {  # bench DIR overrides...: jobs.bench on the step's model and device (its log beside its directory, in
+  # results.tgz even when the step is cut short), then its summary
+  local dir=$work/$1; shift
+  python3 -m jobs.bench model.device=$DEV engine.cuda_graphs=$GRAPHS generation.ignore_eos=true bench.num_masks=[1] \
+    bench.trees=[static] bench.repeats=3 bench.warmup=1 bench.warmup_rounds=1 output.dir="$dir" "$@" >"$dir.log" 2>&1
+  local rc=$?
+  grep -v -e Warning -e warnings.warn -e "Loading weights" "$dir.log" | grep -e Error -e error -e "results in" | tail -5
+  python3 scripts/bench_summary.py "$dir"
+  return $rc
+}
+big() { bench "$@" model.name_or_path=$SHAPE model.dtype=$DTYPE generation.max_new_tokens=$NEW; }
+
+env_check() {
+  nvidia-smi -L 2>/dev/null
+  python3 -c 'import omegaconf' 2>/dev/null || {
+    ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site .whl/*.whl && echo "installed .whl/ into /tmp/site"; }
+  python3 - <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0])
+missing = []
+for name in ("torch", "transformers", "omegaconf", "pyarrow", "pytest", "matplotlib", "safetensors", "tokenizers"):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, "__version__", "?"))
+    except Exception as e:  # noqa: BLE001
+        missing.append(name)
+        print(name, "MISSING", type(e).__name__, e)
+import torch
+print("cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))
+print("cuda_available", torch.cuda.is_available())
+sys.exit(1 if missing else 0)
+EOF
+  [[ -f $P/prompts4.jsonl && -f $P/prompts64.jsonl ]] || { echo "no $P/prompts*.jsonl: run --prepare and carry gpu_data"; return 1; }
+}
+
+step env env.txt 120 bash -c "$(declare -f env_check); $(declare -p P); env_check"
+if ! grep -q "^cuda_available True" "$out/env.txt" && (( ! dry )); then
+  echo "no CUDA device: stopping (the dry run is --dry-run)" | tee -a "$log"; pack; exit 1
+fi
+xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share the GPU from 4 processes
+step gpu_tests gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
+  tests/engine/test_host_sync.py
+step ar ar.txt 170 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false; \
+  big ar-b64 data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
+    'bench.batch_sizes=[64]'"
+step methods methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big methods-b1 data.path=$P/prompts4.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
+    bench.hf_compiled=false bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'; \
+  big methods-b16-b64 data.path=$P/prompts64.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
+    bench.hf_compiled=false 'bench.batch_sizes=[16,64]' bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'"
+step tiny tiny.txt 60 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
+  bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
+    generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.settings=[pld:10,esp:30,esp:auto,hybrid:auto]' \
+    bench.hf_compiled=false bench.cost_curve=false"
+echo "== done, $(left) s left" | tee -a "$log"
+pack

@@ -1,0 +1,142 @@
+"""The capture path of engine.cuda_graphs driven on a CPU: a stand-in for `torch.cuda.graph` whose replay runs the
+captured function again into the capture's outputs. What runs is the CUDA path's own bookkeeping: plain passes
+captured at start-up, other classes at their second pass (the first runs eagerly, counted and not timed for
+`auto`), the warm-up and the capture executing the pass before its replay (a pass is idempotent), the graph
+limit, the slab's growth dropping every graph, and the cost curve timed from captured chain passes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import PROMPTS, reference, tiny
+from host_reads import SETTINGS
+from esp_worker import Engine, EngineConfig, GenerationParams, Request
+from esp_worker import engine as engine_module
+from esp_worker.graphs import runner as graph_runner
+from esp_worker.graphs.runner import batch_buckets, capacity_buckets
+
+GREEDY = GenerationParams(max_new_tokens=64)
+
+
+class _Replayed:
+    """A captured function: replay computes it again into the capture's outputs, as a CUDA graph rewrites them."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self):
+        self.out.copy_(self.fn())
+        self.replays += 1
+
+
+def _capture(fn, pool, device):
+    fn()  # the warm-up
+    out = fn()  # the capture (a CUDA capture records; this one runs: a third run of the pass, as idempotent)
+    return _Replayed(fn, out), out
+
+
+@pytest.fixture
+def capturing(monkeypatch, tmp_path):
+    monkeypatch.setattr(engine_module, "CAPTURE_GRAPHS", True)
+    monkeypatch.setattr(graph_runner, "capture_graph", _capture)
+    monkeypatch.setenv("ESP_BATCH_CACHE", str(tmp_path))  # the cost curve of captured passes is measured here
+
+
+def _run(batch: int, **setting):
+    eng = Engine(tiny("llama"), EngineConfig(max_batch_size=batch, cuda_graphs=True, **setting))
+    outs = eng.generate([Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)])
+    return eng, outs
+
+
+@pytest.mark.parametrize("setting", [dict(method="ar"), dict(method="pld", block_complexity=10),
+                                     dict(method="esp", num_masks=2, block_complexity=30),
+                                     dict(method="hybrid", block_complexity=30),
+                                     dict(method="hybrid", block_complexity="auto")])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_captured_passes_match_generate(capturing, setting, batch):
+    eng, outs = _run(batch, **setting)
+    for o, r in zip(outs, reference("llama", "sdpa")):
+        assert tuple(o.token_ids) == r, setting
+    g = eng.stats.graphs
+    slots = eng.graphs.cache.slab.shape[4]
+    start = [c for c in capacity_buckets(slots) if c <= graph_runner.START_CAPACITY]
+    assert g.captured >= len(batch_buckets(batch)) * len(start)  # the plain passes, at start-up
+    assert set(g.eager_passes) <= {"new_shape"}
+    assert g.graph_passes + g.eager_passes["new_shape"] == eng.stats.decode_passes
+    replays = sum(e.graph.replays for e in eng.graphs._entries.values())
+    if setting.get("block_complexity") == "auto":
+        assert replays > g.graph_passes  # and the cost curve's timed passes
+    else:
+        assert replays == g.graph_passes
+    if setting["method"] == "ar":
+        assert not g.eager_passes  # every plain class was captured at start-up
+
+
+def test_a_class_is_captured_at_its_second_pass_and_its_first_is_not_timed(capturing, monkeypatch):
+    eng, _ = _run(1, method="pld", block_complexity=10)
+    new = eng.stats.graphs.eager_passes["new_shape"]
+    chains = [s for s in eng.graphs._entries if s.num_slots > 1]
+    assert chains and new == len(chains)  # one eager pass per class before its capture
+
+
+def test_graph_limit_and_slab_growth(capturing, monkeypatch):
+    monkeypatch.setattr(graph_runner, "MAX_GRAPHS", 4)
+    eng, outs = _run(4, method="esp", num_masks=1, block_complexity=30)
+    assert eng.stats.graphs.eager_passes["graph_limit"] > 0
+    for o, r in zip(outs, reference("llama", "sdpa")):
+        assert tuple(o.token_ids) == r
+    monkeypatch.setattr(graph_runner, "MAX_GRAPHS", 512)
+    eng = Engine(tiny("llama"), EngineConfig(method="pld", block_complexity=10, max_batch_size=4, cuda_graphs=True,
+                                             cuda_graph_max_len=48))
+    outs = eng.generate([Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)])
+    for o, r in zip(outs, reference("llama", "sdpa")):
+        assert tuple(o.token_ids) == r
+    assert eng.stats.graphs.eager_passes["capacity"] > 0
+    assert all(e.out is not None for e in eng.graphs._entries.values())
+    assert {s.capacity for s in eng.graphs._entries} <= set(capacity_buckets(eng.graphs.cache.slab.shape[4]))
+
+
+def test_the_auto_policy_calibrates_on_captured_passes(capturing, tmp_path):
+    eng, _ = _run(2, method="pld", block_complexity="auto", auto_max_block=8)
+    curves = list(tmp_path.glob("cost-*.json"))
+    assert len(curves) == 1  # measured with the graphs' passes and cached apart from the eager curve
+    chains = {s.num_slots for s in eng.graphs._entries if s.in_place}
+    assert {1, 2, 4, 8} <= chains  # the curve's chain passes (Q = 1 .. 8) were captured
+
+
+def test_the_rotary_table_grows_with_the_slab():
+    """After the slab grows, the step's rotary table covers the new slots (the same values where both have them)."""
+    from esp_worker.graphs.step import StepModel
+    from esp_worker.model.runner import ModelRunner
+
+    runner = ModelRunner(tiny("llama"))
+    model = StepModel.of(runner, 100)
+    assert model.cos.shape[0] >= 100 and model.covering(100) is model
+    grown = model.covering(900)
+    assert grown.cos.shape[0] >= 900 and grown.sin.shape[0] >= 900
+    n = model.cos.shape[0]
+    assert torch.equal(grown.cos[:n], model.cos) and torch.equal(grown.sin[:n], model.sin)
+    capped = model.covering(10**6)  # never past the model's context (1024 positions)
+    assert capped.cos.shape[0] >= 1024
+
+
+@pytest.mark.parametrize("setting", [i for i, s in enumerate(SETTINGS) if s["method"] != "dmtd"])  # dmtd: eager
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_at_most_one_host_read_per_captured_pass(capturing, monkeypatch, setting, temperature):
+    """tests/engine/test_host_sync.py's count (tests/host_reads.py) over the capture path: the copies into a class's buffers, its
+    capture and replay, and the eager end of the pass read nothing from the device but the pass's one read."""
+    from host_reads import count_reads_per_pass
+
+    from esp_worker import sampling
+
+    monkeypatch.setattr(engine_module, "PREPARE_LOOKS", True)
+    monkeypatch.setattr(sampling, "UNIFORM_CHUNK", 32)  # sampled rows refill their uniforms inside passes
+    eng = Engine(tiny("llama"), EngineConfig(max_batch_size=4, cuda_graphs=True, **SETTINGS[setting]))
+    params = GenerationParams(max_new_tokens=32, temperature=temperature, seed=1)
+    with count_reads_per_pass(monkeypatch) as seen:
+        outs = eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
+    assert all(o.error is None for o in outs) and seen["passes"] > 0
+    auto = SETTINGS[setting].get("block_complexity") == "auto"
+    over = [(i, n, changed) for i, (n, changed) in enumerate(seen["per_pass"]) if n > 1 + (auto and changed)]
+    assert not over, (over[:5], seen["where"])
+    assert eng.stats.graphs.graph_passes > 0

@@ -1,0 +1,131 @@
+"""engine.cuda_graphs on CUDA: passes replayed from graphs give the eager engine's tokens (float32: a few-layer
+model of the Llama-3.2-1B shape, and seeded sampling on a tiny model), replay without synchronising, and report
+captures and graph memory. Skipped without CUDA."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine_helpers import PROMPTS
+from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request, load_model
+from esp_worker.batch import Rows
+from esp_worker.model.load import SHIPPED_CONFIGS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+METHODS = [dict(method="ar"), dict(method="esp", num_masks=1, block_complexity=30),
+           dict(method="esp", num_masks=2, block_complexity=30, tree="dynamic"), dict(method="pld", block_complexity=10),
+           dict(method="hybrid", block_complexity=30), dict(method="hybrid", block_complexity="auto")]
+
+
+@pytest.fixture(scope="module")
+def few_layer_1b(tmp_path_factory):
+    """The Llama-3.2-1B shape (hidden 2048, 32 heads, 8 key/value heads, vocabulary 128256, llama3 rotary) with two
+    layers and random weights, float32 on CUDA."""
+    raw = json.loads((SHIPPED_CONFIGS / "llama-1b.json").read_text())
+    raw["num_hidden_layers"] = 2
+    path = tmp_path_factory.mktemp("llama-1b-2l") / "config.json"
+    path.write_text(json.dumps(raw))
+    return load_model(ModelConfig(name_or_path=f"random:{path}", device="cuda", dtype="float32"))
+
+
+def _generate(lm, graphs: bool, params: GenerationParams, batch: int = 4, **setting):
+    eng = Engine(lm, EngineConfig(max_batch_size=batch, cuda_graphs=graphs, **setting))
+    outs = eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return eng, outs
+
+
+@pytest.mark.parametrize("setting", range(len(METHODS)))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_replayed_passes_are_the_eager_engines_float32_1b_shape(few_layer_1b, setting, batch):
+    params = GenerationParams(max_new_tokens=40, ignore_eos=True)
+    eager = _generate(few_layer_1b, False, params, batch, **METHODS[setting])[1]
+    eng, graphed = _generate(few_layer_1b, True, params, batch, **METHODS[setting])
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager], METHODS[setting]
+    g = eng.stats.graphs
+    assert g.captured > 0 and g.graph_bytes > 0 and g.graph_passes > 0
+    assert g.graph_passes + sum(g.eager_passes.values()) == eng.stats.decode_passes
+    assert set(g.eager_passes) <= {"new_shape"}  # nothing else keeps a pass from its graph here
+
+
+def test_plain_replayed_decoding_is_generate_float32_1b_shape(few_layer_1b):
+    lm = few_layer_1b
+    eng, outs = _generate(lm, True, GenerationParams(max_new_tokens=40), 1, method="ar")
+    assert eng.stats.graphs.eager_passes == {}  # plain passes are captured at start-up
+    for p, o in zip(PROMPTS, outs):
+        ids = lm.tokenizer(p, return_tensors="pt").input_ids.to("cuda")
+        with torch.inference_mode():
+            ref = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                    eos_token_id=list(lm.eos_token_ids), pad_token_id=2)
+        assert o.token_ids == ref[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("setting", [0, 1, 3, 4])
+def test_seeded_sampling_replayed_is_the_eager_engines(setting):
+    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda", dtype="float32"))
+    params = GenerationParams(max_new_tokens=48, temperature=1.0, top_p=0.9, seed=7)
+    eager = _generate(lm, False, params, **METHODS[setting])[1]
+    eng, graphed = _generate(lm, True, params, **METHODS[setting])
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert eng.stats.graphs.graph_passes > 0
+
+
+@pytest.mark.parametrize("setting", range(len(METHODS)))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_synchronisation_inside_a_replayed_pass(monkeypatch, setting, temperature):
+    """torch.cuda.set_sync_debug_mode("error") over every pass but its one Rows.read_back (and, under auto, a pass
+    right after rows joined or left: tests/engine/test_host_sync.py); most passes are replayed graphs."""
+    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda"))
+    step, read_back = Engine._step, Rows.read_back
+    inside = [False]
+    auto = METHODS[setting].get("block_complexity") == "auto"
+    last_rows = [None]
+
+    def strict_step(self, rows):
+        ids = [s.req.id for s in rows.seqs]
+        changed, last_rows[0] = ids != last_rows[0], ids
+        if auto and changed:
+            return step(self, rows)
+        inside[0] = True
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(self, rows)
+        finally:
+            inside[0] = False
+            torch.cuda.set_sync_debug_mode(0)
+
+    def allowed_read_back(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return read_back(self, *args, **kwargs)
+        finally:
+            if inside[0]:
+                torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(Engine, "_step", strict_step)
+    monkeypatch.setattr(Rows, "read_back", allowed_read_back)
+    params = GenerationParams(max_new_tokens=64, temperature=temperature, seed=1)
+    try:
+        eng, outs = _generate(lm, True, params, **METHODS[setting])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(len(o.token_ids) > 0 for o in outs)
+    g = eng.stats.graphs
+    assert g.graph_passes > eng.stats.decode_passes // 2, (g.graph_passes, dict(g.eager_passes))
+
+
+def test_bfloat16_replayed_1b_shape_finishes_with_consistent_statistics(tmp_path):
+    raw = json.loads((SHIPPED_CONFIGS / "llama-1b.json").read_text())
+    raw["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    lm = load_model(ModelConfig(name_or_path=f"random:{tmp_path}", device="cuda", dtype="bfloat16"))
+    for setting in METHODS:
+        eng, outs = _generate(lm, True, GenerationParams(max_new_tokens=32, ignore_eos=True), **setting)
+        for o in outs:
+            st = o.stats
+            assert len(o.token_ids) == 32 == st.num_generated_tokens and o.finish_reason == "length"
+            assert st.num_accepted_drafts <= st.num_drafted_tokens
+        assert eng.stats.graphs.graph_passes > 0

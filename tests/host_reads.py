@@ -1,0 +1,90 @@
+"""Counting a decode pass's host reads (tests/engine/test_host_sync.py, tests/engine/graphs/test_capture_path.py):
+the Tensor methods that copy a value to the host, tensors made from host data on a device, and Python numbers
+stored at one integer index, inside Engine._step."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from esp_worker.engine import Engine
+
+READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+SETTINGS = [
+    dict(method="ar"),
+    dict(method="pld", block_complexity=10),
+    dict(method="esp", num_masks=1, block_complexity=30, tree="static"),
+    dict(method="esp", num_masks=2, block_complexity=30, tree="dynamic"),
+    dict(method="hybrid", num_masks=1, block_complexity=30),
+    dict(method="hybrid", num_masks=2, block_complexity=10),
+    dict(method="stand", block_complexity=30),
+    dict(method="lade", block_complexity=30),
+    dict(method="lade", block_complexity=10),
+    dict(method="esp", num_masks=1, block_complexity="auto"),
+    dict(method="hybrid", num_masks=1, block_complexity="auto"),
+    dict(method="dmtd", dmtd_tau=3, dmtd_decoding_layers=1),  # rows at their own cycle phases (not lossless)
+]
+
+
+@contextlib.contextmanager
+def count_reads_per_pass(monkeypatch):
+    """Yields a dict: passes, reads (host reads of tensor values made inside Engine._step), and per pass
+    (reads, whether its rows differ from the previous pass's: rows joined or left)."""
+    seen = {"passes": 0, "reads": 0, "inside": False, "where": [], "per_pass": [], "rows": None}
+    for name in READS:
+        orig = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name, **kw):
+            if seen["inside"]:
+                seen["reads"] += 1
+                if len(seen["where"]) < 5:
+                    import traceback
+                    seen["where"].append((_name, traceback.format_stack(limit=4)[-2]))
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    step = Engine._step
+
+    def counted_step(self, rows):
+        seen["passes"] += 1
+        ids = [s.req.id for s in rows.seqs]
+        changed, seen["rows"] = ids != seen["rows"], ids
+        before = seen["reads"]
+        seen["inside"] = True
+        try:
+            return step(self, rows)
+        finally:
+            seen["inside"] = False
+            seen["per_pass"].append((seen["reads"] - before, changed))
+
+    monkeypatch.setattr(Engine, "_step", counted_step)
+    # a tensor made from host data directly on the rows' device inside a pass is a host-to-device copy from
+    # pageable memory on a GPU, which waits for the stream: it counts as a read (sampling.upload is the way)
+    for name in ("tensor", "as_tensor"):
+        make = getattr(torch, name)
+
+        def counted_make(*a, _make=make, _name=name, **kw):
+            if seen["inside"] and kw.get("device") is not None:
+                seen["reads"] += 1
+                if len(seen["where"]) < 5:
+                    import traceback
+                    seen["where"].append((f"torch.{_name}", traceback.format_stack(limit=4)[-2]))
+            return _make(*a, **kw)
+
+        monkeypatch.setattr(torch, name, counted_make)
+    # so is a Python number stored at one integer index (`t[i] = 0`): on an H200 under torch 2.11 such a store
+    # raised in sync debug mode, while stores through slices (`t[:, 0] = True`) did not; `.zero_()` / `.fill_()`
+    # / torch.where keep the value on the device
+    setitem = torch.Tensor.__setitem__
+
+    def counted_setitem(self, index, value, _setitem=setitem):
+        if seen["inside"] and isinstance(index, int) and isinstance(value, (bool, int, float)):
+            seen["reads"] += 1
+            if len(seen["where"]) < 5:
+                import traceback
+                seen["where"].append(("__setitem__ scalar", traceback.format_stack(limit=4)[-2]))
+        return _setitem(self, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", counted_setitem)
+    yield seen
