@@ -88,3 +88,43 @@ def count_reads_per_pass(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "__setitem__", counted_setitem)
     yield seen
+
+
+@contextlib.contextmanager
+def strict_sync_passes(monkeypatch, auto: bool):
+    """On CUDA: torch.cuda.set_sync_debug_mode("error") inside every Engine._step but its one Rows.read_back, so
+    any other synchronisation in a pass raises. Under block_complexity=auto (`auto`), a pass right after rows
+    joined or left may also read (see tests/engine/test_host_sync.py) and runs unchecked."""
+    from esp_worker.batch import Rows
+
+    step, read_back = Engine._step, Rows.read_back
+    inside = [False]  # read_back also runs outside a pass (prefill): strict mode only inside _step
+    last_rows = [None]
+
+    def strict_step(self, rows):
+        ids = [s.req.id for s in rows.seqs]
+        changed, last_rows[0] = ids != last_rows[0], ids
+        if auto and changed:
+            return step(self, rows)
+        inside[0] = True
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(self, rows)
+        finally:
+            inside[0] = False
+            torch.cuda.set_sync_debug_mode(0)
+
+    def allowed_read_back(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return read_back(self, *args, **kwargs)
+        finally:
+            if inside[0]:
+                torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(Engine, "_step", strict_step)
+    monkeypatch.setattr(Rows, "read_back", allowed_read_back)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import PROMPTS, reference, run, tiny
+from engine_helpers import reference, run, tiny
 from esp_worker import EngineConfig, GenerationParams
-from esp_worker.batch import Rows
 from esp_worker import engine as engine_module
 from esp_worker import sampling
-from esp_worker.engine import Engine
-from host_reads import SETTINGS, count_reads_per_pass
+from host_reads import SETTINGS, count_reads_per_pass, strict_sync_passes
 
 
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
@@ -65,38 +63,8 @@ def test_no_synchronisation_inside_a_pass_on_gpu(monkeypatch, setting, temperatu
     from esp_worker.model.load import load_model
 
     lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda"))
-    step, read_back = Engine._step, Rows.read_back
-    inside = [False]  # read_back also runs outside a pass (prefill): strict mode only inside _step
-    auto = SETTINGS[setting].get("block_complexity") == "auto"
-    last_rows = [None]
-
-    def strict_step(self, rows):
-        ids = [s.req.id for s in rows.seqs]
-        changed, last_rows[0] = ids != last_rows[0], ids
-        if auto and changed:
-            return step(self, rows)
-        inside[0] = True
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return step(self, rows)
-        finally:
-            inside[0] = False
-            torch.cuda.set_sync_debug_mode(0)
-
-    def allowed_read_back(self, *args, **kwargs):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return read_back(self, *args, **kwargs)
-        finally:
-            if inside[0]:
-                torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(Engine, "_step", strict_step)
-    monkeypatch.setattr(Rows, "read_back", allowed_read_back)
     params = GenerationParams(max_new_tokens=64, temperature=temperature, seed=1)  # past a uniform refill
-    try:
+    with strict_sync_passes(monkeypatch, SETTINGS[setting].get("block_complexity") == "auto"):
         outs = run(lm, EngineConfig(max_batch_size=4, **SETTINGS[setting]), params)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     assert all(len(o.token_ids) > 0 for o in outs)

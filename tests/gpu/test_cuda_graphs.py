@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine_helpers import PROMPTS
+from host_reads import strict_sync_passes
 from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request, load_model
-from esp_worker.batch import Rows
 from esp_worker.model.load import SHIPPED_CONFIGS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -79,39 +79,9 @@ def test_no_synchronisation_inside_a_replayed_pass(monkeypatch, setting, tempera
     """torch.cuda.set_sync_debug_mode("error") over every pass but its one Rows.read_back (and, under auto, a pass
     right after rows joined or left: tests/engine/test_host_sync.py); most passes are replayed graphs."""
     lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda"))
-    step, read_back = Engine._step, Rows.read_back
-    inside = [False]
-    auto = METHODS[setting].get("block_complexity") == "auto"
-    last_rows = [None]
-
-    def strict_step(self, rows):
-        ids = [s.req.id for s in rows.seqs]
-        changed, last_rows[0] = ids != last_rows[0], ids
-        if auto and changed:
-            return step(self, rows)
-        inside[0] = True
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return step(self, rows)
-        finally:
-            inside[0] = False
-            torch.cuda.set_sync_debug_mode(0)
-
-    def allowed_read_back(self, *args, **kwargs):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return read_back(self, *args, **kwargs)
-        finally:
-            if inside[0]:
-                torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(Engine, "_step", strict_step)
-    monkeypatch.setattr(Rows, "read_back", allowed_read_back)
     params = GenerationParams(max_new_tokens=64, temperature=temperature, seed=1)
-    try:
+    with strict_sync_passes(monkeypatch, METHODS[setting].get("block_complexity") == "auto"):
         eng, outs = _generate(lm, True, params, **METHODS[setting])
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert all(len(o.token_ids) > 0 for o in outs)
     g = eng.stats.graphs
     assert g.graph_passes > eng.stats.decode_passes // 2, (g.graph_passes, dict(g.eager_passes))
