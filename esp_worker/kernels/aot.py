@@ -8,9 +8,14 @@ must name every size that is not dynamic. A key is compiled once it has been ask
 times (~7 s each on this CPU): a fixed block size compiles after a few passes, while the many block sizes a
 `block_complexity=auto` job tries once or twice never cost a compile. A function that fails to compile gets no
 kernel (logged once). Without a kernel the caller runs the function eagerly.
+
+Compiled packages are kept for the process by the exported program's fingerprint (its graph, its inputs' specs
+and its constants' values): a later engine in the same process (a benchmark's next setting, an actor's next
+engine) that exports the same program loads that kernel instead of compiling it again.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 import time
@@ -24,6 +29,8 @@ from ..model.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 COMPILE_AFTER = 32  # calls of a key before it is compiled
+_COMPILED: dict[str, Any] = {}  # the exported program's fingerprint -> its package loader, for the process
+_PACKAGES = tempfile.TemporaryDirectory(prefix="esp-aot-")  # the packages' files, removed at exit
 
 
 def require_compiler(device: torch.device) -> None:
@@ -57,7 +64,6 @@ class AotKernels:
         self.what = what  # for messages
         self._kernels: dict[tuple, Any] = {}  # key -> the package loader (None: compiling it failed)
         self._asked: dict[tuple, int] = {}  # key -> calls so far, until it is compiled
-        self._dir = tempfile.TemporaryDirectory(prefix="esp-aot-")
         self.compile_s = 0.0
 
     def get(self, key: tuple, make: Callable[[], torch.nn.Module], args: list[torch.Tensor],
@@ -85,12 +91,35 @@ class AotKernels:
                 examples = [_example(a, d) for a, d in zip(args, dynamic)]
                 spec = tuple({i: dims[n] for i, n in d.items()} or None for d in dynamic)
                 program = torch.export.export(make(), tuple(examples), dynamic_shapes=(spec,))
-                path = torch._inductor.aoti_compile_and_package(
-                    program, package_path=f"{self._dir.name}/{self.what}-{len(self._kernels)}.pt2")
-                kernel = torch._inductor.aoti_load_package(path).loader
+                fp = fingerprint(program)
+                kernel = _COMPILED.get(fp)
+                if kernel is None:
+                    path = torch._inductor.aoti_compile_and_package(
+                        program, package_path=f"{_PACKAGES.name}/{self.what}-{len(_COMPILED)}.pt2")
+                    kernel = _COMPILED[fp] = torch._inductor.aoti_load_package(path).loader
         except Exception as e:  # noqa: BLE001 - an optimisation: the work runs eagerly instead
             log.warning("engine.compile_host: no %s kernel for %s (%s: %s); it runs eagerly", self.what, key,
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             kernel = None
         self.compile_s += time.perf_counter() - t0
         return kernel
+
+
+def fingerprint(program: Any) -> str:
+    """What a compiled package is a function of: the exported graph's code, its inputs' specs (dtypes, shapes
+    with their symbols) and the values of the constants and buffers it captured."""
+    h = hashlib.sha256()
+    h.update(program.graph_module.code.encode())
+    h.update(str(program.call_spec).encode())
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            h.update(f"{node.name}:{node.meta.get('val')!r}".encode())
+    for name, value in sorted({**program.state_dict, **program.constants}.items()):
+        h.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(value).encode())
+    return h.hexdigest()

@@ -1,6 +1,6 @@
-"""jobs.train_dmtd: a few Ray Train steps on a tiny random model write a DMTD model directory (the split in the
-authors' config fields, the training command, a model card) that loads and decodes in cycles; a run killed mid-way
-resumes from its checkpoint; dmtd.verified=true writes a copy of the last layers for dmtd_verified."""
+"""jobs.train_dmtd: a run of a few Ray Train steps on a tiny random model, killed mid-way, resumes from its
+checkpoint and writes a DMTD model directory (the split in the authors' config fields, the training command, a model
+card) that loads and decodes in cycles; dmtd.verified=true writes a copy of the last layers for dmtd_verified."""
 from __future__ import annotations
 
 import csv
@@ -40,18 +40,24 @@ def _history(out):
 
 
 @pytest.mark.slow
-def test_few_steps_write_a_dmtd_model_that_decodes(corpus, tmp_path):
+def test_killed_run_resumes_then_writes_a_dmtd_model_that_decodes(corpus, tmp_path, caplog):
     out = tmp_path / "dmtd"
-    assert main(_args(corpus, out, 3)) == 0
+    # a worker dies right after the checkpoint of step 2: the run fails (exit 1) and keeps that checkpoint
+    assert main(_args(corpus, out, 4, "fault.exit_at_step=2")) == 1
+    assert not (out / "model.safetensors").exists()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="esp_batch.train_dmtd"):
+        assert main(_args(corpus, out, 4)) == 0
+    assert any("resuming from" in r.getMessage() for r in caplog.records)
     raw = json.loads((out / "config.json").read_text())
     assert {k: raw[k] for k in ("num_encoding_layers", "num_thinking_layers", "num_decoding_layers", "mtp_horizon")} \
         == {"num_encoding_layers": 0, "num_thinking_layers": 1, "num_decoding_layers": 1, "mtp_horizon": 2}
-    assert raw["model_type"] == "llama" and raw["dmtd_training"]["steps"] == 3
+    assert raw["model_type"] == "llama" and raw["dmtd_training"]["steps"] == 4
     assert raw["dmtd_training"]["command"].startswith("python -m jobs.train_dmtd model.name_or_path=tiny-random-llama")
     card = (out / "README.md").read_text()
     assert raw["dmtd_training"]["command"] in card and "Not lossless" in card
-    hist = _history(out)
-    assert [int(r["step"]) for r in hist] == [1, 2, 3] and all(float(r["nll_decoding"]) > 0 for r in hist)
+    hist = _history(out)  # steps 1-2 from the killed run, 3-4 after resuming
+    assert [int(r["step"]) for r in hist] == [1, 2, 3, 4] and all(float(r["nll_decoding"]) > 0 for r in hist)
     # the directory loads as a DMTD model and decodes in cycles; the weights changed from the base model's
     lm = load_model(ModelConfig(name_or_path=str(out)))
     cfg = resolve(lm.model.config)
@@ -74,19 +80,6 @@ def test_few_steps_write_a_dmtd_model_that_decodes(corpus, tmp_path):
     assert json.loads((copy / "dmtd_draft.json").read_text())["training"]["steps"] == 2
     with pytest.raises(DmtdConfigError, match="another|not this model"):
         load_draft(copy, tiny("qwen2").model)
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_from_its_checkpoint(corpus, tmp_path, caplog):
-    out = tmp_path / "dmtd"
-    assert main(_args(corpus, out, 4, "fault.exit_at_step=2")) == 1
-    assert not (out / "model.safetensors").exists()
-    caplog.clear()
-    with caplog.at_level("INFO", logger="esp_batch.train_dmtd"):
-        assert main(_args(corpus, out, 4)) == 0
-    assert any("resuming from" in r.getMessage() for r in caplog.records)
-    assert [int(r["step"]) for r in _history(out)] == [1, 2, 3, 4]
-    assert json.loads((out / "config.json").read_text())["dmtd_training"]["steps"] == 4
 
 
 def test_config_errors(tmp_path):

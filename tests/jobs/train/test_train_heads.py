@@ -1,5 +1,5 @@
-"""jobs.train_heads: a few Ray Train steps on a tiny random model write heads that load and draft; a run killed
-mid-way resumes from its checkpoint; the training documents honour a file list's exclusions."""
+"""jobs.train_heads: a run of a few Ray Train steps on a tiny random model, killed mid-way, resumes from its
+checkpoint and writes heads that load and draft; the training documents honour a file list's exclusions."""
 from __future__ import annotations
 
 import csv
@@ -40,13 +40,19 @@ def _history(out):
 
 
 @pytest.mark.slow
-def test_few_steps_write_heads_that_load_and_draft(corpus, tmp_path, capfd):
+def test_killed_run_resumes_then_writes_heads_that_load_and_draft(corpus, tmp_path, caplog, capfd):
     out = tmp_path / "heads"
-    assert main(_args(corpus, out, 3)) == 0
+    # a worker dies right after the checkpoint of step 2: the run fails (exit 1) and keeps that checkpoint
+    assert main(_args(corpus, out, 4, "fault.exit_at_step=2")) == 1
+    assert not (out / "heads.safetensors").exists()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="esp_batch.train_heads"):
+        assert main(_args(corpus, out, 4)) == 0
+    assert any("resuming from" in r.getMessage() for r in caplog.records)
     info = json.loads((out / "heads.json").read_text())
-    assert info["rank"] == 2 and info["base_model"] == "tiny-random-llama" and info["training"]["steps"] == 3
+    assert info["rank"] == 2 and info["base_model"] == "tiny-random-llama" and info["training"]["steps"] == 4
     hist = _history(out)
-    assert [int(r["step"]) for r in hist] == [1, 2, 3]
+    assert [int(r["step"]) for r in hist] == [1, 2, 3, 4]  # steps 1-2 from the killed run, 3-4 after resuming
     assert all(float(r["joint_nll"]) > float(r["first_nll"]) > 0 for r in hist)
     lm = tiny("llama")
     load_heads(out, lm.model)
@@ -67,21 +73,6 @@ def test_few_steps_write_heads_that_load_and_draft(corpus, tmp_path, capfd):
     # a warning a second, and no clean-up after a killed controller)
     logged = capfd.readouterr()
     assert "Failed to query Ray Train Controller" not in logged.out + logged.err
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_from_its_checkpoint(corpus, tmp_path, caplog):
-    out = tmp_path / "heads"
-    # a worker dies right after the checkpoint of step 2: the run fails (exit 1) and keeps that checkpoint
-    assert main(_args(corpus, out, 4, "fault.exit_at_step=2")) == 1
-    assert not (out / "heads.safetensors").exists()
-    caplog.clear()
-    with caplog.at_level("INFO", logger="esp_batch.train_heads"):
-        assert main(_args(corpus, out, 4)) == 0
-    assert any("resuming from" in r.getMessage() for r in caplog.records)
-    hist = _history(out)
-    assert [int(r["step"]) for r in hist] == [1, 2, 3, 4]  # steps 1-2 from the killed run, 3-4 after resuming
-    assert json.loads((out / "heads.json").read_text())["training"]["steps"] == 4
 
 
 def test_file_list_exclusions_are_never_read(tmp_path):
