@@ -25,6 +25,7 @@ from .auto.policy import BlockPolicy, PolicySettings, calibrate
 from .auto.sizer import DraftSizer
 from .batch import Rows, RowTensors, Seq, finish_stats, new_counters, write_history
 from .config import CYCLE_METHODS, EngineConfig, ModelConfig
+from .consts import steps
 from .drafters import Drafter, make_drafter
 from .feed import RequestFeed
 from .grad import inference
@@ -39,7 +40,7 @@ from .model.dmtd import CycleForward, CycleStarts, resolve as resolve_dmtd
 from .model.errors import ModelLoadError
 from .model.load import LoadedModel, load_model
 from .model.runner import ModelRunner
-from .passes import Block, ForwardOut, PassRecord, RowsView, Settled
+from .passes import Block, ForwardOut, PassRecord, Placement, RowsView, Settled
 from .sampling import UniformStreams, choose_tokens
 from .stats import EngineStats, PassClock
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
@@ -355,6 +356,8 @@ class Engine:
         graphed = self._replay(rows, block) if self.graphs is not None else None
         if graphed is not None:  # engine.cuda_graphs: forward and settle replayed over the class's buffers
             out, settled = graphed.out, self._finish(rows, block, graphed.verified, graphed.num_kept, graphed.reason)
+        elif self.cycle is not None:  # engine.method=dmtd: a cycle of tau tokens
+            out, settled = self._cycle(rows, block)
         else:
             out = self._forward(rows, block)
             settled = self._settle(rows, block, out)
@@ -364,22 +367,31 @@ class Engine:
 
     def _forward(self, rows: Rows, block: Block) -> ForwardOut:
         """The block through the model: hidden states and the tree slots' logits; writes the block's KV."""
-        tree, lay = block.tree, block.layout
+        tree = block.tree
         embeds = block.embeds  # [B, Q, D] when the drafter prepared every input (engine.compile_host)
         if embeds is None:
             embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
             if block.aux_embeds is not None:
                 aux = block.aux_embeds
                 embeds = torch.cat([embeds, aux if aux.dtype == embeds.dtype else aux.to(embeds.dtype)], 1)
-        b, q = embeds.shape[:2]
+        place = self._place(rows, block, embeds.shape[1])
+        hidden = self.runner.forward(embeds, place.bias, place.pos, rows.cache, place.view_len - 1)
+        self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
+        return ForwardOut(hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots)))
+
+    def _place(self, rows: Rows, block: Block, q: int, ahead: int = 0) -> Placement:
+        """Where a block of q inputs per row goes: positions, the attention bias and the cache plan (written
+        here). `ahead`: tokens the rows have gained in this pass beyond their host lengths (DMTD's cycle)."""
+        tree, lay = block.tree, block.layout
+        b = len(rows.lens)
         common = rows.common_length()
-        s_max = (max(rows.lens) if common is None else common) - 1  # cached slots per row (the root is not cached)
+        s_max = (max(rows.lens) if common is None else common) - 1 + ahead  # cached slots per row (not the root)
         if common is not None:  # rows of one length (batch 1 always): positions from the host-known length
             cache_len, pos = None, lay.rel_pos + s_max  # [B|1, Q]
             if pos.shape[0] != b:
                 pos = pos.expand(b, -1)
         else:
-            cache_len = rows.t.hist_len - 1  # [B]
+            cache_len = rows.t.hist_len + (ahead - 1)  # [B]
             pos = cache_len.unsqueeze(1) + lay.rel_pos  # [B, Q]
         if s_max + q > self.loaded.max_context:  # positions past the context (rows that stop there) are clamped
             pos = pos.clamp(max=self.loaded.max_context - 1)
@@ -392,16 +404,49 @@ class Engine:
             bias = self._static_bias((tree.static_key, lay.num_masks), lay.visible, s_max, b, self.runner.dtype)
         else:
             if cache_len is None and self.runner.sliding_window is not None:  # the window needs each key's position
-                cache_len = rows.t.hist_len - 1
+                cache_len = rows.t.hist_len + (ahead - 1)
             bias = attention_bias(lay.visible, cache_len, pos, view_len, self.runner.dtype, self.runner.sliding_window,
                                   uniform_len=None if common is None else s_max)
-        if self.cycle is None:
-            hidden = self.runner.forward(embeds, bias, pos, rows.cache, view_len - 1)
-        else:  # DMTD: the rows at a cycle start also run the thinking layers (their refill blocks)
-            starts = CycleStarts.of(rows.lens, rows.t.hist, rows.t.hist_len, self.cycle.cfg.tau)
-            hidden = self.cycle.step(embeds, bias, pos, rows.cache, view_len - 1, starts)
+        return Placement(pos, bias, view_len)
+
+    def _cycle(self, rows: Rows, block: Block) -> tuple[ForwardOut, Settled]:
+        """engine.method=dmtd: one pass is one cycle of tau tokens per row, each token from the last through the
+        layers its position runs (model/dmtd.py), chosen on the device and fed to the next, with no host read
+        in between: the engine's per-pass work (stops, commit, counters, the host read) is paid once per cycle,
+        as the direct mode's loop does. Each row meets one cycle start among tau consecutive positions, where it
+        also refills the thinking layers over its last tau tokens, the ones of this cycle written to its history
+        as they are chosen. Stops cut the cycle as they cut a speculative pass (tokens past them are dropped)."""
+        tau, t = self.cycle.cfg.tau, rows.t
+        b = len(rows.lens)
+        rows.ensure_capacity(tau)
+        if rows.sampling:
+            rows.uniforms.ensure(tau, rows.consumed())
+        choose, every = self._chooser(rows), torch.ones(b, dtype=torch.bool, device=self.device)
+        common = rows.common_length()
+        tok, chosen = block.tree.tokens[:, 0], []  # [B] the roots, then each token chosen
+        for j in range(tau):
+            place = self._place(rows, block, 1, ahead=j)
+            lens = [n + j for n in rows.lens]
+            starts = CycleStarts.of(lens, t.hist, t.hist_len + j, tau)
+            hidden = self.cycle.step(self.runner.embed_ids(tok[:, None]), place.bias, place.pos, rows.cache,
+                                     place.view_len - 1, starts)  # [B, 1, D]
+            logits = self.runner.logits(hidden)  # [B, 1, V]
+            tok = choose(logits[:, 0], every)
+            chosen.append(tok)
+            if j + 1 < tau:  # into the history at its position: a later cycle start's refill reads it there
+                if common is not None:
+                    t.hist.narrow(1, common + j, 1).copy_(tok[:, None])
+                else:
+                    t.hist.scatter_(1, (t.hist_len + j)[:, None], tok[:, None])
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
-        return ForwardOut(hidden, self.runner.logits(hidden.narrow(1, 0, tree.num_slots)))
+        committed = torch.stack(chosen, 1)  # [B, tau]
+        n = torch.full((b,), tau, dtype=torch.long, device=self.device)
+        path = steps(tau, self.device)[None].expand(b, -1)  # the cycle's KV are in place: no keep
+        res = VerifyResult(committed, n, path, path[:, -1], last_token=tok)
+        n_fin, reason = self._stops(rows, committed, n)
+        self._commit(rows, committed, n_fin, reason, tok)
+        rows.count(n_fin, n, None, tau)
+        return ForwardOut(hidden, logits), Settled(res, n_fin, reason)
 
     def _settle(self, rows: Rows, block: Block, out: ForwardOut) -> Settled:
         """Verification, stops, the KV moves, the commit and the counters. Under engine.compile_host one compiled

@@ -69,6 +69,15 @@ class Block:
 
 
 @dataclass
+class Placement:
+    """Where a block goes in the rows' caches (the plan itself is set on the cache)."""
+
+    pos: torch.Tensor  # [B, Q] positions of the inputs
+    bias: Optional[torch.Tensor]  # [B|1, 1, Q, view_len] additive attention bias (None: every slot visible)
+    view_len: int  # cache slots the block attends over, its own included
+
+
+@dataclass
 class ForwardOut:
     """The model's output over a block."""
 

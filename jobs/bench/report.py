@@ -129,9 +129,11 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
     ]
     for r in overall:
         mem = f"{fmt(r.get('peak_cache_mb'), 1)} ({fmt(r.get('cache_vs_ar'))})" if r.get("peak_cache_mb") else "-"
+        direct = r.get("lossless") is False  # dmtd: a pass is a cycle of the model's own tokens, nothing is accepted
         lines.append(
-            f"| {r['setting']}{' (not lossless)' if r.get('lossless') is False else ''} | {r['batch_size']} | {fmt(r['tau'])} | {fmt(r['accepted_per_pass'])} | "
-            f"{fmt(r['calls_saved'])} | {fmt(r['mean_block_size'], 1)} | {fmt(r['tokens_per_s'], 1)} | "
+            f"| {r['setting']}{' (not lossless)' if direct else ''} | {r['batch_size']} | {fmt(r['tau'])} | "
+            f"{'-' if direct else fmt(r['accepted_per_pass'])} | {'-' if direct else fmt(r['calls_saved'])} | "
+            f"{fmt(r['mean_block_size'], 1)} | {fmt(r['tokens_per_s'], 1)} | "
             f"{fmt(r['speedup_vs_ar'])} | {fmt(r.get('speedup_vs_hf'))} | "
             f"{paired_cell(r, 'speedup_vs_ar_paired')} / {fmt(r.get('speedup_vs_hf_paired'))} | {fmt(r['predicted_speedup'])} | "
             f"{fmt(r['host_overhead'], 3)} | {mem} | {fmt(r['exact_match_rate'])} | {fmt(r.get('token_mismatch_rate'), 4)} |"
