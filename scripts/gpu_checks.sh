@@ -9,11 +9,11 @@
 # What the machine needs: python3 with CUDA torch, transformers, pyarrow, pytest, matplotlib (its image has them) and
 # omegaconf (it has not: --prepare downloads the omegaconf and antlr4-python3-runtime wheels into .whl/, which the
 # env step installs into /tmp/site when omegaconf does not import). No network there; nothing else is fetched.
-# A device call brings back at most 8 files: env.txt, gpu_tests.txt, ar.txt, methods.txt, tiny.txt, log.txt and
-# results.tgz (every bench directory, re-packed after each step).
+# A device call brings back at most 8 files: env.txt, gpu_tests.txt, ar.txt, methods.txt, tiny.txt, dmtd.txt, log.txt
+# and results.tgz (every bench directory, re-packed after each step).
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
-# (own limits: env 120, gpu_tests 150, ar 170, methods 150, tiny 60 s; at 540 s the last may not fit):
+# (own limits: env 120, gpu_tests 150, ar 170, methods 150, tiny 60, dmtd 90 s; at 540 s the last ones may not fit):
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
 #   gpu_tests  pytest -m gpu tests/gpu tests/engine/test_host_sync.py (graph-vs-eager float32 equality on a
 #              two-layer 1B-shape model, no synchronisation inside a replayed pass for every method, ...)
@@ -24,6 +24,9 @@
 #              each run with the cost curve of replayed passes (Q = 1..128; batch 1, then 16 and 64)
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
 #              hybrid auto, with tau
+#   dmtd       issue 41 on a GPU: the 1B shape split with D = 4 untrained (PLT against speed at tau 2, 3, 4, beside ar
+#              eager: DMTD passes run eagerly), then the committed esp-tiny-llama DMTD model and its verified copy at
+#              batch 1 and 8
 # STEPS picks steps (default all; env always runs); T_<STEP> overrides a step's own limit.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -47,9 +50,9 @@ mkdir -p "$out"; out=$(cd "$out" && pwd)
 work=$(mktemp -d)  # bench output directories: packed into one file (a device call brings back few files)
 end=$(( $(date +%s) + budget ))
 if (( dry )); then  # the same steps and commands on a CPU, small and fast, the static-buffer path on (graphs: auto)
-  DEV=cpu SHAPE=tiny-random-llama DTYPE=float32 NEW=8 TINY_NEW=8 TINY_PROMPTS=prompts4 GRAPHS=true
+  DEV=cpu SHAPE=tiny-random-llama DTYPE=float32 NEW=8 TINY_NEW=8 TINY_PROMPTS=prompts4 GRAPHS=true DMTD_D=1
 else
-  DEV=cuda SHAPE=random:llama-1b DTYPE=bfloat16 NEW=64 TINY_NEW=64 TINY_PROMPTS=prompts16 GRAPHS=auto
+  DEV=cuda SHAPE=random:llama-1b DTYPE=bfloat16 NEW=64 TINY_NEW=64 TINY_PROMPTS=prompts16 GRAPHS=auto DMTD_D=4
 fi
 P=gpu_data
 export PYTHONUNBUFFERED=1 PYTHONPATH="$here:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
@@ -59,7 +62,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar methods tiny} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar methods tiny dmtd} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -125,5 +128,13 @@ step tiny tiny.txt 60 bash -c "$(declare -f bench); $(declare -p work DEV P GRAP
   bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
     generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.settings=[pld:10,esp:30,esp:auto,hybrid:auto]' \
     bench.hf_compiled=false bench.cost_curve=false"
+step dmtd dmtd.txt 90 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS DMTD_D TINY_NEW TINY_PROMPTS); \
+  big dmtd-1b data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,dmtd:2,dmtd:3,dmtd:4]' \
+    engine.dmtd_decoding_layers=$DMTD_D engine.cuda_graphs=auto bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false; \
+  bench dmtd-tiny model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
+    generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.batch_sizes=[1,8]' \
+    'bench.dmtd_paths=[dmtd/esp-tiny-llama-tau3-d2,dmtd/esp-tiny-llama-tau3-d2-verified]' \
+    'bench.settings=[ar:1:eager,dmtd:3,dmtd_verified:3,esp:auto]' bench.hf_compiled=false bench.cost_curve=false \
+    engine.cuda_graphs=auto"
 echo "== done, $(left) s left" | tee -a "$log"
 pack
