@@ -145,7 +145,7 @@ def paired_quartiles(mine: list[dict[str, float]], theirs: list[dict[str, float]
 
 def against_fastest_fixed(records: list[dict[str, Any]], rounds: dict[str, list[dict[str, float]]]) -> None:
     """Adds to each whole-run record of an `auto` setting how it compares with the fastest fixed-size drafting
-    setting of the same run and batch size (the question `auto` answers: is choosing per pass better than
+    setting of the same run and batch size, lossless ones only (the question `auto` answers: is choosing per pass better than
     the best size a user could have picked after the fact?): `fastest_fixed` (its label), `vs_fastest_fixed`
     (ratio of median tokens/s) and `vs_fastest_fixed_paired` with `_q1` / `_q3` (per-round ratios).
     rounds: setting label -> seconds per category of every repeat. Records without a fixed rival are left."""
@@ -153,7 +153,8 @@ def against_fastest_fixed(records: list[dict[str, Any]], rounds: dict[str, list[
     whole = [r for r in records if r["category"] == ALL or not has_all]
     for batch in {r["batch_size"] for r in whole}:
         here = [r for r in whole if r["batch_size"] == batch and r["tokens_per_s"]]
-        fixed = [r for r in here if r["method"] not in ("ar", *HF_METHODS) and r["block_complexity"] != "auto"]
+        fixed = [r for r in here if r["method"] not in ("ar", *HF_METHODS) and r["block_complexity"] != "auto"
+                 and r.get("lossless") is not False]  # a rival gives the same tokens: not dmtd's own model
         if not fixed:
             continue
         best = max(fixed, key=lambda r: r["tokens_per_s"])

@@ -218,10 +218,11 @@ def test_auto_settings_are_compared_with_the_fastest_fixed_setting_of_their_batc
                rec("pld BC10", "pld", 10, 16, 400.0), rec("hybrid BCauto", "hybrid", "auto", 16, 300.0),
                rec("code", "code", "auto", 1, 1.0, cat="code")]
     records[-1]["setting"] = "esp k1 static BCauto"  # a per-category record of an auto setting: left alone
+    records.insert(4, dict(rec("dmtd tau3", "dmtd", 3, 1, 500.0), lossless=False))  # not lossless: no rival
     rounds = {"pld BC10": [{"code": 1.0, "verse": 1.0}, {"code": 2.0, "verse": 2.0}, {"code": 1.0, "verse": 1.1}],
               "hybrid BCauto": [{"code": 1.0, "verse": 0.8}, {"code": 1.0, "verse": 1.0}, {"code": 1.0, "verse": 1.0}]}
     against_fastest_fixed(records, rounds)
-    b1, b16 = records[4], records[7]
+    b1, b16 = records[5], records[8]
     assert b1["fastest_fixed"] == "pld BC10" and b1["vs_fastest_fixed"] == pytest.approx(1.1)
     # per round: 2.0 / 1.8, 4.0 / 2.0, 2.1 / 2.0 -> median 1.111, quartiles 1.078 and 1.556
     assert b1["vs_fastest_fixed_paired"] == pytest.approx(2.0 / 1.8)
