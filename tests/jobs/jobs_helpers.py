@@ -112,3 +112,15 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 900)
         [sys.executable, "-m", "jobs.generate", *args], cwd=REPO, capture_output=True, text=True,
         env={**os.environ, **(env or {})}, timeout=timeout,
     )
+
+
+def killed_then_resumed(main, args, weights, logger: str, caplog) -> None:
+    """A worker dies right after the checkpoint of step 2 of 4: the run fails (exit 1), keeps that checkpoint and
+    writes no weights; the same command again resumes from it and finishes (exit 0). args(*extra) is the
+    command; `weights` the file a finished run writes."""
+    assert main(args("fault.exit_at_step=2")) == 1
+    assert not weights.exists()
+    caplog.clear()
+    with caplog.at_level("INFO", logger=logger):
+        assert main(args()) == 0
+    assert any("resuming from" in r.getMessage() for r in caplog.records)

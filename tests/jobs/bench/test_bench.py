@@ -8,6 +8,12 @@ import pytest
 
 from esp_worker.auto.cost_model import CostCurve, predict_speedup
 from jobs.bench.runner import main
+from jobs_helpers import write_jsonl
+
+
+def prompts(tmp_path, texts: list[str]):
+    """A prompts file of `texts`, ids p0, p1, ..."""
+    return write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": w} for i, w in enumerate(texts)])
 
 REQUIRED = {"method", "block_complexity", "num_masks", "tree", "category", "num_prompts", "tau", "tokens_per_s",
             "speedup_vs_ar", "exact_match_rate"}
@@ -57,9 +63,8 @@ def test_bench_end_to_end(tmp_path):
 
 def test_bench_mixed_lengths_batched_hf_row(tmp_path):
     """Per-prompt max_new_tokens in [lo, hi]; hf generate runs left-padded batches and still matches ar."""
-    data = tmp_path / "prompts.jsonl"
-    words = ["the cat sat on the mat", "def f(x):\n    return", "one two three one two", "abc abc abc", "x = 1\ny ="]
-    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n" for i, w in enumerate(words)))
+    data = prompts(tmp_path, ["the cat sat on the mat", "def f(x):\n    return", "one two three one two", "abc abc abc",
+                              "x = 1\ny ="])
     out = tmp_path / "out"
     code = main([
         f"data.path={data}", f"output.dir={out}", "bench.methods=[ar]", "bench.batch_sizes=[3]",
@@ -112,9 +117,7 @@ def test_bench_graphs_against_the_eager_engine_and_compiled_generate(tmp_path):
     """The issue's comparison on a CPU: ar over the static-buffer path (engine.cuda_graphs=true), the eager
     engine's ar, eager generate and generate with a static cache and a compiled forward (asked for: on a CPU
     it is off by default); every row reproduces ar and the graph counters say which path ran."""
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n"
-                            for i, w in enumerate(["the cat sat on the mat, the cat", "def f(x):\n    return"])))
+    data = prompts(tmp_path, ["the cat sat on the mat, the cat", "def f(x):\n    return"])
     out = tmp_path / "out"
     code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=12", "engine.cuda_graphs=true",
                  "bench.hf_compiled=true", "bench.settings=[ar:1:eager]", "bench.warmup=1", "bench.cost_curve=false"])
@@ -133,9 +136,7 @@ def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch
     from esp_worker.kernels import aot
 
     monkeypatch.setattr(aot, "COMPILE_AFTER", 1)  # compile at the first pass (a short run)
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n"
-                            for i, w in enumerate(["the cat sat on the mat, the cat", "def f(x):\n    return"])))
+    data = prompts(tmp_path, ["the cat sat on the mat, the cat", "def f(x):\n    return"])
     out = tmp_path / "out"
     code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=12", "bench.hf_baseline=false",
                  "bench.settings=[ar:1:compile_host]", "bench.warmup=0", "bench.cost_curve=false"])
@@ -247,8 +248,7 @@ def test_warmup_rounds_run_every_setting_untimed_first(tmp_path, monkeypatch):
         return run_setting(loaded, base, s, *a, **kw)
 
     monkeypatch.setattr(bench, "run_setting", counted)
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n" for i, w in enumerate(["a b a b", "c d c"])))
+    data = prompts(tmp_path, ["a b a b", "c d c"])
     out = tmp_path / "out"
     code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=4", "bench.settings=[pld:10]",
                  "bench.warmup=0", "bench.cost_curve=false", "bench.hf_baseline=false", "bench.repeats=2",
@@ -270,9 +270,7 @@ def test_rounds_start_one_setting_further_on():
 @pytest.mark.slow
 def test_bench_profile_writes_op_tables(tmp_path):
     """bench.profile: one more run of the named settings under torch.profiler; the model's calls are marked."""
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n"
-                            for i, w in enumerate(["the cat sat on the mat, the cat sat", "a b c a b c a b"])))
+    data = prompts(tmp_path, ["the cat sat on the mat, the cat sat", "a b c a b c a b"])
     out = tmp_path / "out"
     code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=8", "bench.settings=[pld:auto]",
                  "bench.warmup=0", "bench.cost_curve=false", "bench.hf_baseline=false", "bench.profile=[pld:auto]"])

@@ -8,3 +8,4 @@ import pytest
 @pytest.fixture(autouse=True)
 def quick_polls(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+

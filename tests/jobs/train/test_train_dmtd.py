@@ -13,6 +13,7 @@ from engine_helpers import PROMPTS, run, tiny
 from esp_worker import EngineConfig, GenerationParams, ModelConfig, load_model
 from esp_worker.model.dmtd import DmtdConfig, DmtdConfigError, cyclic_forward, load_draft, resolve
 from jobs.config import ConfigError
+from jobs_helpers import killed_then_resumed
 from jobs.train.dmtd import load_train_config, main
 
 TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
@@ -42,13 +43,8 @@ def _history(out):
 @pytest.mark.slow
 def test_killed_run_resumes_then_writes_a_dmtd_model_that_decodes(corpus, tmp_path, caplog):
     out = tmp_path / "dmtd"
-    # a worker dies right after the checkpoint of step 2: the run fails (exit 1) and keeps that checkpoint
-    assert main(_args(corpus, out, 4, "fault.exit_at_step=2")) == 1
-    assert not (out / "model.safetensors").exists()
-    caplog.clear()
-    with caplog.at_level("INFO", logger="esp_batch.train_dmtd"):
-        assert main(_args(corpus, out, 4)) == 0
-    assert any("resuming from" in r.getMessage() for r in caplog.records)
+    killed_then_resumed(main, lambda *extra: _args(corpus, out, 4, *extra), out / "model.safetensors",
+                        "esp_batch.train_dmtd", caplog)
     raw = json.loads((out / "config.json").read_text())
     assert {k: raw[k] for k in ("num_encoding_layers", "num_thinking_layers", "num_decoding_layers", "mtp_horizon")} \
         == {"num_encoding_layers": 0, "num_thinking_layers": 1, "num_decoding_layers": 1, "mtp_horizon": 2}

@@ -11,6 +11,7 @@ from engine_helpers import PROMPTS, reference, run, tiny
 from esp_worker import EngineConfig, GenerationParams
 from esp_worker.model.heads import load_heads
 from jobs.config import ConfigError
+from jobs_helpers import killed_then_resumed
 from jobs.train.heads import iter_documents, load_train_config, main
 
 TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
@@ -42,13 +43,8 @@ def _history(out):
 @pytest.mark.slow
 def test_killed_run_resumes_then_writes_heads_that_load_and_draft(corpus, tmp_path, caplog, capfd):
     out = tmp_path / "heads"
-    # a worker dies right after the checkpoint of step 2: the run fails (exit 1) and keeps that checkpoint
-    assert main(_args(corpus, out, 4, "fault.exit_at_step=2")) == 1
-    assert not (out / "heads.safetensors").exists()
-    caplog.clear()
-    with caplog.at_level("INFO", logger="esp_batch.train_heads"):
-        assert main(_args(corpus, out, 4)) == 0
-    assert any("resuming from" in r.getMessage() for r in caplog.records)
+    killed_then_resumed(main, lambda *extra: _args(corpus, out, 4, *extra), out / "heads.safetensors",
+                        "esp_batch.train_heads", caplog)
     info = json.loads((out / "heads.json").read_text())
     assert info["rank"] == 2 and info["base_model"] == "tiny-random-llama" and info["training"]["steps"] == 4
     hist = _history(out)
