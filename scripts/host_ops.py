@@ -20,9 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from devrun import add_run_args, engine_and_requests
 from esp_worker import batch as batch_mod  # importable once devrun put the repository on the path
+from esp_worker.graphs import runner as graph_runner
 
 PHASES = ("_forward", "_verify", "_stops", "_commit", "_record", "_end_pass", "_prefill", "_retire")  # Engine's
-NOT_HOST = ("model", "prefill", "retire")
+NOT_HOST = ("model", "prefill", "retire", "graph")
 
 
 def main() -> None:
@@ -65,6 +66,9 @@ def main() -> None:
         label(eng.drafter.probe, "logits", "model")
     label(batch_mod.Rows, "count", "count")
     label(batch_mod.Rows, "read_back", "read_back")
+    if eng.graphs is not None:  # --graphs: what a CUDA graph would replay is not host work; its input copies are
+        label(graph_runner, "decode_step", "graph")
+        label(eng.graphs, "_fill", "graph_fill")
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
