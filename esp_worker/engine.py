@@ -76,7 +76,11 @@ def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[in
 class Engine:
     """Batched lossless speculative decoding over one Hugging Face causal LM."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, cost_curve: Optional[CostCurve] = None):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, cost_curve: Optional[CostCurve] = None,
+                 graphs: Optional[GraphRunner] = None):
+        """graphs: another engine's `graphs` to replay instead of capturing anew (same model, device, batch size and
+        slots; engines that share one must run one at a time): what a process that builds several engines in
+        turn over one model, as `jobs.bench` does, captures once, as one long-lived engine would."""
         cfg.validate()
         self.cfg = cfg
         self.loaded = loaded
@@ -97,7 +101,7 @@ class Engine:
         self.cycle: Optional[CycleForward] = None
         if cfg.method == "dmtd":
             self.cycle = CycleForward(self.runner, resolve_dmtd(loaded.model.config, cfg.dmtd_tau, cfg.dmtd_decoding_layers))
-        self.graphs: Optional[GraphRunner] = self._graphs()  # engine.cuda_graphs (captures at start-up on CUDA)
+        self.graphs: Optional[GraphRunner] = self._graphs(graphs)  # engine.cuda_graphs (captures at start-up on CUDA)
         self.policy: Optional[BlockPolicy] = self._policy(cost_curve)
         self.planner: Planner = self.policy if self.policy is not None else FixedPlanner()
         if isinstance(self.drafter, DraftSizer):
@@ -109,9 +113,10 @@ class Engine:
             self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
 
-    def _graphs(self) -> Optional[GraphRunner]:
+    def _graphs(self, shared: Optional[GraphRunner]) -> Optional[GraphRunner]:
         """engine.cuda_graphs' runner over a KV slab pinned for the whole engine (graphs read it at fixed addresses),
-        or None when passes run eagerly. auto = on for CUDA; true on a CPU runs the static path eagerly."""
+        or None when passes run eagerly. auto = on for CUDA; true on a CPU runs the static path eagerly. `shared`:
+        a runner of another engine, taken over with fresh counters when it fits this engine."""
         cfg, runner = self.cfg, self.runner
         wanted = cfg.cuda_graphs if cfg.cuda_graphs != "auto" else self.device.type == "cuda"
         if not wanted:
@@ -126,9 +131,15 @@ class Engine:
         text = self.loaded.model.config.get_text_config()
         attn = runner.direct.base.layers[0].self_attn
         slots = min(cfg.cuda_graph_max_len, self.loaded.max_context)
+        dims = ModelDims(int(text.hidden_size), self.num_logits, runner.dtype, self.device)
+        if shared is not None:
+            misfit = shared.misfit(runner.direct, dims, cfg.max_batch_size, slots)
+            if misfit:
+                raise ValueError(f"Engine(graphs=...): that runner does not fit this engine: {misfit}")
+            self.stats.graphs = shared.restart_stats()
+            return shared
         cache = kv_cache.new_cache(self.num_layers)
         cache.pin(cfg.max_batch_size, slots, text.num_key_value_heads, attn.head_dim, runner.dtype, self.device)
-        dims = ModelDims(int(text.hidden_size), self.num_logits, runner.dtype, self.device)
         capture = CAPTURE_GRAPHS if CAPTURE_GRAPHS is not None else self.device.type == "cuda"
         graphs = GraphRunner(StepModel.of(runner, slots), dims, cache, cfg.max_batch_size, capture)
         self.stats.graphs = graphs.stats

@@ -2,31 +2,33 @@
 # Issue 40's checks on a GPU in one command under one deadline, each step's result in OUTDIR as soon as it is done.
 #
 #   bash scripts/gpu_checks.sh --prepare                   # here, once: gpu_data/ (prompts, esp-tiny-llama), .whl/
-#   bash scripts/gpu_checks.sh OUTDIR [SECONDS]            # the device machine, repository root (default 540 s)
+#   bash scripts/gpu_checks.sh OUTDIR [SECONDS]            # the device machine, repository root (default 570 s)
 #   bash scripts/gpu_checks.sh --dry-run OUTDIR [SECONDS]  # a CPU: every step on tiny-random-llama, float32, 8 tokens
 #
-# The device call: run(command="bash scripts/gpu_checks.sh $OUT 540", carry=["gpu_data", ".whl"], timeout_s=600).
+# The device call: run(command="bash scripts/gpu_checks.sh $OUT 570", carry=["gpu_data", ".whl"], timeout_s=600).
 # What the machine needs: python3 with CUDA torch, transformers, pyarrow, pytest, matplotlib (its image has them) and
 # omegaconf (it has not: --prepare downloads the omegaconf and antlr4-python3-runtime wheels into .whl/, which the
 # env step installs into /tmp/site when omegaconf does not import). No network there; nothing else is fetched.
-# A device call brings back at most 8 files: env.txt, gpu_tests.txt, ar.txt, methods.txt, tiny.txt, dmtd.txt, log.txt
-# and results.tgz (every bench directory, re-packed after each step).
+# A device call brings back at most 8 files: env.txt, gpu_tests.txt, ar.txt (ar64 and ar), methods.txt, tiny.txt,
+# dmtd.txt, log.txt and results.tgz (every bench directory, re-packed after each step).
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
-# (own limits: env 120, gpu_tests 150, ar 170, methods 150, tiny 60, dmtd 90 s; at 540 s the last ones may not fit):
+# (own limits: env 60, gpu_tests 90, ar64 120, tiny 100, methods 150, dmtd 120, ar 150 s; at 570 s the last
+# ones may not fit). The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
+# per batch size, as in a job; each step still builds its model and warms every setting up once.
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
 #   gpu_tests  pytest -m gpu tests/gpu tests/engine/test_host_sync.py (graph-vs-eager float32 equality on a
 #              two-layer 1B-shape model, no synchronisation inside a replayed pass for every method, ...)
-#   ar         Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
-#              round-robin repeats, medians: ar (graphs) vs ar eager vs hf generate vs hf generate compiled, at
-#              batch 1 (prompts4) and 64 (prompts64)
-#   methods    the same model: esp k1 BC 30 and hybrid auto beside ar at batch 1 (prompts4), 16 and 64 (prompts64),
-#              each run with the cost curve of replayed passes (Q = 1..128; batch 1, then 16 and 64)
+#   ar64       Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
+#              round-robin repeats, medians: ar (graphs) vs ar eager vs hf generate at batch 64 (prompts64)
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
 #              hybrid auto, with tau
+#   methods    the 1B shape: esp k1 BC 30 and hybrid auto beside ar at batch 1 (prompts4), 16 and 64 (prompts64),
+#              each run with the cost curve of replayed passes (Q = 1..128; batch 1, then 16 and 64)
 #   dmtd       issue 41 on a GPU: the 1B shape split with D = 4 untrained (PLT against speed at tau 2, 3, 4, beside ar
 #              eager: DMTD passes run eagerly), then the committed esp-tiny-llama DMTD model and its verified copy at
 #              batch 1 and 8
+#   ar         the 1B shape at batch 1 (prompts4): ar (graphs) vs ar eager vs hf generate vs hf generate compiled
 # STEPS picks steps (default all; env always runs); T_<STEP> overrides a step's own limit.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,7 +47,7 @@ fi
 
 dry=0
 if [[ ${1:-} == --dry-run ]]; then dry=1; shift; fi
-out=${1:?usage: gpu_checks.sh [--prepare | [--dry-run] OUTDIR [SECONDS]]}; budget=${2:-540}
+out=${1:?usage: gpu_checks.sh [--prepare | [--dry-run] OUTDIR [SECONDS]]}; budget=${2:-570}
 mkdir -p "$out"; out=$(cd "$out" && pwd)
 work=$(mktemp -d)  # bench output directories: packed into one file (a device call brings back few files)
 end=$(( $(date +%s) + budget ))
@@ -62,7 +64,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar methods tiny dmtd} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar64 tiny methods dmtd ar} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -108,27 +110,26 @@ EOF
   [[ -f $P/prompts4.jsonl && -f $P/prompts64.jsonl ]] || { echo "no $P/prompts*.jsonl: run --prepare and carry gpu_data"; return 1; }
 }
 
-step env env.txt 120 bash -c "$(declare -f env_check); $(declare -p P); env_check"
+step env env.txt 60 bash -c "$(declare -f env_check); $(declare -p P); env_check"
 if ! grep -q "^cuda_available True" "$out/env.txt" && (( ! dry )); then
   echo "no CUDA device: stopping (the dry run is --dry-run)" | tee -a "$log"; pack; exit 1
 fi
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share the GPU from 4 processes
-step gpu_tests gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
+step gpu_tests gpu_tests.txt 90 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   tests/engine/test_host_sync.py
-step ar ar.txt 170 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false; \
-  big ar-b64 data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
+step ar64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b64 data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \
     'bench.batch_sizes=[64]'"
+step tiny tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
+  bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
+    generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.settings=[pld:10,esp:30,esp:auto,hybrid:auto]' \
+    bench.hf_compiled=false bench.cost_curve=false"
 step methods methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big methods-b1 data.path=$P/prompts4.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'; \
   big methods-b16-b64 data.path=$P/prompts64.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false 'bench.batch_sizes=[16,64]' bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'"
-step tiny tiny.txt 60 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
-  bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
-    generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.settings=[pld:10,esp:30,esp:auto,hybrid:auto]' \
-    bench.hf_compiled=false bench.cost_curve=false"
-step dmtd dmtd.txt 90 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS DMTD_D TINY_NEW TINY_PROMPTS); \
+step dmtd dmtd.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS DMTD_D TINY_NEW TINY_PROMPTS); \
   big dmtd-1b data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,dmtd:2,dmtd:3,dmtd:4]' \
     engine.dmtd_decoding_layers=$DMTD_D engine.cuda_graphs=auto bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false; \
   bench dmtd-tiny model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
@@ -136,5 +137,7 @@ step dmtd dmtd.txt 90 bash -c "$(declare -f bench big); $(declare -p work DEV SH
     'bench.dmtd_paths=[dmtd/esp-tiny-llama-tau3-d2,dmtd/esp-tiny-llama-tau3-d2-verified]' \
     'bench.settings=[ar:1:eager,dmtd:3,dmtd_verified:3,esp:auto]' bench.hf_compiled=false bench.cost_curve=false \
     engine.cuda_graphs=auto"
+step ar ar.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false"
 echo "== done, $(left) s left" | tee -a "$log"
 pack

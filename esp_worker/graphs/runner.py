@@ -138,6 +138,25 @@ class GraphRunner:
         # does not time it)
         self.last_uncaptured = False
 
+    def misfit(self, decoder: Any, dims: ModelDims, max_batch: int, slots: int) -> Optional[str]:
+        """Why an engine of this model (its direct decoder), dims, batch size and slots cannot take over this
+        runner (None: it can)."""
+        if decoder.base is not self.model.decoder.base:
+            return "another model"
+        if dims != self.dims:
+            return f"model dimensions {dims} against {self.dims}"
+        if max_batch != self.batches[-1]:
+            return f"engine.max_batch_size={max_batch} against {self.batches[-1]}"
+        if slots > self._slab.shape[4]:
+            return f"{slots} slots per row against {self._slab.shape[4]}"
+        return None
+
+    def restart_stats(self) -> GraphStats:
+        """Fresh counters for the engine taking this runner over (its graphs stay): that engine's captures and
+        passes are counted from here."""
+        self.stats = GraphStats()
+        return self.stats
+
     # ---- the pass ----------------------------------------------------------------------------------
     def run(self, rows: Rows, block: Block) -> Optional[GraphPass]:
         """The pass over its class's buffers (replayed, or on a CPU run eagerly), or None: the caller runs it

@@ -30,6 +30,7 @@ import statistics
 import time
 
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from esp_worker.config import NOT_LOSSLESS
@@ -93,8 +94,19 @@ def mix_lengths(prompts: list[Prompt], lo_hi: Sequence[int]) -> None:
         p.params.setdefault("max_new_tokens", lo + zlib.crc32(p.id.encode()) % (hi - lo + 1))
 
 
+@dataclass
+class EngineShare:
+    """What the bench's engines share: the cost curve it measured, and per batch size the CUDA-graph runner of the
+    first engine that captured (later engines at that batch replay its graphs: a job's engine lives for the whole
+    job and captures each class once, so a bench that built a new engine per run would time captures and the
+    eager first pass of each class in every run)."""
+
+    curve: Any = None
+    graphs: dict[int, Any] = field(default_factory=dict)  # batch -> GraphRunner
+
+
 def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Prompt], generation: dict[str, Any],
-                warmup: int, curve: Any = None) -> dict[str, Any]:
+                warmup: int, share: Optional[EngineShare] = None) -> dict[str, Any]:
     """Generate every prompt with one setting; categories run one after another and are timed apart.
 
     Returns {"outputs": {id: RequestOutput}, "seconds": {category: s}, "timing": engine.stats.timing()}.
@@ -116,10 +128,15 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         cuda_graphs=False if s.eager else base.cuda_graphs,
         dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )
-    engine = Engine(loaded, cfg, cost_curve=curve)  # auto sizing uses the curve measured here
-    if engine.graphs is not None and engine.graphs.capture:
-        # CUDA graphs: a class is captured at its second pass, so the warm-up runs a full batch (its shapes are
-        # the timed run's); a class first seen in the timed run is captured there, in its compile_s
+    share = share if share is not None else EngineShare()
+    reused = share.graphs.get(batch)
+    # auto sizing uses the curve measured here
+    engine = Engine(loaded, cfg, cost_curve=share.curve, graphs=reused)
+    if engine.graphs is not None:
+        share.graphs.setdefault(batch, engine.graphs)
+    if engine.graphs is not None and engine.graphs.capture and reused is None:
+        # CUDA graphs, a new runner: a class is captured at its second pass, so the warm-up runs a full batch (its
+        # shapes are the timed run's); a class first seen in a timed run is captured there, in its compile_s
         warmup = max(warmup, batch)
     if warmup:
         engine.generate(_requests(prompts[:warmup], generation))
@@ -246,6 +263,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         (out / "cost_curve.json").write_text(json.dumps(curve.to_dict(), indent=1))
         write_table(out / "cost_curve.csv", curve.records())
     dmtd_models = DmtdModels(loaded, model_config(cfg))
+    share = EngineShare(curve)
     records = []
     for batch in b.batch_sizes:
         # repeats run round-robin over the settings (drift hits every setting alike); per category the
@@ -256,7 +274,7 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
             for s in rotated(settings, r):
                 t0 = time.perf_counter()
                 with quiet_heap():
-                    run = run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, curve)
+                    run = run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, share)
                 if r < 0:
                     log.info("%-24s batch %d warm-up round (%.1fs)", s.label, batch, time.perf_counter() - t0)
                     continue
@@ -283,9 +301,10 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         for s in settings:
             if any(matches(spec, s.method, s.block_complexity, s.heads_path) for spec in b.profile):
                 with quiet_heap():
-                    path = profile_run(lambda: run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, curve),
+                    path = profile_run(lambda: run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, share),
                                        s.label, batch, out, loaded.device.type)
                 log.info("%-24s batch %d: profile in %s", s.label, batch, path)
+        share.graphs.pop(batch, None)  # its KV slab and graph memory, before the next batch size's
         records += batch_records
         # written after every batch size, so a run cut short keeps the batch sizes it finished
         (out / "bench.json").write_text(json.dumps(records, indent=1))

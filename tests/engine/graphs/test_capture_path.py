@@ -79,6 +79,30 @@ def test_a_class_is_captured_at_its_second_pass_and_its_first_is_not_timed(captu
     assert chains and new == len(chains)  # one eager pass per class before its capture
 
 
+def test_engines_in_turn_share_one_runners_graphs(capturing):
+    first, _ = _run(4, method="hybrid", block_complexity=30)
+    shared = first.graphs
+    classes = set(shared._entries)
+    for setting in (dict(method="hybrid", block_complexity=30), dict(method="ar"), dict(method="pld", block_complexity=10)):
+        eng = Engine(tiny("llama"), EngineConfig(max_batch_size=4, cuda_graphs=True, **setting), graphs=shared)
+        assert eng.graphs is shared
+        outs = eng.generate([Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)])
+        for o, r in zip(outs, reference("llama", "sdpa")):
+            assert tuple(o.token_ids) == r, setting
+        g = eng.stats.graphs  # this engine's own counters
+        assert g.graph_passes + g.eager_passes["new_shape"] == eng.stats.decode_passes
+        if setting["method"] != "pld":  # classes the first engine met: none runs a first pass eagerly again
+            assert not g.eager_passes
+        if setting["method"] == "ar":  # and the classes it captured are not captured again
+            assert g.captured == 0 and eng.compile_s == 0.0
+        classes |= set(shared._entries)
+    assert len(shared._entries) == len(classes)
+    with pytest.raises(ValueError, match="max_batch_size=2 against 4"):
+        Engine(tiny("llama"), EngineConfig(max_batch_size=2, cuda_graphs=True), graphs=shared)
+    with pytest.raises(ValueError, match="another model"):
+        Engine(tiny("qwen2"), EngineConfig(max_batch_size=4, cuda_graphs=True), graphs=shared)
+
+
 def test_graph_limit_and_slab_growth(capturing, monkeypatch):
     monkeypatch.setattr(graph_runner, "MAX_GRAPHS", 4)
     eng, outs = _run(4, method="esp", num_masks=1, block_complexity=30)

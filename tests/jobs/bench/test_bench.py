@@ -349,3 +349,28 @@ def test_a_refused_bench_leaves_no_output_directory(tmp_path, monkeypatch, capsy
     monkeypatch.chdir(tmp_path)
     assert main(args) == 2 and "Traceback" not in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_settings_at_one_batch_size_replay_one_graph_runner():
+    """The bench's engines at one batch size share the first one's CUDA-graph runner (its graphs, its KV slab), as
+    one long-lived job engine would; every setting still gives plain decoding's tokens."""
+    from esp_worker import load_model
+    from jobs.bench.config import load_bench_config
+    from jobs.bench.runner import EngineShare, load_prompts, run_setting
+    from jobs.bench.settings import Setting
+    from jobs.config import engine_config, generation_defaults, model_config
+
+    cfg = load_bench_config(None, ["model.name_or_path=tiny-random-llama", "generation.max_new_tokens=8",
+                                   "engine.cuda_graphs=true", "data.limit=4"])
+    loaded = load_model(model_config(cfg))
+    prompts, _ = load_prompts(cfg, loaded.tokenizer)
+    share, base, gen = EngineShare(), engine_config(cfg), generation_defaults(cfg)
+    runs = [run_setting(loaded, base, s, 2, prompts, gen, 0, share) for s in (Setting("ar", 1, 0, ""),
+                                                                             Setting("pld", 10, 0, ""),
+                                                                             Setting("esp", 30, 1, "static"))]
+    first = share.graphs[2]
+    assert list(share.graphs) == [2]
+    run_setting(loaded, base, Setting("hybrid", 30, 1, "static"), 2, prompts, gen, 0, share)
+    assert share.graphs[2] is first
+    for run in runs[1:]:
+        assert {i: o.token_ids for i, o in run["outputs"].items()} == {i: o.token_ids for i, o in runs[0]["outputs"].items()}
