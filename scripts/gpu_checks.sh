@@ -22,7 +22,8 @@
 #   ar64       Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
 #              round-robin repeats, medians: ar (graphs) vs ar eager vs hf generate at batch 64 (prompts64)
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
-#              hybrid auto, with tau
+#              hybrid auto, with tau; then op tables of ar, pld and hybrid under torch.profiler (where a drafting
+#              pass's time goes once the forward is replayed)
 #   methods    the 1B shape: esp k1 BC 30 and hybrid auto beside ar at batch 1 (prompts4), 16 and 64 (prompts64),
 #              each run with the cost curve of replayed passes (Q = 1..128; batch 1, then 16 and 64)
 #   dmtd       issue 41 on a GPU: the 1B shape split with D = 4 untrained (PLT against speed at tau 2, 3, 4, beside ar
@@ -123,7 +124,7 @@ step ar64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHA
 step tiny tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
   bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
     generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.settings=[pld:10,esp:30,esp:auto,hybrid:auto]' \
-    bench.hf_compiled=false bench.cost_curve=false"
+    bench.hf_compiled=false bench.cost_curve=false 'bench.profile=[ar,pld:10,hybrid:auto]'"
 step methods methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big methods-b1 data.path=$P/prompts4.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'; \
