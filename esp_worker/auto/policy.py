@@ -55,6 +55,18 @@ class PolicySettings:
 
 
 @dataclass
+class _Planned:
+    """The pass just planned, for `observe_pass` to learn from."""
+
+    mode: str  # "plain" | "draft" (a probe pass drafts nothing but pays the drafting path)
+    model_s: float  # the curve's model seconds for it
+    plain_s: float  # the curve's seconds of a plain pass at its batch and cache length
+    batch: int
+    arm: "_Arm"  # the proposer set in charge
+    looked: bool  # a look chose it (its host time holds the look's work)
+
+
+@dataclass
 class _Prepared:
     """The next pass's decision, made at the end of this one (`prepare`)."""
 
@@ -108,7 +120,7 @@ class BlockPolicy:
     committed tokens per second, and learns from what the pass committed and how long it took (`observe_pass`).
 
     - Cost: the model's cost curve (`cost_model`), plus each mode's (plain, drafting) measured host time per pass
-      (the wall time minus the model's own time, in the curve's units), plus a drafting pass's model-time excess
+      (the wall time minus the model's own time, in the curve's units; plain's from passes that did not look), plus a drafting pass's model-time excess
       over the curve (a slower kernel for the block's shape) once it exceeds `EXCESS_TOLERANCE`. Machine-wide
       slowdowns are tracked as one drift factor for every mode: charged to the mode that happened to run, they
       would switch a mode off with nothing to correct the estimate later.
@@ -150,8 +162,7 @@ class BlockPolicy:
         self._wait = 0  # plain passes left before the next look
         self._next_wait = 0  # wait after the next look that chooses plain
         self._looks = 0
-        # (mode, predicted model seconds, the curve's plain pass seconds, batch, proposer set) of the planned pass
-        self._last: Optional[tuple[str, float, float, int, _Arm]] = None
+        self._last: Optional[_Planned] = None  # the planned pass
         # the next pass's decision, made at the end of this one (`prepare`)
         self._prepared: Optional[_Prepared] = None
         self._mass: Optional[list[float]] = None  # [max_nodes + 1] cumulative mass of the last plan (host)
@@ -265,7 +276,7 @@ class BlockPolicy:
         else:  # nothing to draft right now (no match, no probe): look again soon
             self._wait = base
         self._n = n
-        return self._planned(n, batch, cache_len)
+        return self._planned(n, batch, cache_len, looked=True)
 
     def _may_pay(self, batch: int, cache_len: int) -> bool:
         """Whether some drafting size could beat plain decoding at the calibrated alpha. Nodes at one depth are
@@ -312,14 +323,14 @@ class BlockPolicy:
         slower = math.exp(min(arms[best].lead - arms[other].lead, 10.0))
         return base * min(8.0, max(1.0, slower * slower))
 
-    def _planned(self, n: int, batch: int, cache_len: int) -> int:
+    def _planned(self, n: int, batch: int, cache_len: int, looked: bool = False) -> int:
         arm = self.arm
         if n in arm.sizes:
             model_s = self.costs(batch, cache_len)[arm.sizes.index(n)]
         else:
             model_s = self.curve.time(batch, float(arm.block_tokens(n)), cache_len)
         mode = "plain" if n < 0 else "draft"
-        self._last = (mode, model_s, self.costs(batch, cache_len)[0], batch, arm)  # sizes[0] is plain decoding
+        self._last = _Planned(mode, model_s, self.costs(batch, cache_len)[0], batch, arm, looked)  # sizes[0]: plain
         for m in self._since:
             self._since[m] = 0 if m == mode else self._since[m] + 1
         return n
@@ -331,17 +342,17 @@ class BlockPolicy:
         time beyond the curve's prediction counts as host time and no drift is tracked)."""
         if self._last is None:
             return
-        mode, model_s, plain_s, batch, arm = self._last
-        self._last = None
+        last, self._last = self._last, None
         # the pass's own proposer set: `prepare` may already have picked the next pass's
-        current, self.arm = self.arm, arm
+        current, self.arm = self.arm, last.arm
         try:
-            self._observe_pass(arm, mode, model_s, plain_s, batch, num_committed, seconds, model_seconds)
+            self._observe_pass(last, num_committed, seconds, model_seconds)
         finally:
             self.arm = current
 
-    def _observe_pass(self, arm: "_Arm", mode: str, model_s: float, plain_s: float, batch: int, num_committed,
-                      seconds: Optional[float], model_seconds: Optional[float]) -> None:
+    def _observe_pass(self, last: _Planned, num_committed, seconds: Optional[float],
+                      model_seconds: Optional[float]) -> None:
+        arm, mode, model_s, plain_s, batch = last.arm, last.mode, last.model_s, last.plain_s, last.batch
         committed = num_committed if isinstance(num_committed, int) else int(num_committed.sum())
         if self._mass is not None and self._n > 0:
             self.observe(self._mass[min(self._n, len(self._mass) - 1)], float(committed - batch))
@@ -354,7 +365,13 @@ class BlockPolicy:
             self._observe_excess(mode, model_seconds, model_s)
             self._track_drift(model_seconds / excess, model_s)  # the machine's speed, not the mode's excess
             host = max(seconds - model_seconds, 0.0) / self.drift
-        (arm.plain_over if mode == "plain" else arm.over).append(host)
+        if mode == "draft":
+            arm.over.append(host)
+        elif not last.looked:
+            # plain decoding's own cost: a plain pass a look chose also paid the look (the draft mass, the row
+            # hints), which plain decoding in a back-off does not; counted, it made plain decoding look dearer
+            # than it is, and drafting won where it lost (a drafting pass pays its look either way)
+            arm.plain_over.append(host)
         if len(self.arms) > 1:  # speed of the proposer set in charge, compared with the other's on the same text
             tokens, secs = committed / max(batch, 1), (model_s * excess + host) / plain_s
             self._pair(arm, tokens / secs if secs > 0 else 0.0)
