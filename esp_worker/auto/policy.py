@@ -120,10 +120,10 @@ class BlockPolicy:
     committed tokens per second, and learns from what the pass committed and how long it took (`observe_pass`).
 
     - Cost: the model's cost curve (`cost_model`), plus each mode's (plain, drafting) measured host time per pass
-      (the wall time minus the model's own time, in the curve's units; plain's from passes that did not look), plus a drafting pass's model-time excess
-      over the curve (a slower kernel for the block's shape) once it exceeds `EXCESS_TOLERANCE`. Machine-wide
-      slowdowns are tracked as one drift factor for every mode: charged to the mode that happened to run, they
-      would switch a mode off with nothing to correct the estimate later.
+      (the wall time minus the model's own time, in the curve's units; plain's from passes that did not look),
+      plus a drafting pass's model-time excess over the curve (a slower kernel for the block's shape) once it
+      exceeds `EXCESS_TOLERANCE`. Machine-wide slowdowns are tracked as one drift factor for every mode: charged
+      to the mode that happened to run, they would switch a mode off with nothing to correct the estimate later.
     - Gain: 1 + alpha * the drafter's own mass of the n best nodes per row (`DraftSizer.draft_mass`), alpha being a
       running ratio of accepted drafts to predicted mass.
     - Exploration: the first `min_samples` looks draft whatever the estimate says, and while one mode wins the
