@@ -76,6 +76,10 @@ class EngineConfig:
     # key slots per row the graphs' KV slab holds (pinned at start-up); a row that needs more runs eagerly and
     # grows the slab, after which graphs are captured again over it
     cuda_graph_max_len: int = 2048
+    # compile each graph's pass with Inductor (torch.compile, automatic dynamic shapes) before capturing it: fewer,
+    # fused kernels in the replay, at a compile per new pass shape (tens of seconds on a GPU; start-up captures
+    # nothing then, classes are compiled and captured as they come). esp_worker/graphs/step.py:compiled_step
+    cuda_graphs_compile: bool = False
     # Batching
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
@@ -179,6 +183,11 @@ class EngineConfig:
             bad(f"engine.cuda_graphs={self.cuda_graphs!r} must be auto, true or false")
         if self.cuda_graphs is True and self.compile_host:
             bad("engine.cuda_graphs=true and engine.compile_host=true both run a pass's settle; choose one")
+        if self.cuda_graphs_compile and self.cuda_graphs is False:
+            bad("engine.cuda_graphs_compile=true compiles the replayed passes; it needs engine.cuda_graphs=auto or true")
+        if self.cuda_graphs_compile and self.compile_mode in ("reduce-overhead", "max-autotune"):
+            bad(f"engine.compile_mode={self.compile_mode} captures CUDA graphs of its own; with "
+                "engine.cuda_graphs_compile use the default mode or max-autotune-no-cudagraphs")
         if self.cuda_graph_max_len < 1:
             bad(f"engine.cuda_graph_max_len={self.cuda_graph_max_len} must be >= 1")
         if any(b < 1 for b in self.branches):

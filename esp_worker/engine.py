@@ -30,8 +30,8 @@ from .drafters import Drafter, make_drafter
 from .feed import RequestFeed
 from .grad import inference
 from .graphs.buffers import ModelDims
-from .graphs.runner import GraphPass, GraphRunner
-from .graphs.step import StepModel, graph_support
+from .graphs.runner import MAX_GRAPHS, GraphPass, GraphRunner
+from .graphs.step import StepModel, compiled_step, graph_support
 from .kernels.aot import AotKernels
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
@@ -133,7 +133,7 @@ class Engine:
         slots = min(cfg.cuda_graph_max_len, self.loaded.max_context)
         dims = ModelDims(int(text.hidden_size), self.num_logits, runner.dtype, self.device)
         if shared is not None:
-            misfit = shared.misfit(runner.direct, dims, cfg.max_batch_size, slots)
+            misfit = shared.misfit(runner.direct, dims, cfg.max_batch_size, slots, cfg.cuda_graphs_compile)
             if misfit:
                 raise ValueError(f"Engine(graphs=...): that runner does not fit this engine: {misfit}")
             self.stats.graphs = shared.restart_stats()
@@ -141,7 +141,8 @@ class Engine:
         cache = kv_cache.new_cache(self.num_layers)
         cache.pin(cfg.max_batch_size, slots, text.num_key_value_heads, attn.head_dim, runner.dtype, self.device)
         capture = CAPTURE_GRAPHS if CAPTURE_GRAPHS is not None else self.device.type == "cuda"
-        graphs = GraphRunner(StepModel.of(runner, slots), dims, cache, cfg.max_batch_size, capture)
+        compiled = compiled_step(cfg.compile_mode, MAX_GRAPHS) if cfg.cuda_graphs_compile else None
+        graphs = GraphRunner(StepModel.of(runner, slots), dims, cache, cfg.max_batch_size, capture, compiled)
         self.stats.graphs = graphs.stats
         graphs.capture_plain()
         return graphs

@@ -37,7 +37,7 @@ from ..passes import Block, ForwardOut
 from ..stats import GraphStats
 from ..verify import VerifyResult
 from .buffers import INTS, ModelDims, ShapeClass, StepInputs, StepOutput
-from .step import StepModel, decode_step
+from .step import StepFn, StepModel, decode_step
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,10 @@ class _Entry:
 class GraphRunner:
     """Shape classes, their buffers and graphs, and the replay of a pass (see the module docstring)."""
 
-    def __init__(self, model: StepModel, dims: ModelDims, cache: KVCache, max_batch: int, capture: bool):
+    def __init__(self, model: StepModel, dims: ModelDims, cache: KVCache, max_batch: int, capture: bool,
+                 compiled: Optional[StepFn] = None):
         self.model, self.dims, self.cache = model, dims, cache
+        self.compiled = compiled  # engine.cuda_graphs_compile: decode_step under Inductor (None: as it is)
         self.batches = batch_buckets(max_batch)
         self.capture = capture  # CUDA: capture graphs; CPU: run the static path eagerly
         self.stats = GraphStats()
@@ -138,9 +140,11 @@ class GraphRunner:
         # does not time it)
         self.last_uncaptured = False
 
-    def misfit(self, decoder: Any, dims: ModelDims, max_batch: int, slots: int) -> Optional[str]:
-        """Why an engine of this model (its direct decoder), dims, batch size and slots cannot take over this
-        runner (None: it can)."""
+    def misfit(self, decoder: Any, dims: ModelDims, max_batch: int, slots: int, compiled: bool) -> Optional[str]:
+        """Why an engine of this model (its direct decoder), dims, batch size, slots and engine.cuda_graphs_compile
+        cannot take over this runner (None: it can)."""
+        if compiled != (self.compiled is not None):
+            return f"engine.cuda_graphs_compile={compiled} against {self.compiled is not None}"
         if decoder.base is not self.model.decoder.base:
             return "another model"
         if dims != self.dims:
@@ -156,6 +160,10 @@ class GraphRunner:
         passes are counted from here."""
         self.stats = GraphStats()
         return self.stats
+
+    def _step(self, inp: StepInputs, shape: ShapeClass) -> StepOutput:
+        """The class's pass over its buffers: decode_step, or its compiled form."""
+        return (self.compiled or decode_step)(self.model, self._slab, inp, shape)
 
     # ---- the pass ----------------------------------------------------------------------------------
     def run(self, rows: Rows, block: Block) -> Optional[GraphPass]:
@@ -178,7 +186,7 @@ class GraphRunner:
             if self.capture:
                 self._capture(shape, entry)
             else:
-                res = decode_step(self.model, self._slab, entry.inp, shape)
+                res = self._step(entry.inp, shape)
                 # buffers of the class's own (a result may hold shared constants, e.g. a chain's path slots)
                 entry.out = res.clone() if entry.out is None else entry.out.copy_(res)
         if entry.graph is not None:
@@ -279,16 +287,16 @@ class GraphRunner:
         dev = self.dims.device
         cuda = dev.type == "cuda"
         before = torch.cuda.memory_reserved(dev) if cuda else 0
-        entry.graph, entry.out = capture_graph(lambda: decode_step(self.model, self._slab, entry.inp, shape),
-                                               self._pool, dev)
+        entry.graph, entry.out = capture_graph(lambda: self._step(entry.inp, shape), self._pool, dev)
         self.stats.captured += 1
         self.stats.graph_bytes += max(0, torch.cuda.memory_reserved(dev) - before) if cuda else 0
         self.stats.capture_s += time.perf_counter() - t0
 
     def capture_plain(self) -> None:
         """Start-up: the plain pass (Q = 1, greedy) of every batch bucket and capacity bucket up to START_CAPACITY,
-        over padding rows (their KV writes land in rows no request holds yet)."""
-        if not self.capture:
+        over padding rows (their KV writes land in rows no request holds yet). Not with a compiled step: each
+        capture would be a compile, so its classes come as the job meets them."""
+        if not self.capture or self.compiled is not None:
             return
         for batch in self.batches:
             if batch > self._slab.shape[2]:
@@ -322,7 +330,7 @@ class GraphRunner:
         inp.hist_len.narrow(0, 0, batch).fill_(cache_len + 1)
         entry.rows_of, entry.live = None, batch
         if not self.capture:
-            return lambda: decode_step(self.model, self._slab, inp, shape)
+            return lambda: self._step(inp, shape)
         if entry.graph is None:
             self._capture(shape, entry)
         return entry.graph.replay

@@ -92,6 +92,23 @@ def graph_support(runner: ModelRunner) -> Optional[str]:
     return None
 
 
+StepFn = Callable[["StepModel", torch.Tensor, StepInputs, ShapeClass], StepOutput]  # decode_step's signature
+
+
+def compiled_step(mode: str = "", recompile_limit: int = 512) -> StepFn:
+    """`decode_step` under Inductor (engine.cuda_graphs_compile): the step is one graph with no break (tested), so
+    what a CUDA graph then captures is Inductor's fused kernels instead of one kernel per operation. Shapes are
+    automatic-dynamic: the first class compiles for its sizes, a class that differs only in batch or capacity
+    recompiles once with those sizes symbolic, and later ones reuse it; classes of other blocks compile their own.
+    Each shape class still gets its own CUDA graph. recompile_limit: compiles kept before torch falls back to
+    eager for new shapes (torch's default, 8, is fewer than the classes a drafting job meets)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, recompile_limit)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, recompile_limit)
+    return torch.compile(decode_step, fullgraph=True, dynamic=None, mode=mode or None)
+
+
 class StaticCache:
     """The KV slab as the decoder's cache inside the step: layer i writes row b's Q new keys and values at slots
     cache_len[b] .. cache_len[b] + Q - 1 and hands attention slots 0 .. C - 1 of the batch's rows."""

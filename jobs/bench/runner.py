@@ -102,7 +102,7 @@ class EngineShare:
     eager first pass of each class in every run)."""
 
     curve: Any = None
-    graphs: dict[int, Any] = field(default_factory=dict)  # batch -> GraphRunner
+    graphs: dict[tuple[int, bool], Any] = field(default_factory=dict)  # (batch, compiled step) -> GraphRunner
 
 
 def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Prompt], generation: dict[str, Any],
@@ -126,14 +126,16 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         heads_path=s.heads_path or (base.heads_path if s.method == "cp_heads" else ""),
         compile_host=base.compile_host or s.compile_host,
         cuda_graphs=False if s.eager else base.cuda_graphs,
+        cuda_graphs_compile=base.cuda_graphs_compile or s.compiled_graphs,
         dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )
     share = share if share is not None else EngineShare()
-    reused = share.graphs.get(batch)
+    key = (batch, cfg.cuda_graphs_compile)
+    reused = share.graphs.get(key)
     # auto sizing uses the curve measured here
     engine = Engine(loaded, cfg, cost_curve=share.curve, graphs=reused)
     if engine.graphs is not None:
-        share.graphs.setdefault(batch, engine.graphs)
+        share.graphs.setdefault(key, engine.graphs)
     if engine.graphs is not None and engine.graphs.capture and reused is None:
         # CUDA graphs, a new runner: a class is captured at its second pass, so the warm-up runs a full batch (its
         # shapes are the timed run's); a class first seen in a timed run is captured there, in its compile_s
@@ -304,7 +306,8 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
                     path = profile_run(lambda: run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, share),
                                        s.label, batch, out, loaded.device.type)
                 log.info("%-24s batch %d: profile in %s", s.label, batch, path)
-        share.graphs.pop(batch, None)  # its KV slab and graph memory, before the next batch size's
+        for key in [k for k in share.graphs if k[0] == batch]:  # their KV slabs and graph memory, before the next
+            del share.graphs[key]
         records += batch_records
         # written after every batch size, so a run cut short keeps the batch sizes it finished
         (out / "bench.json").write_text(json.dumps(records, indent=1))

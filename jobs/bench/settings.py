@@ -26,6 +26,7 @@ class Setting:
     heads_path: str = ""  # cp_heads and hybrid+heads: directory of the trained heads
     compile_host: bool = False  # engine.compile_host for this setting ("METHOD:BC:compile_host")
     eager: bool = False  # engine.cuda_graphs=false for this setting ("METHOD:BC:eager"): passes run eagerly
+    compiled_graphs: bool = False  # engine.cuda_graphs_compile=true ("METHOD:BC:compiled_graphs")
     dmtd_tau: int = 0  # dmtd / dmtd_verified: tokens per cycle
     # dmtd: the DMTD model directory ("" = the bench's own model, split by engine.dmtd_decoding_layers);
     # dmtd_verified: the trained copy's directory
@@ -33,7 +34,8 @@ class Setting:
 
     @property
     def label(self) -> str:
-        return self._label + (" compile_host" if self.compile_host else "") + (" eager" if self.eager else "")
+        return self._label + (" compile_host" if self.compile_host else "") + (" eager" if self.eager else "") \
+            + (" compiled graphs" if self.compiled_graphs else "")
 
     @property
     def _label(self) -> str:
@@ -76,7 +78,8 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
     ar, pld BC10, pld BC30, esp k1 static BC10, esp k1 static BC30.
     With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto; an entry
     METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so), METHOD:BC:eager with
-    engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's). dmtd:TAU runs each
+    engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's), METHOD:BC:compiled_graphs
+    with engine.cuda_graphs_compile=true. dmtd:TAU runs each
     DMTD model of `bench.dmtd_paths` trained with that tau (none given: the bench's model, split by
     engine.dmtd_decoding_layers); dmtd_verified:TAU each trained copy there, drafting TAU - 1 tokens per pass.
     `hf generate compiled` follows `hf generate` when bench.hf_compiled is true, or auto on an accelerator.
@@ -88,17 +91,16 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
         for spec in bench.settings:
             m, _, rest = str(spec).partition(":")
             bc, _, opt = rest.partition(":")
-            bc, ch, eager = (bc if bc == "auto" else int(bc)), opt == "compile_host", opt == "eager"
+            bc = bc if bc == "auto" else int(bc)
+            opts = dict(compile_host=opt == "compile_host", eager=opt == "eager", compiled_graphs=opt == "compiled_graphs")
             if m in DMTD_METHODS:
                 out.extend(dmtd_settings(m, int(bc), list(bench.get("dmtd_paths") or [])))
             elif m in ("cp_heads", HYBRID_HEADS):
-                out.extend(Setting(m.partition("+")[0], bc, 0, "", heads_path=h, compile_host=ch, eager=eager)
-                           for h in bench.heads_paths)
+                out.extend(Setting(m.partition("+")[0], bc, 0, "", heads_path=h, **opts) for h in bench.heads_paths)
             elif m == "esp":
-                out.append(Setting(m, bc, bench.num_masks[0], bench.trees[0], bench.expansions[0], compile_host=ch,
-                                   eager=eager))
+                out.append(Setting(m, bc, bench.num_masks[0], bench.trees[0], bench.expansions[0], **opts))
             else:
-                out.append(Setting(m, bc, 0, "", compile_host=ch, eager=eager))
+                out.append(Setting(m, bc, 0, "", **opts))
         return out
     for m in bench.methods:
         if m == "ar":

@@ -31,7 +31,10 @@ class _Replayed:
 
 def _capture(fn, pool, device):
     fn()  # the warm-up
-    out = fn()  # the capture (a CUDA capture records; this one runs: a third run of the pass, as idempotent)
+    # the capture (a CUDA capture records; this one runs: a third run of the pass, as idempotent); its outputs are
+    # the graph's own memory, which a replay rewrites in place: a copy here (a compiled step may return an expanded
+    # constant, which a replay rewrites through its one element but copy_ cannot write)
+    out = fn().clone()
     return _Replayed(fn, out), out
 
 
@@ -164,3 +167,26 @@ def test_at_most_one_host_read_per_captured_pass(capturing, monkeypatch, setting
     over = [(i, n, changed) for i, (n, changed) in enumerate(seen["per_pass"]) if n > 1 + (auto and changed)]
     assert not over, (over[:5], seen["where"])
     assert eng.stats.graphs.graph_passes > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [dict(method="ar"), dict(method="pld", block_complexity=10)])
+def test_compiled_steps_are_captured_and_match_generate(capturing, setting):
+    """engine.cuda_graphs_compile: each class's pass is decode_step under Inductor, captured (here: the stand-in)
+    as it comes (no start-up captures: each would be a compile), with no graph break; the tokens are generate's."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eng, outs = _run(2, cuda_graphs_compile=True, **setting)
+    for o, r in zip(outs, reference("llama", "sdpa")):
+        assert tuple(o.token_ids) == r, setting
+    g = eng.stats.graphs
+    assert eng.graphs.compiled is not None and g.captured == len(eng.graphs._entries) >= 1
+    assert g.graph_passes + g.eager_passes["new_shape"] == eng.stats.decode_passes
+    assert not torch._dynamo.utils.counters["graph_break"]
+    with pytest.raises(ValueError, match="cuda_graphs_compile=False against True"):
+        Engine(tiny("llama"), EngineConfig(max_batch_size=2, cuda_graphs=True), graphs=eng.graphs)
+
+
+def test_compiled_steps_need_graphs():
+    with pytest.raises(ValueError, match="needs engine.cuda_graphs=auto or true"):
+        EngineConfig(cuda_graphs=False, cuda_graphs_compile=True).validate()

@@ -102,10 +102,12 @@ def test_eager_option_and_the_compiled_hf_baseline_in_the_grid():
     from jobs.bench.settings import grid
     from jobs.bench.config import load_bench_config
 
-    cfg = load_bench_config(None, ["bench.settings=[ar:1:eager,pld:10:eager,pld:10]"])
-    assert [s.label for s in grid(cfg.bench)] == ["ar", "hf generate", "ar eager", "pld BC10 eager", "pld BC10"]
+    cfg = load_bench_config(None, ["bench.settings=[ar:1:eager,pld:10:eager,pld:10,ar:1:compiled_graphs]"])
+    assert [s.label for s in grid(cfg.bench)] == ["ar", "hf generate", "ar eager", "pld BC10 eager", "pld BC10",
+                                                  "ar compiled graphs"]
+    assert [s.compiled_graphs for s in grid(cfg.bench)] == [False] * 5 + [True]
     assert [s.label for s in grid(cfg.bench, accelerator=True)][:3] == ["ar", "hf generate", "hf generate compiled"]
-    assert [s.eager for s in grid(cfg.bench)] == [False, False, True, True, False]
+    assert [s.eager for s in grid(cfg.bench)] == [False, False, True, True, False, False]
     off = load_bench_config(None, ["bench.settings=[pld:10]", "bench.hf_compiled=false"])
     assert "hf generate compiled" not in [s.label for s in grid(off.bench, accelerator=True)]
     on = load_bench_config(None, ["bench.settings=[pld:10]", "bench.hf_compiled=true", "bench.hf_baseline=false"])
@@ -148,7 +150,7 @@ def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("spec,words", [
     ("pld", "METHOD:BC"), ("ar:10", "ar:1:compile_host"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
-    ("pld:10:fast", ":compile_host"), ("ar:1:fast", ":eager"),
+    ("pld:10:fast", ":compile_host"), ("ar:1:fast", ":compiled_graphs"),
     ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"),
 ])
 def test_bench_rejects_bad_settings(tmp_path, monkeypatch, capsys, spec, words):
@@ -368,9 +370,9 @@ def test_settings_at_one_batch_size_replay_one_graph_runner():
     runs = [run_setting(loaded, base, s, 2, prompts, gen, 0, share) for s in (Setting("ar", 1, 0, ""),
                                                                              Setting("pld", 10, 0, ""),
                                                                              Setting("esp", 30, 1, "static"))]
-    first = share.graphs[2]
-    assert list(share.graphs) == [2]
+    first = share.graphs[2, False]
+    assert list(share.graphs) == [(2, False)]
     run_setting(loaded, base, Setting("hybrid", 30, 1, "static"), 2, prompts, gen, 0, share)
-    assert share.graphs[2] is first
+    assert share.graphs[2, False] is first
     for run in runs[1:]:
         assert {i: o.token_ids for i, o in run["outputs"].items()} == {i: o.token_ids for i, o in runs[0]["outputs"].items()}
