@@ -155,8 +155,9 @@ class Engine:
         # with CUDA graphs the curve is that of replayed passes (on a CPU the static path runs eagerly: the
         # eager forward's curve serves)
         passes = self.graphs.pass_timer if self.graphs is not None and self.graphs.capture else None
+        kind = "graphs+compiled" if cfg.cuda_graphs_compile else "graphs"
         curve = cost_curve or calibrate(self.runner, cfg.max_batch_size, cfg.auto_max_block, cfg.cost_curve_path,
-                                        passes)
+                                        passes, kind)
         prepare = PREPARE_LOOKS if PREPARE_LOOKS is not None else self.device.type != "cpu"
         settings = PolicySettings(probe_interval=cfg.auto_probe_interval, prepare_looks=prepare)
         return BlockPolicy(curve, self.drafter, cfg.auto_max_block, settings)

@@ -478,10 +478,11 @@ def _forward_kind(runner: ModelRunner) -> str:
 
 
 def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "",
-              passes: Optional[PassFactory] = None) -> CostCurve:
+              passes: Optional[PassFactory] = None, passes_kind: str = "graphs") -> CostCurve:
     """The cost curve for this model, device, dtype and thread count: loaded from `path` or the cache
     directory when present, else measured (a few seconds) and cached. passes: engine.cuda_graphs' passes (the
-    curve of replayed passes, which on a GPU is a different machine from the eager one's)."""
+    curve of replayed passes, which on a GPU is a different machine from the eager one's); passes_kind names
+    them in the cache key (replayed compiled passes are another machine again)."""
     if path:
         return CostCurve.from_dict(json.loads(Path(path).read_text()))
     batches = sorted({1, max_batch} | {b for b in (2, 4, 8, 16, 32, 64) if b < max_batch})
@@ -490,7 +491,7 @@ def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "
     blocks = sorted(set(powers_of_two(max_block)) | {max_block})
     key = json.dumps(
         [CURVE_VERSION, runner.loaded.name, str(runner.device), str(runner.dtype), torch.get_num_threads(),
-         _forward_kind(runner) + ("+graphs" if passes is not None else ""), batches, cache_lens, blocks]
+         _forward_kind(runner) + (f"+{passes_kind}" if passes is not None else ""), batches, cache_lens, blocks]
     )
     file = cache_dir() / f"cost-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
     if file.exists():
