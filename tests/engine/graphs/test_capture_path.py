@@ -131,6 +131,19 @@ def test_the_auto_policy_calibrates_on_captured_passes(capturing, tmp_path):
     assert {1, 2, 4, 8} <= chains  # the curve's chain passes (Q = 1 .. 8) were captured
 
 
+def test_a_curve_of_compiled_passes_is_cached_apart(capturing, tmp_path):
+    """The cost curve's cache key tells the replayed passes of engine.cuda_graphs_compile from the plain replayed
+    ones (another machine again): each kind is measured and cached on its own."""
+    from esp_worker.auto.policy import calibrate
+
+    eng, _ = _run(1, method="pld", block_complexity=10)
+    passes = eng.graphs.pass_timer
+    calibrate(eng.runner, 1, 4, passes=passes)
+    calibrate(eng.runner, 1, 4, passes=passes, passes_kind="graphs+compiled")
+    calibrate(eng.runner, 1, 4, passes=passes)  # found in the cache
+    assert len(list(tmp_path.glob("cost-*.json"))) == 2
+
+
 def test_the_rotary_table_grows_with_the_slab():
     """After the slab grows, the step's rotary table covers the new slots (the same values where both have them)."""
     from esp_worker.graphs.step import StepModel
