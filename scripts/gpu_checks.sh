@@ -13,17 +13,20 @@
 # dmtd.txt, log.txt and results.tgz (every bench directory, re-packed after each step).
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
-# (own limits: env 60, gpu_tests 150, ar64 120, ar 240, tiny 100, methods 150, dmtd 120 s; at 570 s the last
-# ones may not fit). The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
+# (own limits: env 60, gpu_tests 120, ar64 120, ar 240, gpu_compiled 150, tiny 100, methods 150, dmtd 120 s; at
+# 570 s the last ones may not fit). The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
 #   gpu_tests  pytest -m gpu tests/gpu tests/engine/test_host_sync.py (graph-vs-eager float32 equality on a
 #              two-layer 1B-shape model, no synchronisation inside a replayed pass for every method, ...)
+#              (-k "not compiled": the compiled tests, whose compiles take minutes, are step gpu_compiled)
 #   ar64       Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
 #              round-robin repeats, medians: ar (graphs) vs ar eager vs hf generate at batch 64 (prompts64)
 #   ar         the 1B shape at batch 1 (prompts4): ar (graphs) vs ar eager vs hf generate vs hf generate compiled;
 #              then, in a run of its own (a failed compile leaves the first), ar vs ar with compiled graphs
 #              (engine.cuda_graphs_compile: Inductor's fused kernels captured; its compiles are in the warm-up round)
+#   gpu_compiled  pytest -m gpu tests/gpu -k compiled: engine.cuda_graphs_compile gives the eager engine's tokens
+#              in float32 on the two-layer 1B shape (into gpu_tests.txt)
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
 #              hybrid auto, with tau; then op tables of ar, pld and hybrid under torch.profiler (where a drafting
 #              pass's time goes once the forward is replayed)
@@ -67,7 +70,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar64 ar tiny methods dmtd} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar64 ar gpu_compiled tiny methods dmtd} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -118,8 +121,8 @@ if ! grep -q "^cuda_available True" "$out/env.txt" && (( ! dry )); then
   echo "no CUDA device: stopping (the dry run is --dry-run)" | tee -a "$log"; pack; exit 1
 fi
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share the GPU from 4 processes
-step gpu_tests gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
-  tests/engine/test_host_sync.py
+step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
+  tests/engine/test_host_sync.py -k "not compiled"
 step ar64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b64 data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \
     'bench.batch_sizes=[64]'"
@@ -127,6 +130,8 @@ step ar ar.txt 240 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE
   big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false; \
   big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:compiled_graphs]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_curve=false"
+step gpu_compiled gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
+  -k compiled
 step tiny tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
   bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
     generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.settings=[pld:10,esp:30,esp:auto,hybrid:auto]' \
