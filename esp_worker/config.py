@@ -184,7 +184,8 @@ class EngineConfig:
         if self.cuda_graphs is True and self.compile_host:
             bad("engine.cuda_graphs=true and engine.compile_host=true both run a pass's settle; choose one")
         if self.cuda_graphs_compile and self.cuda_graphs is False:
-            bad("engine.cuda_graphs_compile=true compiles the replayed passes; it needs engine.cuda_graphs=auto or true")
+            bad("engine.cuda_graphs_compile=true compiles the replayed passes; it needs engine.cuda_graphs=auto "
+                "or true")
         if self.cuda_graphs_compile and self.compile_mode in ("reduce-overhead", "max-autotune"):
             bad(f"engine.compile_mode={self.compile_mode} captures CUDA graphs of its own; with "
                 "engine.cuda_graphs_compile use the default mode or max-autotune-no-cudagraphs")

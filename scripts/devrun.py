@@ -26,7 +26,8 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--compile-host", action="store_true", help="engine.compile_host=true (esp_worker/settle.py)")
-    ap.add_argument("--graphs", action="store_true", help="engine.cuda_graphs=true (on a CPU: the static path, eagerly)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="engine.cuda_graphs=true (on a CPU: the static path, eagerly)")
 
 
 def engine_and_requests(args: argparse.Namespace, batch: int = 1) -> tuple[Engine, Callable[[], list[Request]]]:

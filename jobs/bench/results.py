@@ -145,8 +145,8 @@ def paired_quartiles(mine: list[dict[str, float]], theirs: list[dict[str, float]
 
 def against_fastest_fixed(records: list[dict[str, Any]], rounds: dict[str, list[dict[str, float]]]) -> None:
     """Adds to each whole-run record of an `auto` setting how it compares with the fastest fixed-size drafting
-    setting of the same run and batch size, lossless ones only (the question `auto` answers: is choosing per pass better than
-    the best size a user could have picked after the fact?): `fastest_fixed` (its label), `vs_fastest_fixed`
+    setting of the same run and batch size, lossless ones only (the question `auto` answers: is choosing per pass
+    better than the best size a user could have picked after the fact?): `fastest_fixed` (its label), `vs_fastest_fixed`
     (ratio of median tokens/s) and `vs_fastest_fixed_paired` with `_q1` / `_q3` (per-round ratios).
     rounds: setting label -> seconds per category of every repeat. Records without a fixed rival are left."""
     has_all = any(r["category"] == ALL for r in records)  # several categories; else the one category's records

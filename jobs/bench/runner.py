@@ -29,8 +29,8 @@ import sys
 import statistics
 import time
 
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from esp_worker.config import NOT_LOSSLESS
@@ -96,10 +96,10 @@ def mix_lengths(prompts: list[Prompt], lo_hi: Sequence[int]) -> None:
 
 @dataclass
 class EngineShare:
-    """What the bench's engines share: the cost curve it measured, and per batch size the CUDA-graph runner of the
-    first engine that captured (later engines at that batch replay its graphs: a job's engine lives for the whole
-    job and captures each class once, so a bench that built a new engine per run would time captures and the
-    eager first pass of each class in every run)."""
+    """What the bench's engines share: the cost curve it measured, and per batch size (and compiled step or not) the
+    CUDA-graph runner of the first engine with graphs (later engines there replay its graphs: a job's engine lives
+    for the whole job and captures each class once, so a bench that built a new engine per run would time captures
+    and the eager first pass of each class in every run)."""
 
     curve: Any = None
     graphs: dict[tuple[int, bool], Any] = field(default_factory=dict)  # (batch, compiled step) -> GraphRunner
@@ -303,8 +303,8 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         for s in settings:
             if any(matches(spec, s.method, s.block_complexity, s.heads_path) for spec in b.profile):
                 with quiet_heap():
-                    path = profile_run(lambda: run_setting(dmtd_models(s), base, s, batch, prompts, generation, b.warmup, share),
-                                       s.label, batch, out, loaded.device.type)
+                    path = profile_run(lambda: run_setting(dmtd_models(s), base, s, batch, prompts, generation,
+                                                           b.warmup, share), s.label, batch, out, loaded.device.type)
                 log.info("%-24s batch %d: profile in %s", s.label, batch, path)
         for key in [k for k in share.graphs if k[0] == batch]:  # their KV slabs and graph memory, before the next
             del share.graphs[key]

@@ -86,7 +86,8 @@ def test_engines_in_turn_share_one_runners_graphs(capturing):
     first, _ = _run(4, method="hybrid", block_complexity=30)
     shared = first.graphs
     classes = set(shared._entries)
-    for setting in (dict(method="hybrid", block_complexity=30), dict(method="ar"), dict(method="pld", block_complexity=10)):
+    settings = (dict(method="hybrid", block_complexity=30), dict(method="ar"), dict(method="pld", block_complexity=10))
+    for setting in settings:
         eng = Engine(tiny("llama"), EngineConfig(max_batch_size=4, cuda_graphs=True, **setting), graphs=shared)
         assert eng.graphs is shared
         outs = eng.generate([Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)])
