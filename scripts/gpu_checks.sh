@@ -125,9 +125,10 @@ step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o add
   tests/engine/test_host_sync.py -k "not compiled"
 step ar64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b64 data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \
-    'bench.batch_sizes=[64]'"
+    'bench.batch_sizes=[64]' 'bench.profile=[ar]'"
 step ar ar.txt 240 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false; \
+  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
+    'bench.profile=[ar]'; \
   big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:compiled_graphs]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_curve=false"
 step gpu_compiled gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
