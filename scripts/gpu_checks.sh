@@ -70,7 +70,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar64 ar gpu_compiled tiny methods dmtd} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar64 ar ar_compiled ar64_compiled gpu_compiled tiny methods dmtd methods64} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -125,12 +125,18 @@ step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o add
   tests/engine/test_host_sync.py -k "not compiled"
 step ar64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b64 data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \
-    'bench.batch_sizes=[64]' 'bench.profile=[ar]'"
+    'bench.batch_sizes=[64]'"
 step ar ar.txt 240 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
-    'bench.profile=[ar]'; \
-  big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:compiled_graphs]' bench.hf_baseline=false \
-    bench.hf_compiled=false bench.cost_curve=false"
+  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false"
+step ar_compiled ar.txt 220 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs]' \
+    bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
+step ar64_compiled ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b64-compiled data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs]' \
+    bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
+step methods64 methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big methods-b64 data.path=$P/prompts64.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
+    bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
 step gpu_compiled gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   -k compiled
 step tiny tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
