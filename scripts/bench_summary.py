@@ -33,7 +33,8 @@ def summarise(out: Path) -> str:
     overall = [r for r in records if r["category"] == "all"] or records
     for batch in sorted({r["batch_size"] for r in overall}):
         rows = [r for r in overall if r["batch_size"] == batch]
-        lines.append(f"## batch {batch}")
+        held = rows[0].get("max_rows", batch)
+        lines.append(f"## batch {batch}" + (f" (at most {held} rows in flight: one category at a time)" if held < batch else ""))
         lines.append("setting | tok/s | tau | vs ar | vs ar paired | vs hf | exact | graph/eager passes | capture+compile s"
                      " | blocks")
         for r in rows:

@@ -13,28 +13,30 @@
 # dmtd.txt, log.txt and results.tgz (every bench directory, re-packed after each step).
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
-# (own limits: env 60, gpu_tests 120, ar64 120, ar 240, gpu_compiled 150, tiny 100, methods 150, dmtd 120 s; at
-# 570 s the last ones may not fit). The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
+# (own limits: env 60, gpu_tests 120, ar64 120, ar 240, ar_compiled 220, ar64_compiled 200, gpu_compiled 150,
+# tiny 100, methods 150, dmtd 120, methods64 150 s; at 570 s the later ones do not fit: pick with STEPS). The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
 #   gpu_tests  pytest -m gpu tests/gpu tests/engine/test_host_sync.py (graph-vs-eager float32 equality on a
 #              two-layer 1B-shape model, no synchronisation inside a replayed pass for every method, ...)
 #              (-k "not compiled": the compiled tests, whose compiles take minutes, are step gpu_compiled)
 #   ar64       Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
-#              round-robin repeats, medians: ar (graphs) vs ar eager vs hf generate at batch 64 (prompts64)
-#   ar         the 1B shape at batch 1 (prompts4): ar (graphs) vs ar eager vs hf generate vs hf generate compiled;
-#              then, in a run of its own (a failed compile leaves the first), ar vs ar with compiled graphs
-#              (engine.cuda_graphs_compile: Inductor's fused kernels captured; its compiles are in the warm-up round)
+#              round-robin repeats, medians: ar (graphs) vs ar eager vs hf generate at batch 64 (prompts128: 64 per
+#              category, as the bench runs categories one at a time)
+#   ar         the 1B shape at batch 1 (prompts4): ar (graphs) vs ar eager vs hf generate vs hf generate compiled
+#   ar_compiled, ar64_compiled  ar vs ar eager vs ar with compiled graphs (engine.cuda_graphs_compile: Inductor's
+#              kernels captured; its compiles are in the warm-up round, ~100 s at batch 64) at batch 1 and 64
 #   gpu_compiled  pytest -m gpu tests/gpu -k compiled: engine.cuda_graphs_compile gives the eager engine's tokens
 #              in float32 on the two-layer 1B shape (into gpu_tests.txt)
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
 #              hybrid auto, with tau; then op tables of ar, pld and hybrid under torch.profiler (where a drafting
 #              pass's time goes once the forward is replayed)
-#   methods    the 1B shape: esp k1 BC 30 and hybrid auto beside ar at batch 1 (prompts4), 16 and 64 (prompts64),
-#              each run with the cost curve of replayed passes (Q = 1..128; batch 1, then 16 and 64)
+#   methods    the 1B shape: esp k1 BC 30 and hybrid auto beside ar at batch 1 (prompts4), 16 and 64,
+#              each run with the cost curve of replayed passes (Q = 1..128; batch 1, then 16 and 64; prompts128)
 #   dmtd       issue 41 on a GPU: the 1B shape split with D = 4 untrained (PLT against speed at tau 2, 3, 4, beside ar
 #              eager: DMTD passes run eagerly), then the committed esp-tiny-llama DMTD model and its verified copy at
 #              batch 1 and 8
+#   methods64  esp k1 BC 30 and hybrid auto beside ar at batch 64 alone (no cost curve)
 # STEPS picks steps (default all; env always runs); T_<STEP> overrides a step's own limit.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -113,7 +115,7 @@ print("cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_d
 print("cuda_available", torch.cuda.is_available())
 sys.exit(1 if missing else 0)
 EOF
-  [[ -f $P/prompts4.jsonl && -f $P/prompts64.jsonl ]] || { echo "no $P/prompts*.jsonl: run --prepare and carry gpu_data"; return 1; }
+  [[ -f $P/prompts4.jsonl && -f $P/prompts128.jsonl ]] || { echo "no $P/prompts*.jsonl: run --prepare and carry gpu_data"; return 1; }
 }
 
 step env env.txt 60 bash -c "$(declare -f env_check); $(declare -p P); env_check"
@@ -124,7 +126,7 @@ xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share
 step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   tests/engine/test_host_sync.py -k "not compiled"
 step ar64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b64 data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \
+  big ar-b64 data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \
     'bench.batch_sizes=[64]'"
 step ar ar.txt 240 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false"
@@ -132,10 +134,10 @@ step ar_compiled ar.txt 220 bash -c "$(declare -f bench big); $(declare -p work 
   big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs]' \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
 step ar64_compiled ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b64-compiled data.path=$P/prompts64.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs]' \
+  big ar-b64-compiled data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs]' \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
 step methods64 methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big methods-b64 data.path=$P/prompts64.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
+  big methods-b64 data.path=$P/prompts128.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
 step gpu_compiled gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   -k compiled
@@ -146,7 +148,7 @@ step tiny tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRA
 step methods methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big methods-b1 data.path=$P/prompts4.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'; \
-  big methods-b16-b64 data.path=$P/prompts64.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
+  big methods-b16-b64 data.path=$P/prompts128.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false 'bench.batch_sizes=[16,64]' bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'"
 step dmtd dmtd.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS DMTD_D TINY_NEW TINY_PROMPTS); \
   big dmtd-1b data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,dmtd:2,dmtd:3,dmtd:4]' \

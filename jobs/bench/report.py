@@ -115,7 +115,8 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
         "# Decoding benchmark", "",
         f"Command: `{command}`", "",
         f"Model `{cfg.model.name_or_path}` ({cfg.model.dtype}, {env['device']}), data `{cfg.data.path or 'bundled prompts'}` "
-        f"({overall[0]['num_prompts']} prompts{f', {skipped} rows skipped for errors' if skipped else ''}), "
+        f"({overall[0]['num_prompts']} prompts{f', {skipped} rows skipped for errors' if skipped else ''}"
+        f"{_rows_note(overall)}), "
         f"{_length_note(cfg)}, temperature {cfg.generation.temperature}, "
         f"torch {env['torch']} with {env['torch_threads']} thread(s) on {env['machine']}; {b.warmup} warm-up prompt(s) per "
         f"setting, {b.repeats} timed repeat(s) per setting run round-robin, each round starting one setting "
@@ -193,3 +194,9 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
             lines.append("Every setting is within the tolerance.")
     lines.append("")
     Sink.local(out).write(REPORT, "\n".join(lines).encode())
+
+
+def _rows_note(overall: list[dict]) -> str:
+    """Batch sizes whose passes never held that many rows (categories run one at a time)."""
+    short = sorted({(r["batch_size"], r["max_rows"]) for r in overall if r.get("max_rows", r["batch_size"]) < r["batch_size"]})
+    return "".join(f"; batch {b} holds at most {m} rows, one category at a time" for b, m in short)

@@ -18,6 +18,7 @@ Exit codes: 0 done, 2 bad command line, config or input.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -249,6 +250,10 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     if not prompts:
         raise ValueError(f"no usable prompt in {cfg.data.path or 'the bundled prompts'}")
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused bench leaves no empty directory
+    largest = max(collections.Counter(p.category for p in prompts).values())
+    for batch in (n for n in b.batch_sizes if n > largest):
+        log.warning("batch %d: categories run one at a time and the largest has %d prompts, so its passes hold at "
+                    "most %d rows (give each category >= %d prompts to fill it)", batch, largest, largest, batch)
     if b.mixed_max_new_tokens:
         mix_lengths(prompts, b.mixed_max_new_tokens)
     g = cfg.generation
