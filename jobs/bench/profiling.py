@@ -1,5 +1,8 @@
 """`bench.profile`: one more untimed run of chosen settings under torch.profiler, written as op tables.
 
+The run covers the first `batch` prompts (one batch: the tables read per pass, and a trace of every prompt
+takes minutes to tabulate); it comes after the timed runs' records are written.
+
 What it answers: where a setting's time goes, op by op, on the machine at hand (on a GPU: which kernels,
 which attention backend per input shape, how much of a pass is the model's calls and how much the drafter's
 and the engine's). The model's calls are marked `model.forward` and `model.logits` (record_function in

@@ -305,18 +305,20 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
                      fmt(top["tau"]), fmt(top["tokens_per_s"], 1), fmt(top["speedup_vs_ar"]),
                      fmt(top["speedup_vs_hf"]), fmt(top["exact_match_rate"]))
         against_fastest_fixed(batch_records, {s.label: secs[s] for s in settings})
-        for s in settings:
-            if any(matches(spec, s.method, s.block_complexity, s.heads_path) for spec in b.profile):
-                with quiet_heap():
-                    path = profile_run(lambda: run_setting(dmtd_models(s), base, s, batch, prompts, generation,
-                                                           b.warmup, share), s.label, batch, out, loaded.device.type)
-                log.info("%-24s batch %d: profile in %s", s.label, batch, path)
-        for key in [k for k in share.graphs if k[0] == batch]:  # their KV slabs and graph memory, before the next
-            del share.graphs[key]
         records += batch_records
         # written after every batch size, so a run cut short keeps the batch sizes it finished
         (out / "bench.json").write_text(json.dumps(records, indent=1))
         write_table(out / "bench.csv", records)
+        # profiles after the records (a run cut short while profiling keeps them), over one batch of prompts:
+        # a trace of every prompt's passes takes minutes to tabulate and adds nothing per pass
+        for s in settings:
+            if any(matches(spec, s.method, s.block_complexity, s.heads_path) for spec in b.profile):
+                with quiet_heap():
+                    path = profile_run(lambda: run_setting(dmtd_models(s), base, s, batch, prompts[:batch], generation,
+                                                           b.warmup, share), s.label, batch, out, loaded.device.type)
+                log.info("%-24s batch %d: profile in %s", s.label, batch, path)
+        for key in [k for k in share.graphs if k[0] == batch]:  # their KV slabs and graph memory, before the next
+            del share.graphs[key]
     plots = bench_plots(out, records, curve, b.tolerance)
     env = dict(device=str(loaded.device), torch=torch.__version__, torch_threads=torch.get_num_threads(),
                machine=f"{platform.machine()} {platform.processor() or platform.system()}")
