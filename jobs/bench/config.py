@@ -62,8 +62,9 @@ class BenchSection:
     # "method:BC:eager" (and "ar:1:eager") with engine.cuda_graphs=false (the eager engine beside the default's);
     # "method:BC:compiled_graphs" (and "ar:1:compiled_graphs") with engine.cuda_graphs_compile=true.
     settings: list[str] = field(default_factory=list)
-    # settings to run once more (over one batch of prompts) under torch.profiler after the timed runs, "method:BC" as in `settings` (or ar,
-    # hf): op tables per setting and batch size in profile-<label>-b<batch>.txt (jobs/bench/profiling.py)
+    # settings to run once more under torch.profiler after the timed runs (over one batch of prompts),
+    # "method:BC" as in `settings` (or ar, hf): op tables per setting and batch size in
+    # profile-<label>-b<batch>.txt (jobs/bench/profiling.py)
     profile: list[str] = field(default_factory=list)
 
 
