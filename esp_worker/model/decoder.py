@@ -13,7 +13,8 @@ tests check the result, not just the parts):
 - q/k/v and gate/up projections run as one product each: their weights (and biases) are moved into one
   buffer per layer and the modules' own parameters become views of it, so memory is unchanged and the model's
   forward still works;
-- RMSNorm runs as the fused `F.rms_norm` where a check at start-up shows it equal to the module (float32);
+- RMSNorm runs as the fused `F.rms_norm` where a check at start-up shows it equal to the module (in a half
+  type: on the float32 upcast, the module's order of operations);
 - rotary cos/sin come from a table indexed by position (built with the model's own rotary module, grown on
   demand), not recomputed per pass; rotary types that depend on the sequence length keep the module.
 """
@@ -291,12 +292,23 @@ class _Fused:
 
 
 def _norm_fn(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The norm's computation: fused F.rms_norm where it is bitwise the module's on a probe, else its forward."""
+    """The norm's computation: fused `F.rms_norm` where it is bitwise the module's on a probe, else its forward.
+
+    In float32 that is `F.rms_norm` with the weight. In a half type the module (Llama's, Qwen's) computes in
+    float32 and rounds before the weight: `weight * F.rms_norm(x.float()).to(dtype)` is that order of
+    operations. On CUDA `F.rms_norm` is one kernel (`aten::_fused_rms_norm`) where the module launches five
+    (square, mean, add, rsqrt, multiply), and a replayed pass at small batch is bound by its kernel count; on
+    the CPU it decomposes into the same operations. Taken only where the probe shows it bitwise equal."""
     w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if type(norm).__name__.endswith("RMSNorm") and w is not None and eps is not None and w.dtype == torch.float32:
-        shape = tuple(w.shape)
-        probe = torch.randn((3, 5) + shape, generator=torch.Generator().manual_seed(0)).to(w.device) * 3
-        with torch.no_grad():
-            if torch.equal(F.rms_norm(probe, shape, w, eps), norm.forward(probe)):
-                return lambda x: F.rms_norm(x, shape, w, eps)
+    if not (type(norm).__name__.endswith("RMSNorm") and w is not None and eps is not None and w.dtype.is_floating_point):
+        return norm.forward
+    shape = tuple(w.shape)
+    if w.dtype == torch.float32:
+        fused = lambda x: F.rms_norm(x, shape, w, eps)  # noqa: E731
+    else:
+        fused = lambda x: w * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)  # noqa: E731
+    probe = (torch.randn((3, 5) + shape, generator=torch.Generator().manual_seed(0)) * 3).to(w.device, w.dtype)
+    with torch.no_grad():
+        if torch.equal(fused(probe), norm.forward(probe)):
+            return fused
     return norm.forward

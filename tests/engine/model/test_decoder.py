@@ -175,3 +175,19 @@ def test_packed_gqa_attention_is_bitwise_transformers_sdpa(b, q, s, g):
     assert got.shape == want.shape == (b, q, hkv * g, hd)
     ulp = torch.finfo(torch.float32).eps * want.abs().clamp(min=1.0)
     assert ((got - want).abs() <= 2 * ulp).all(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_half_precision_norms_run_fused_with_the_module_numbers(arch):
+    """In bfloat16 the module's RMSNorm (float32 upcast, round, then the weight) runs as `F.rms_norm` on the
+    upcast (one kernel on CUDA, where the module's ops launch five), with the module's numbers."""
+    lm = tiny(arch)
+    lm.model.to(torch.bfloat16)
+    layer = lm.model.get_decoder().layers[0]
+    with torch.no_grad():
+        layer.input_layernorm.weight.normal_()
+    fused, module = ModelRunner(lm).direct.norms[0][0], layer.input_layernorm
+    assert fused != module.forward
+    x = torch.randn(4, 3, lm.model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 4
+    out = fused(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, module.forward(x))
