@@ -181,8 +181,10 @@ def test_packed_gqa_attention_is_bitwise_transformers_sdpa(b, q, s, g):
 def test_half_precision_norms_run_fused_with_the_module_numbers(arch):
     """In bfloat16 the module's RMSNorm (float32 upcast, round, then the weight) runs as `F.rms_norm` on the
     upcast (one kernel on CUDA, where the module's ops launch five), with the module's numbers."""
-    lm = tiny(arch)
-    lm.model.to(torch.bfloat16)
+    import copy
+
+    shared = tiny(arch)  # cached and shared with other tests: changed only as a copy
+    lm = dataclasses.replace(shared, model=copy.deepcopy(shared.model).to(torch.bfloat16))
     layer = lm.model.get_decoder().layers[0]
     with torch.no_grad():
         layer.input_layernorm.weight.normal_()
