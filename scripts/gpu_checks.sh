@@ -23,7 +23,8 @@
 #   ar64       Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
 #              round-robin repeats, medians: ar (graphs) vs ar eager vs hf generate at batch 64 (prompts128: 64 per
 #              category, as the bench runs categories one at a time)
-#   ar         the 1B shape at batch 1 (prompts4): ar (graphs) vs ar eager vs hf generate vs hf generate compiled
+#   ar         the 1B shape at batch 1 (prompts4): ar (graphs) vs ar eager vs hf generate vs hf generate compiled;
+#              then the op table of one replayed ar prompt (kernels per pass, attention backend)
 #   ar_compiled, ar64_compiled  ar vs ar eager vs ar with compiled graphs (engine.cuda_graphs_compile: Inductor's
 #              kernels captured; its compiles are in the warm-up round, ~100 s at batch 64) at batch 1 and 64
 #   gpu_compiled  pytest -m gpu tests/gpu -k compiled: engine.cuda_graphs_compile gives the eager engine's tokens
@@ -129,7 +130,8 @@ step ar64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHA
   big ar-b64 data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \
     'bench.batch_sizes=[64]'"
 step ar ar.txt 240 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false"
+  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
+    'bench.profile=[ar]'"
 step ar_compiled ar.txt 220 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs]' \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
