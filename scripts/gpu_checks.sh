@@ -15,6 +15,7 @@
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
 # (own limits: env 60, gpu_tests 120, ar 240, ar64 180, tiny 100, methods64 150, methods 150, dmtd 120,
 # ar_compiled 220, ar64_compiled 200, gpu_compiled 150 s; at 570 s the later ones do not fit: pick with STEPS).
+# The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
 #   gpu_tests  pytest -m gpu tests/gpu tests/engine/test_host_sync.py (graph-vs-eager float32 equality on a
