@@ -111,20 +111,26 @@ def compiled_step(mode: str = "", recompile_limit: int = 512) -> StepFn:
 
 class StaticCache:
     """The KV slab as the decoder's cache inside the step: layer i writes row b's Q new keys and values at slots
-    cache_len[b] .. cache_len[b] + Q - 1 and hands attention slots 0 .. C - 1 of the batch's rows."""
+    cache_len[b] .. cache_len[b] + Q - 1 and hands attention slots 0 .. C - 1 of the batch's rows.
+
+    The write is one index_put on the slab itself, not a scatter into a view of it: under torch.compile a write
+    through views of a graph input becomes a chain of whole-slab scatters that Inductor does not turn back into
+    an in-place write (a compiled pass then copied the slab per layer, its time growing with the slab)."""
 
     def __init__(self, kv: torch.Tensor, cache_len: torch.Tensor, num_inputs: int, capacity: int):
         # kv: [L, 2, R, H, Cs, D] the slab (R >= B rows, Cs >= C slots); cache_len: [B]
         self.kv, self.capacity, self.rows = kv, capacity, cache_len.shape[0]
-        self.slots = (cache_len.unsqueeze(1) + steps(num_inputs, cache_len.device))[:, None, :, None]  # [B, 1, Q, 1]
+        dev = cache_len.device
+        self.layer_ids = steps(kv.shape[0], dev)  # [L]
+        self.row_ids = steps(self.rows, dev).unsqueeze(1)  # [B, 1]
+        self.slots = cache_len.unsqueeze(1) + steps(num_inputs, dev)  # [B, Q]
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         # keys, values: [B, Hkv, Q, hd] -> the first C slots of the rows' buffers [B, Hkv, C, hd] each
+        kv = torch.stack([keys, values]).permute(1, 3, 0, 2, 4)  # [B, Q, 2, Hkv, hd]: the index's dims first
+        self.kv[self.layer_ids.narrow(0, layer, 1), :, self.row_ids, :, self.slots] = kv  # a [1] index: no item()
         k = self.kv[layer, 0].narrow(0, 0, self.rows)
         v = self.kv[layer, 1].narrow(0, 0, self.rows)
-        index = self.slots.expand(keys.shape)
-        k.scatter_(2, index, keys)
-        v.scatter_(2, index, values)
         return k.narrow(2, 0, self.capacity), v.narrow(2, 0, self.capacity)
 
 

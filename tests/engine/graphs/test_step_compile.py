@@ -106,3 +106,30 @@ def test_inductor_one_graph_tokens_of_the_eager_step():
             _vary(inp, shape, gen)
             _compare(g, shape, inp, fn, bitwise=False) if _ % 50 == 0 else fn(g.model, g.cache.slab, inp, shape)
     _one_graph()
+
+
+def test_compiled_step_writes_the_slab_in_place():
+    """The KV writes reach the compiler as index_put on the slab itself (which Inductor keeps in place), not as
+    scatters into views of it: those became a chain of whole-slab copies per layer, so a compiled pass cost
+    time in proportion to the slab (and ran slower than the eager kernels on a GPU)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    g, shape, inp = _a_class("llama", 4, 0.0, dict(method="esp", num_masks=1, block_complexity=30))
+    graphs = []
+
+    def keep_forward(gm, example_inputs):
+        def forward(fx, _):
+            graphs.append(fx)
+            return fx.forward
+        return aot_module_simplified(gm, example_inputs, fw_compiler=forward)
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        torch.compile(decode_step, fullgraph=True, dynamic=False, backend=keep_forward)(g.model, g.cache.slab, inp,
+                                                                                         shape)
+    layer_slab = g.cache.slab[0, 0].numel()  # one layer's keys
+    big = [str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"
+           and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() >= layer_slab]
+    copies = [op for op in big if any(w in op for w in ("scatter", "copy", "clone", "cat", "stack"))]
+    assert not copies, copies
+    assert big.count("aten.index_put.default") >= g.model.decoder.base.config.num_hidden_layers  # a write per layer
