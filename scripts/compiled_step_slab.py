@@ -31,7 +31,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     eng = Engine(tiny(args.arch), EngineConfig(max_batch_size=1, cuda_graphs=True, method="ar"))
-    eng.generate([Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=12)) for i, p in enumerate(PROMPTS)])
+    params = GenerationParams(max_new_tokens=12)
+    eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
     g = eng.graphs
     shape = max(g._entries, key=lambda s: s.capacity)
     inp = g._entries[shape].inp

@@ -300,7 +300,8 @@ def _norm_fn(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     (square, mean, add, rsqrt, multiply), and a replayed pass at small batch is bound by its kernel count; on
     the CPU it decomposes into the same operations. Taken only where the probe shows it bitwise equal."""
     w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if not (type(norm).__name__.endswith("RMSNorm") and w is not None and eps is not None and w.dtype.is_floating_point):
+    rms = type(norm).__name__.endswith("RMSNorm")
+    if not (rms and w is not None and eps is not None and w.dtype.is_floating_point):
         return norm.forward
     shape = tuple(w.shape)
     if w.dtype == torch.float32:

@@ -198,5 +198,6 @@ def write_bench_report(out: Path, cfg: Any, command: str, records: list[dict[str
 
 def _rows_note(overall: list[dict]) -> str:
     """Batch sizes whose passes never held that many rows (categories run one at a time)."""
-    short = sorted({(r["batch_size"], r["max_rows"]) for r in overall if r.get("max_rows", r["batch_size"]) < r["batch_size"]})
+    short = sorted({(r["batch_size"], r["max_rows"]) for r in overall
+                    if r.get("max_rows", r["batch_size"]) < r["batch_size"]})
     return "".join(f"; batch {b} holds at most {m} rows, one category at a time" for b, m in short)

@@ -78,7 +78,8 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
             method=s.method, setting=s.label, block_complexity=s.block_complexity, num_masks=s.num_masks,
             tree=s.tree, expansion=s.expansion, batch_size=batch, category=cat, num_prompts=len(ps),
             # categories run one after another: a batch holds at most one category's prompts
-            max_rows=min(batch, max(len(g) for c, g in groups.items() if c != ALL or len(groups) == 1)),
+            max_rows=min(batch, max(len(g) for c, g in groups.items() if c != ALL) if cat == ALL and len(groups) > 1
+                         else len(ps)),
             num_generated_tokens=tokens,
             accepted_by_proposer=dict(st.accepted_by_proposer) or None,
             num_decode_passes=st.num_decode_passes, tau=tau,

@@ -190,6 +190,7 @@ def test_half_precision_norms_run_fused_with_the_module_numbers(arch):
         layer.input_layernorm.weight.normal_()
     fused, module = ModelRunner(lm).direct.norms[0][0], layer.input_layernorm
     assert fused != module.forward
-    x = torch.randn(4, 3, lm.model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 4
+    x = torch.randn(4, 3, lm.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16) * 4
     out = fused(x)
     assert out.dtype == torch.bfloat16 and torch.equal(out, module.forward(x))

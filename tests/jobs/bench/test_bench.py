@@ -81,12 +81,14 @@ def test_a_batch_larger_than_a_category_says_how_many_rows_it_held(tmp_path, cap
     """Categories run one after another, so batch 4 over two categories of 2 prompts holds 2 rows: the records,
     the log and the report say so (a "batch 4" number would otherwise claim a batch it never ran)."""
     data = tmp_path / "prompts.jsonl"
-    rows = [{"id": f"{c}{i}", "category": c, "prompt": f"{c} {i} one two one two"} for c in ("x", "y") for i in range(2)]
+    rows = [{"id": f"{c}{i}", "category": c, "prompt": f"{c} {i} one two one two"}
+            for c in ("x", "y") for i in range(2)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     with caplog.at_level("WARNING"):
         code = main([f"data.path={data}", f"output.dir={out}", "bench.methods=[ar]", "bench.batch_sizes=[1,4]",
-                     "bench.warmup=0", "bench.cost_curve=false", "bench.hf_baseline=false", "generation.max_new_tokens=4"])
+                     "bench.warmup=0", "bench.cost_curve=false", "bench.hf_baseline=false",
+                     "generation.max_new_tokens=4"])
     assert code == 0
     records = json.loads((out / "bench.json").read_text())
     assert {(r["batch_size"], r["max_rows"]) for r in records} == {(1, 1), (4, 2)}
