@@ -78,11 +78,11 @@ def test_bench_mixed_lengths_batched_hf_row(tmp_path):
 
 
 def test_a_batch_larger_than_a_category_says_how_many_rows_it_held(tmp_path, caplog):
-    """Categories run one after another, so batch 4 over two categories of 2 prompts holds 2 rows: the records,
-    the log and the report say so (a "batch 4" number would otherwise claim a batch it never ran)."""
+    """Categories run one after another, so batch 4 over categories of 1 and 3 prompts holds 3 rows at most: the
+    records, the log and the report say so (a "batch 4" number would otherwise claim a batch it never ran)."""
     data = tmp_path / "prompts.jsonl"
     rows = [{"id": f"{c}{i}", "category": c, "prompt": f"{c} {i} one two one two"}
-            for c in ("x", "y") for i in range(2)]
+            for c, n in (("x", 1), ("y", 3)) for i in range(n)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     with caplog.at_level("WARNING"):
@@ -91,9 +91,10 @@ def test_a_batch_larger_than_a_category_says_how_many_rows_it_held(tmp_path, cap
                      "generation.max_new_tokens=4"])
     assert code == 0
     records = json.loads((out / "bench.json").read_text())
-    assert {(r["batch_size"], r["max_rows"]) for r in records} == {(1, 1), (4, 2)}
-    assert "batch 4: categories run one at a time and the largest has 2 prompts" in caplog.text
-    assert "batch 4 holds at most 2 rows, one category at a time" in (out / "report.md").read_text()
+    held = {(r["batch_size"], r["category"]): r["max_rows"] for r in records}
+    assert held == {(1, "x"): 1, (1, "y"): 1, (1, "all"): 1, (4, "x"): 1, (4, "y"): 3, (4, "all"): 3}
+    assert "batch 4: categories run one at a time and the largest has 3 prompts" in caplog.text
+    assert "batch 4 holds at most 3 rows, one category at a time" in (out / "report.md").read_text()
 
 
 def test_bench_rejects_unknown_method(tmp_path, monkeypatch, capsys):
