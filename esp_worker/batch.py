@@ -11,7 +11,7 @@ import collections
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -211,14 +211,17 @@ class Rows:
 
     # ---- statistics --------------------------------------------------------------------------------
     def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: Optional[torch.Tensor], max_committed: int,
-              source: Optional[torch.Tensor] = None, path_slots: Optional[torch.Tensor] = None) -> None:
+              source: Optional[torch.Tensor] = None, path_slots: Optional[torch.Tensor] = None,
+              live: Optional[torch.Tensor] = None) -> None:
         """Add one pass to the per-row counters (tensor ops only, 4 of them). n_fin, n_raw: [B] tokens committed
         after / before the stops; drafted [B] (None: no draft this pass).
         source [B, T] (proposer of each tree slot, -1 = root; [B, 1]: of every draft of the row) and
-        path_slots [B, S]: split the kept accepted drafts by proposer into accepted_by [B, P]."""
+        path_slots [B, S]: split the kept accepted drafts by proposer into accepted_by [B, P].
+        live [B] bool: the rows the pass counts for (None: all); a plain pass run ahead of the last one's read
+        (no drafts) also runs over rows that pass ended."""
         t = self.t
         width = self.count_width(max_committed)  # first: it may replace t.hists by a wider one
-        count_pass(t.hists, width, t.drafted, n_fin, n_raw, drafted)
+        count_pass(t.hists, width, t.drafted, n_fin, n_raw, drafted, live)
         if source is not None and t.accepted_by is not None:
             count_by_proposer(t.accepted_by, source, path_slots, n_raw, n_fin)
 
@@ -234,14 +237,15 @@ class Rows:
 
 
 def count_pass(hists: torch.Tensor, width: int, drafted_total: torch.Tensor, n_fin: torch.Tensor, n_raw: torch.Tensor,
-               drafted: Optional[torch.Tensor]) -> None:
+               drafted: Optional[torch.Tensor], live: Optional[torch.Tensor] = None) -> None:
     """One pass into the counters, in place: hists [B, W * W] += 1 at n_raw * W + n_fin, drafted_total [B, 2] +=
-    (drafted [B], drafted > 0) (None: no draft this pass). Tensor ops only (also inside the compiled settle,
-    `settle.py`)."""
+    (drafted [B], drafted > 0) (None: no draft this pass); only in the `live` rows [B] bool where given. Tensor ops
+    only (also inside the compiled settle, `settle.py`)."""
     if drafted is not None:
         drafted_total += torch.stack((drafted, drafted.gt(0).to(drafted.dtype)), 1)
     idx = n_fin.add(n_raw, alpha=width).unsqueeze(1)  # [B, 1]
-    hists.scatter_add_(1, idx, ones(idx.shape, hists.dtype, idx.device))
+    add = ones(idx.shape, hists.dtype, idx.device) if live is None else live.to(hists.dtype).unsqueeze(1)
+    hists.scatter_add_(1, idx, add)
 
 
 def count_by_proposer(accepted_by: torch.Tensor, source: torch.Tensor, path_slots: torch.Tensor, n_raw: torch.Tensor,
@@ -256,6 +260,34 @@ def count_by_proposer(accepted_by: torch.Tensor, source: torch.Tensor, path_slot
     kept = ((step >= 1) & (step <= acc[:, None])).long()  # path steps 1..acc are the kept drafts
     src = source.expand(acc.shape[0], -1).gather(1, path_slots).clamp(min=0)  # [B, S]
     accepted_by.scatter_add_(1, src, kept)
+
+
+@dataclass
+class PendingRead:
+    """A pass's host read enqueued behind it instead of waited for (engine.cuda_graphs_run_ahead): the rows'
+    lengths and finish reasons copied into host memory by the device's stream, so that the host can launch the
+    next pass first and take these values when that one is queued."""
+
+    values: torch.Tensor  # [2, B] lengths, finish reasons (pinned host memory on CUDA)
+    copied: Optional[Any] = None  # torch.cuda.Event recorded after the copy; None: the copy is complete (CPU)
+
+    @classmethod
+    def of(cls, rows: "Rows") -> "PendingRead":
+        both = torch.stack([rows.t.hist_len, rows.reason])
+        if both.device.type != "cuda":
+            return cls(both)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event)
+
+    def get(self) -> tuple[list[int], list[int]]:
+        """(lengths, finish reasons), once the device has copied them (waits for that pass only)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        lens, done = self.values.tolist()
+        return lens, done
 
 
 def write_history(hist: torch.Tensor, hist_len: torch.Tensor, committed: torch.Tensor) -> None:

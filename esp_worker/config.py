@@ -80,6 +80,10 @@ class EngineConfig:
     # fused kernels in the replay, at a compile per new pass shape (tens of seconds on a GPU; start-up captures
     # nothing then, classes are compiled and captured as they come). esp_worker/graphs/step.py:compiled_step
     cuda_graphs_compile: bool = False
+    # plain greedy or sampled passes (method ar) launched before the last one's host read, which the device then
+    # copies behind it: the host's work between passes overlaps the device's. A pass found to have ended a row
+    # makes the next one (run for it too, committing nothing there) be read at once. esp_worker/engine.py
+    cuda_graphs_run_ahead: bool = False
     # Batching
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
@@ -183,6 +187,9 @@ class EngineConfig:
             bad(f"engine.cuda_graphs={self.cuda_graphs!r} must be auto, true or false")
         if self.cuda_graphs is True and self.compile_host:
             bad("engine.cuda_graphs=true and engine.compile_host=true both run a pass's settle; choose one")
+        if self.cuda_graphs_run_ahead and self.cuda_graphs is False:
+            bad("engine.cuda_graphs_run_ahead=true runs replayed passes ahead of their reads; it needs "
+                "engine.cuda_graphs=auto or true")
         if self.cuda_graphs_compile and self.cuda_graphs is False:
             bad("engine.cuda_graphs_compile=true compiles the replayed passes; it needs engine.cuda_graphs=auto "
                 "or true")

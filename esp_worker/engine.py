@@ -4,7 +4,8 @@ pass) over a batch of rows; `passes.py` has the typed values the verbs hand on.
 Each row has its own cache length, mask vector / drafter state, sampling stream and stop state. Finished
 rows leave the batch and waiting requests take their slots (continuous batching up to max_batch_size).
 A decode pass never reads the device between propose and commit; at its end the host reads one small
-tensor (every row's length and finish reason, `Rows.read_back`).
+tensor (every row's length and finish reason, `Rows.read_back`). Under engine.cuda_graphs_run_ahead a replayed
+plain pass is launched before the last one's read (`_step_ahead`), so that the host's work overlaps the device's.
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ from .auto.cost_model import CostCurve
 from .auto.planner import FixedPlanner, Planner
 from .auto.policy import BlockPolicy, PolicySettings, calibrate
 from .auto.sizer import DraftSizer
-from .batch import Rows, RowTensors, Seq, finish_stats, new_counters, write_history
+from .batch import PendingRead, Rows, RowTensors, Seq, finish_stats, new_counters, write_history
 from .config import CYCLE_METHODS, EngineConfig, ModelConfig
 from .consts import steps
 from .drafters import Drafter, make_drafter
+from .drafters.base import PlainDrafter
 from .feed import RequestFeed
 from .grad import inference
 from .graphs.buffers import ModelDims
@@ -73,6 +75,15 @@ def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[in
     return take
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A plain pass launched and not yet read (engine.cuda_graphs_run_ahead)."""
+
+    read: PendingRead  # its lengths and finish reasons, on their way to the host
+    lens: list[int]  # the rows' host lengths before it
+    size: int  # its block size (tokens fed per row)
+
+
 class Engine:
     """Batched lossless speculative decoding over one Hugging Face causal LM."""
 
@@ -112,6 +123,7 @@ class Engine:
             self.drafter_kernels = AotKernels("drafter")
             self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
+        self._in_flight: Optional[_InFlight] = None  # engine.cuda_graphs_run_ahead: the pass not yet read
 
     def _graphs(self, shared: Optional[GraphRunner]) -> Optional[GraphRunner]:
         """engine.cuda_graphs' runner over a KV slab pinned for the whole engine (graphs read it at fixed addresses),
@@ -199,11 +211,14 @@ class Engine:
             self.graphs.cache.select_rows([])
         cache = self.graphs.cache if self.graphs is not None else kv_cache.new_cache(self.num_layers)
         rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device), cache)
+        self._in_flight = None
         exhausted = False
         while True:
             admit: list[Seq] = []
             if not exhausted:
                 reqs, exhausted = take(self.cfg.max_batch_size - len(rows), not len(rows))
+                if reqs:  # rows join: the pass in flight is read first
+                    self._land(rows)
                 for req in reqs:
                     prepared = self._prepare(req)
                     if isinstance(prepared, RequestOutput):
@@ -363,6 +378,10 @@ class Engine:
     @inference
     def _step(self, rows: Rows) -> None:
         """One decode pass over every row; the host reads the device once, at its end."""
+        if self._runs_ahead(rows):
+            self._step_ahead(rows)
+            return
+        self._land(rows)
         clock = self.stats.start(self.runner.model_s, self.compile_s if self.policy is not None else 0.0, rows.lens)
         view = rows.view()
         block = self.drafter.propose(view, self.planner.plan(view, rows.lens))
@@ -377,6 +396,71 @@ class Engine:
         view = rows.view()  # after the commit
         self.drafter.observe(view, self._record(block, out, settled))
         self._end_pass(rows, view, block, clock)
+
+    # ---- plain passes run ahead of their reads (engine.cuda_graphs_run_ahead) ----------------------------
+    def _runs_ahead(self, rows: Rows) -> bool:
+        """Whether this batch's passes may run ahead: replayed plain passes (method ar), which need nothing from a
+        pass before the next is launched but their tokens (on the device) and their lengths (each row that goes on
+        gains exactly one token), and nothing the host must check between passes (stop strings)."""
+        return (self.cfg.cuda_graphs_run_ahead and self.graphs is not None and self.policy is None
+                and self.cycle is None and isinstance(self.drafter, PlainDrafter) and not rows.has_stop_strings)
+
+    def _step_ahead(self, rows: Rows) -> None:
+        """A plain pass launched before the host reads the one in flight, then that one's read. The pass in flight
+        may have ended rows: this one runs over them too, committing and counting nothing there (its settle is
+        masked by their finish reasons, on the device), and is then read at once. The host's lengths run one pass
+        ahead meanwhile: every row that goes on gains exactly one token."""
+        before = self._in_flight
+        clock = self.stats.start(self.runner.model_s, 0.0, rows.lens)
+        view = rows.view()
+        block = self.drafter.propose(view, self.planner.plan(view, rows.lens))
+        graphed = self._replay(rows, block)
+        if graphed is None:  # no graph for this pass: read the one in flight, then run it as any other
+            self._land(rows)
+            if any(rows.done):
+                return  # rows ended: they retire before the next pass
+            out = self._forward(rows, block)
+            settled = self._settle(rows, block, out)
+            self.drafter.observe(rows.view(), self._record(block, out, settled))
+            self._end_pass(rows, rows.view(), block, clock)
+            return
+        live = None if before is None else rows.reason.eq(0)  # [B] rows the pass in flight did not end
+        settled = self._finish(rows, block, graphed.verified, graphed.num_kept, graphed.reason, live)
+        self.drafter.observe(rows.view(), self._record(block, graphed.out, settled))
+        self.stats.blocks.add(block.num_inputs)
+        self._in_flight = _InFlight(PendingRead.of(rows), rows.lens, block.num_inputs)
+        rows.lens = [n + 1 for n in rows.lens]  # what the pass commits in every row that goes on
+        if before is not None:
+            self.stats.graphs.ahead_passes += 1
+            self._read(rows, before, None)
+            if any(rows.done):  # the pass just launched ran over rows that had ended: read it too
+                self._land(rows)
+        if any(n >= limit for n, limit in zip(rows.lens, rows.limits)):
+            self._land(rows)  # it may end rows at their limits: the next pass must not run before its read
+        self.stats.finish(clock, self.runner.model_s)
+
+    def _land(self, rows: Rows) -> None:
+        """The read of the pass in flight, if any (its lengths and finish reasons are the rows' from here)."""
+        if self._in_flight is not None:
+            self._read(rows, self._in_flight, rows.done)
+
+    def _read(self, rows: Rows, sent: _InFlight, ended: Optional[list[int]]) -> None:
+        """Take pass `sent`'s read. `ended`: the rows that had ended before it (a pass read at once after them):
+        it gave them nothing, and their requests do not count it. Else the rows' lengths stay one pass ahead,
+        for the pass launched after `sent`, unless `sent` ended rows."""
+        lens, done = sent.read.get()
+        if self._in_flight is sent:
+            self._in_flight = None
+        for r, (s, new, old) in enumerate(zip(rows.seqs, lens, sent.lens)):
+            if ended is not None and ended[r]:
+                s.passes0 += 1  # this pass is not the request's
+                s.sizes0[sent.size] = s.sizes0.get(sent.size, 0) + 1
+            else:
+                s.stats.committed_per_pass.append(new - old)
+        ahead = self._in_flight is not None and not any(done)
+        rows.lens = [n + 1 for n in lens] if ahead else lens
+        rows.done = done
+        rows.hints = None
 
     def _forward(self, rows: Rows, block: Block) -> ForwardOut:
         """The block through the model: hidden states and the tree slots' logits; writes the block's KV."""
@@ -472,10 +556,15 @@ class Engine:
         rows.keep_path(block.tree, res.path_slots)
         return self._finish(rows, block, res, n_fin, reason)
 
-    def _finish(self, rows: Rows, block: Block, res: VerifyResult, n_fin: torch.Tensor, reason: torch.Tensor) -> Settled:
-        """The settle's end, after verification, stops and the KV keep: the commit and the counters."""
+    def _finish(self, rows: Rows, block: Block, res: VerifyResult, n_fin: torch.Tensor, reason: torch.Tensor,
+                live: Optional[torch.Tensor] = None) -> Settled:
+        """The settle's end, after verification, stops and the KV keep: the commit and the counters. live [B] bool:
+        the rows the pass may commit to (None: all); the others keep their lengths and finish reasons."""
+        if live is not None:
+            n_fin, reason = n_fin * live, torch.where(live, reason, rows.reason)
         self._commit(rows, res.committed, n_fin, reason, res.last_token)
-        rows.count(n_fin, res.num_committed, block.tree.num_drafted(), block.max_depth + 1, block.source, res.path_slots)
+        rows.count(n_fin, res.num_committed, block.tree.num_drafted(), block.max_depth + 1, block.source, res.path_slots,
+                   live)
         return Settled(res, n_fin, reason)
 
     def _replay(self, rows: Rows, block: Block) -> Optional[GraphPass]:

@@ -29,6 +29,7 @@ class GraphStats:
     capture_s: float = 0.0  # seconds capturing (start-up and during the job)
     graph_bytes: int = 0  # device memory held by the graphs' pool
     graph_passes: int = 0  # passes run from a class's graph (on a CPU: over its static buffers)
+    ahead_passes: int = 0  # of which launched before the last pass's read (engine.cuda_graphs_run_ahead)
     # passes that ran eagerly, by reason: stop_strings (the text is checked on the host), capacity (a row longer
     # than the slab's pinned slots), new_shape (a class's first passes, before its capture), graph_limit
     eager_passes: collections.Counter = field(default_factory=collections.Counter)
@@ -36,7 +37,7 @@ class GraphStats:
     def record(self) -> dict[str, Any]:
         """For benchmarks and the job summary."""
         return dict(captured=self.captured, capture_s=round(self.capture_s, 3), graph_bytes=self.graph_bytes,
-                    graph_passes=self.graph_passes, eager_passes=dict(self.eager_passes))
+                    graph_passes=self.graph_passes, ahead_passes=self.ahead_passes, eager_passes=dict(self.eager_passes))
 
 
 @dataclass
@@ -54,12 +55,13 @@ class EngineStats:
         """Zero the time and pass counters (a benchmark's warm-up is not measured)."""
         self.decode_s, self.model_s, self.decode_passes, self.peak_cache_bytes = 0.0, 0.0, 0, 0
         if self.graphs is not None:
-            self.graphs.graph_passes = 0
+            self.graphs.graph_passes = self.graphs.ahead_passes = 0
             self.graphs.eager_passes.clear()
 
     def timing(self) -> dict[str, float]:
         """The time and pass counters as a record (benchmarks and reports)."""
         graphs = {} if self.graphs is None else dict(graph_passes=self.graphs.graph_passes,
+                                                      ahead_passes=self.graphs.ahead_passes,
                                                       eager_passes=sum(self.graphs.eager_passes.values()))
         return dict(decode_s=self.decode_s, model_s=self.model_s, decode_passes=self.decode_passes,
                     peak_cache_bytes=self.peak_cache_bytes, **graphs)

@@ -92,12 +92,13 @@ def count_reads_per_pass(monkeypatch):
 
 @contextlib.contextmanager
 def strict_sync_passes(monkeypatch, auto: bool):
-    """On CUDA: torch.cuda.set_sync_debug_mode("error") inside every Engine._step but its one Rows.read_back, so
-    any other synchronisation in a pass raises. Under block_complexity=auto (`auto`), a pass right after rows
-    joined or left may also read (see tests/engine/test_host_sync.py) and runs unchecked."""
-    from esp_worker.batch import Rows
+    """On CUDA: torch.cuda.set_sync_debug_mode("error") inside every Engine._step but its one Rows.read_back (or,
+    under engine.cuda_graphs_run_ahead, its PendingRead.get of the pass before), so any other synchronisation in a
+    pass raises. Under block_complexity=auto (`auto`), a pass right after rows joined or left may also read (see
+    tests/engine/test_host_sync.py) and runs unchecked."""
+    from esp_worker.batch import PendingRead, Rows
 
-    step, read_back = Engine._step, Rows.read_back
+    step, read_back, get = Engine._step, Rows.read_back, PendingRead.get
     inside = [False]  # read_back also runs outside a pass (prefill): strict mode only inside _step
     last_rows = [None]
 
@@ -122,8 +123,17 @@ def strict_sync_passes(monkeypatch, auto: bool):
             if inside[0]:
                 torch.cuda.set_sync_debug_mode("error")
 
+    def allowed_get(self):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return get(self)
+        finally:
+            if inside[0]:
+                torch.cuda.set_sync_debug_mode("error")
+
     monkeypatch.setattr(Engine, "_step", strict_step)
     monkeypatch.setattr(Rows, "read_back", allowed_read_back)
+    monkeypatch.setattr(PendingRead, "get", allowed_get)
     try:
         yield
     finally:

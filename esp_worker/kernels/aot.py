@@ -15,8 +15,10 @@ engine) that exports the same program loads that kernel instead of compiling it 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import tempfile
 import time
 import warnings
@@ -96,13 +98,30 @@ class AotKernels:
                 if kernel is None:
                     path = torch._inductor.aoti_compile_and_package(
                         program, package_path=f"{_PACKAGES.name}/{self.what}-{len(_COMPILED)}.pt2")
-                    kernel = _COMPILED[fp] = torch._inductor.aoti_load_package(path).loader
+                    with _extracting_into(_PACKAGES.name):
+                        kernel = _COMPILED[fp] = torch._inductor.aoti_load_package(path).loader
         except Exception as e:  # noqa: BLE001 - an optimisation: the work runs eagerly instead
             log.warning("engine.compile_host: no %s kernel for %s (%s: %s); it runs eagerly", self.what, key,
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             kernel = None
         self.compile_s += time.perf_counter() - t0
         return kernel
+
+
+@contextlib.contextmanager
+def _extracting_into(directory: str):
+    """TMPDIR set to `directory` while a package loads. The loader unpacks the package's shared library into a
+    fresh temporary directory (`std::filesystem::temp_directory_path`, which reads TMPDIR) and never removes it:
+    about 2 MB left in /tmp per kernel per process. Under our own directory it goes when the process exits."""
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = directory
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old
 
 
 def fingerprint(program: Any) -> str:

@@ -15,7 +15,7 @@ from esp_worker.config import EXPANSIONS, METHODS, TREES
 
 from ..config import ConfigError, JobConfig, load_config
 
-OPTIONS = ("compile_host", "eager", "compiled_graphs")  # what may follow METHOD:BC in bench.settings (settings.py)
+OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead")  # what may follow METHOD:BC in bench.settings (settings.py)
 
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
@@ -60,7 +60,8 @@ class BenchSection:
     # (and hf) still run first. Fewer settings per round-robin round pair each with ar more closely in time.
     # "method:BC:compile_host" (and "ar:1:compile_host") runs that setting with engine.compile_host=true;
     # "method:BC:eager" (and "ar:1:eager") with engine.cuda_graphs=false (the eager engine beside the default's);
-    # "method:BC:compiled_graphs" (and "ar:1:compiled_graphs") with engine.cuda_graphs_compile=true.
+    # "method:BC:compiled_graphs" (and "ar:1:compiled_graphs") with engine.cuda_graphs_compile=true;
+    # "ar:1:run_ahead" with engine.cuda_graphs_run_ahead=true (plain passes only).
     settings: list[str] = field(default_factory=list)
     # settings to run once more under torch.profiler after the timed runs (over one batch of prompts),
     # "method:BC" as in `settings` (or ar, hf): op tables per setting and batch size in
@@ -117,11 +118,12 @@ def validate_bench(cfg: DictConfig) -> None:
                  f"bench.settings: {spec!r} must be {method}:TAU with TAU an integer >= {1 if method == 'dmtd' else 2}")
             continue
         need(opt in ("",) + OPTIONS, f"bench.settings: {spec!r}: the options after METHOD:BC are :compile_host, "
-             ":eager and :compiled_graphs")
+             ":eager, :compiled_graphs and :run_ahead (ar only)")
         if method == "ar":  # ar itself always runs first; an entry can only add it under an option
             need(bc == "1" and opt in OPTIONS, f"bench.settings: {spec!r}: ar always runs; the ar entries are "
-                 "ar:1:compile_host, ar:1:eager and ar:1:compiled_graphs")
+                 "ar:1:compile_host, ar:1:eager, ar:1:compiled_graphs and ar:1:run_ahead")
             continue
+        need(opt != "run_ahead", f"bench.settings: {spec!r}: run_ahead applies to plain passes: ar:1:run_ahead")
         heads = method == HYBRID_HEADS
         method = "hybrid" if heads else method
         need(method in METHODS and method != "ar" and bc != "" and (bc == "auto" or (bc.isdigit() and int(bc) >= 2)),

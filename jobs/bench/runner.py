@@ -128,6 +128,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         compile_host=base.compile_host or s.compile_host,
         cuda_graphs=False if s.eager else base.cuda_graphs,
         cuda_graphs_compile=base.cuda_graphs_compile or s.compiled_graphs,
+        cuda_graphs_run_ahead=base.cuda_graphs_run_ahead or s.run_ahead,
         dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )
     share = share if share is not None else EngineShare()

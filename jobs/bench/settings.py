@@ -27,6 +27,7 @@ class Setting:
     compile_host: bool = False  # engine.compile_host for this setting ("METHOD:BC:compile_host")
     eager: bool = False  # engine.cuda_graphs=false for this setting ("METHOD:BC:eager"): passes run eagerly
     compiled_graphs: bool = False  # engine.cuda_graphs_compile=true ("METHOD:BC:compiled_graphs")
+    run_ahead: bool = False  # engine.cuda_graphs_run_ahead=true ("ar:1:run_ahead")
     dmtd_tau: int = 0  # dmtd / dmtd_verified: tokens per cycle
     # dmtd: the DMTD model directory ("" = the bench's own model, split by engine.dmtd_decoding_layers);
     # dmtd_verified: the trained copy's directory
@@ -35,7 +36,7 @@ class Setting:
     @property
     def label(self) -> str:
         return self._label + (" compile_host" if self.compile_host else "") + (" eager" if self.eager else "") \
-            + (" compiled graphs" if self.compiled_graphs else "")
+            + (" compiled graphs" if self.compiled_graphs else "") + (" run ahead" if self.run_ahead else "")
 
     @property
     def _label(self) -> str:
@@ -79,7 +80,7 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
     With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto; an entry
     METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so), METHOD:BC:eager with
     engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's), METHOD:BC:compiled_graphs
-    with engine.cuda_graphs_compile=true. dmtd:TAU runs each DMTD model of `bench.dmtd_paths` trained with that tau
+    with engine.cuda_graphs_compile=true, ar:1:run_ahead with engine.cuda_graphs_run_ahead=true. dmtd:TAU runs each DMTD model of `bench.dmtd_paths` trained with that tau
     (none given: the bench's model, split by engine.dmtd_decoding_layers); dmtd_verified:TAU each trained copy
     there, drafting TAU - 1 tokens per pass.
     `hf generate compiled` follows `hf generate` when bench.hf_compiled is true, or auto on an accelerator.
@@ -92,7 +93,7 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
             m, _, rest = str(spec).partition(":")
             bc, _, opt = rest.partition(":")
             bc = bc if bc == "auto" else int(bc)
-            opts = {name: opt == name for name in ("compile_host", "eager", "compiled_graphs")}
+            opts = {name: opt == name for name in ("compile_host", "eager", "compiled_graphs", "run_ahead")}
             if m in DMTD_METHODS:
                 out.extend(dmtd_settings(m, int(bc), list(bench.get("dmtd_paths") or [])))
             elif m in ("cp_heads", HYBRID_HEADS):

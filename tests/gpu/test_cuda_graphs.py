@@ -87,6 +87,38 @@ def test_no_synchronisation_inside_a_replayed_pass(monkeypatch, setting, tempera
     assert g.graph_passes > eng.stats.decode_passes // 2, (g.graph_passes, dict(g.eager_passes))
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_passes_run_ahead_are_the_engines_that_reads_each_float32_1b_shape(few_layer_1b, batch):
+    """engine.cuda_graphs_run_ahead: plain passes launched before the last one's read (its values copied to pinned
+    host memory behind it). Stop ids that end rows mid-batch and per-request limits: the same tokens, finish
+    reasons and statistics as reading every pass; most passes ran ahead."""
+    lm = few_layer_1b
+    first = _generate(lm, True, GenerationParams(max_new_tokens=40, ignore_eos=True), batch, method="ar")[1]
+    stops = [first[0].token_ids[12], first[1].token_ids[25]]
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=10 + 9 * i, stop_token_ids=stops))
+            for i, p in enumerate(PROMPTS)]
+    outs = {}
+    for ahead in (False, True):
+        eng = Engine(lm, EngineConfig(method="ar", max_batch_size=batch, cuda_graphs=True, cuda_graphs_run_ahead=ahead))
+        outs[ahead] = eng.generate(reqs)
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert a.stats.committed_histogram == b.stats.committed_histogram
+        assert a.stats.num_decode_passes == b.stats.num_decode_passes
+    assert "stop" in {o.finish_reason for o in outs[True]}
+    assert eng.stats.graphs.ahead_passes > eng.stats.decode_passes // 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_synchronisation_in_passes_run_ahead(monkeypatch, temperature):
+    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda"))
+    params = GenerationParams(max_new_tokens=64, temperature=temperature, seed=1)
+    with strict_sync_passes(monkeypatch, False):
+        eng, outs = _generate(lm, True, params, method="ar", cuda_graphs_run_ahead=True)
+    assert all(len(o.token_ids) > 0 for o in outs)
+    assert eng.stats.graphs.ahead_passes > eng.stats.decode_passes // 2
+
+
 def test_bfloat16_replayed_1b_shape_finishes_with_consistent_statistics(tmp_path):
     raw = json.loads((SHIPPED_CONFIGS / "llama-1b.json").read_text())
     raw["num_hidden_layers"] = 2

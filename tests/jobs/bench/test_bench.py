@@ -142,12 +142,14 @@ def test_bench_graphs_against_the_eager_engine_and_compiled_generate(tmp_path):
     data = prompts(tmp_path, ["the cat sat on the mat, the cat", "def f(x):\n    return"])
     out = tmp_path / "out"
     code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=12", "engine.cuda_graphs=true",
-                 "bench.hf_compiled=true", "bench.settings=[ar:1:eager]", "bench.warmup=1", "bench.cost_curve=false"])
+                 "bench.hf_compiled=true", "bench.settings=[ar:1:eager,ar:1:run_ahead]", "bench.warmup=1",
+                 "bench.cost_curve=false"])
     assert code == 0
     records = {r["setting"]: r for r in json.loads((out / "bench.json").read_text()) if r["category"] == "all"}
-    assert list(records) == ["ar", "hf generate", "hf generate compiled", "ar eager"]
+    assert list(records) == ["ar", "hf generate", "hf generate compiled", "ar eager", "ar run ahead"]
     assert all(r["exact_match_rate"] == 1.0 for r in records.values())
     assert records["ar"]["graph_passes"] > 0 and records["ar"]["eager_passes"] == 0
+    assert records["ar"]["ahead_passes"] == 0 and records["ar run ahead"]["ahead_passes"] > 0
     assert records["ar eager"]["graph_passes"] is None
 
 
@@ -171,7 +173,7 @@ def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch
 @pytest.mark.parametrize("spec,words", [
     ("pld", "METHOD:BC"), ("ar:10", "ar:1:compile_host"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
     ("pld:10:fast", ":compile_host"), ("ar:1:fast", ":compiled_graphs"),
-    ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"),
+    ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"), ("pld:10:run_ahead", "ar:1:run_ahead"),
 ])
 def test_bench_rejects_bad_settings(tmp_path, monkeypatch, capsys, spec, words):
     monkeypatch.chdir(tmp_path)  # a default output.dir would land here, not in the checkout
