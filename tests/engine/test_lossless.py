@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 
+from cost_curves import FLAT, STEEP, curve
 from engine_helpers import ARCHS, reference, run, tiny
 from esp_worker import EngineConfig, GenerationParams
 
@@ -106,8 +107,6 @@ def test_hybrid_matches_generate(arch, k, bc, batch):
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_hybrid_auto_matches_generate(arch, k, batch):
-    from test_policy import FLAT, STEEP, curve
-
     lm = tiny(arch)
     ref = reference(arch, "sdpa")
     for c in (FLAT, STEEP, curve(lambda q: 1.0 + 0.05 * q)):

@@ -6,24 +6,13 @@ import math
 import pytest
 import torch
 
+from cost_curves import BLOCKS, FLAT, STEEP, curve
 from engine_helpers import ARCHS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams
 from esp_worker.auto.cost_model import CostCurve
 from esp_worker.auto.policy import BlockPolicy, _Prepared, calibrate
 from esp_worker.auto.sizer import DraftSizer
 from esp_worker.passes import PassPlan
-
-BLOCKS = [1, 2, 4, 8, 16, 32, 64]
-
-
-def curve(cost_of_q) -> CostCurve:
-    """A cost curve where one pass of Q tokens per row at batch b costs b-independent cost_of_q(Q)."""
-    secs = [[[cost_of_q(q) * (1 + 0.1 * b) for q in BLOCKS] for _ in (64, 512)] for b in (1, 8)]
-    return CostCurve([1, 8], [64, 512], BLOCKS, secs)
-
-
-FLAT = curve(lambda q: 1.0)  # a GPU at small batch: the block is free
-STEEP = curve(lambda q: float(q))  # pure compute-bound: a block of Q costs Q passes
 
 
 class _Sizer(DraftSizer):
