@@ -5,30 +5,27 @@ Ray starts its workers at niceness 15; on a machine whose cores other processes 
 per cent of a core and every Ray test crawls. The tests' Ray workers run at the tests' own priority (inherited by
 the jobs the tests start in subprocesses), so the suite's speed does not depend on the machine being idle.
 
-The suite runs on two pytest-xdist workers (`-n 2` in pyproject.toml): most of the jobs tests' time is spent waiting
-(Ray clusters coming up, Ray Train polling) while the engine tests compute. Every test under tests/jobs/ runs on
-one worker, in file order (`xdist_group`), so at most one Ray instance, S3 server or job runs at a time, as in a
-serial run; the engine tests fill both workers around them.
+The suite runs on two pytest-xdist workers (`-n 2` in pyproject.toml): much of the jobs tests' time is spent waiting
+(Ray clusters coming up, Ray Train polling) while other tests compute, so both workers take jobs tests too
+(run on one, they alone would take longer than the whole suite takes now).
+
+Each worker keeps its Ray instances under a RAY_TMPDIR of its own (a test that builds clusters sets a private one
+on top). Under a shared /tmp/ray the two workers' clusters would meet: Ray records the last cluster started on
+the machine in /tmp/ray/ray_current_cluster, a `ray job submit` to one test's head handed its job driver that file's
+address (the supervisor resolves RAY_ADDRESS=auto), which was the other worker's cluster, and the job's actors then
+looked there for the uploaded working directory ("Failed to download runtime_env file package"); a job looking
+for a running local instance would find the other worker's in the same way.
 
 Each worker compiles into an Inductor cache of its own: in one shared cache, two workers compiling the same
 graph at once can read the other's half-written entry (an AOTInductor package failed that way, its kernel
 then missing from a test that counts on it)."""
 import os
 import tempfile
-from pathlib import Path
-
-import pytest
 
 os.environ.setdefault("RAY_worker_niceness", "0")
-if os.environ.get("PYTEST_XDIST_WORKER") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-        tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{os.environ['PYTEST_XDIST_WORKER']}")
-
-
-JOBS = Path(__file__).parent / "jobs"
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if JOBS in Path(item.path).parents:
-            item.add_marker(pytest.mark.xdist_group("jobs"))
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{_WORKER}")
+if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths live under it
+    os.environ["RAY_TMPDIR"] = os.path.join(tempfile.gettempdir(), f"ray-{os.getuid()}-{_WORKER}")
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
