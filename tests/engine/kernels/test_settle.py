@@ -3,7 +3,9 @@ as one AOTInductor kernel give exactly the eager engine's tokens, finish reasons
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
+import os
 
 import pytest
 import torch
@@ -112,6 +114,8 @@ def test_a_shape_is_compiled_after_it_recurs():
     assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
     eng, _ = _run(lm, cfg, GenerationParams(max_new_tokens=8), PROMPTS[:2])  # 14 passes: never compiled
     assert eng.settler.passes == 0 and eng.compile_s == 0
+    # the packages' libraries were unpacked under our own temporary directory (removed at exit), not left in /tmp
+    assert glob.glob(os.path.join(aot._PACKAGES.name, "aotinductor_*"))
 
 
 def test_compile_host_is_for_cpu_runs():
