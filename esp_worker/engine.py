@@ -382,6 +382,8 @@ class Engine:
             self._step_ahead(rows)
             return
         self._land(rows)
+        if any(rows.done):  # the pass in flight ended rows: they retire first
+            return
         clock = self.stats.start(self.runner.model_s, self.compile_s if self.policy is not None else 0.0, rows.lens)
         view = rows.view()
         block = self.drafter.propose(view, self.planner.plan(view, rows.lens))
