@@ -16,9 +16,6 @@ address (the supervisor resolves RAY_ADDRESS=auto), which was the other worker's
 looked there for the uploaded working directory ("Failed to download runtime_env file package"); a job looking
 for a running local instance would find the other worker's in the same way.
 
-The `slow` tests are handed out first (a stable sort, otherwise in collection order): the longest jobs then start
-while the quick ones can still fill the other worker, instead of one of them running alone at the end.
-
 Each worker compiles into an Inductor cache of its own: in one shared cache, two workers compiling the same
 graph at once can read the other's half-written entry (an AOTInductor package failed that way, its kernel
 then missing from a test that counts on it)."""
@@ -32,7 +29,3 @@ if _WORKER and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths live under it
     os.environ["RAY_TMPDIR"] = os.path.join(tempfile.gettempdir(), f"ray-{os.getuid()}-{_WORKER}")
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
