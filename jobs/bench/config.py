@@ -15,7 +15,8 @@ from esp_worker.config import EXPANSIONS, METHODS, TREES
 
 from ..config import ConfigError, JobConfig, load_config
 
-OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead")  # what may follow METHOD:BC in bench.settings (settings.py)
+# what may follow METHOD:BC in bench.settings, each a Setting field of the same name (settings.py)
+OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead")
 
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
