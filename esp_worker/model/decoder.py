@@ -20,6 +20,7 @@ tests check the result, not just the parts):
 """
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any, Callable, Optional
 
@@ -33,6 +34,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+FEW_ROWS = 8  # weight-major products pay up to this many rows on the CPU (`weight_major_linear`)
 MIN_ROWS = 4  # products with fewer rows may take another kernel (e.g. a matrix-vector one) and round differently
 
 
@@ -86,7 +88,18 @@ class DirectDecoder:
         self.fast_rope = self._fast_rope_matches()
         self._cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # [P, hd] each
         self.compiled: Optional[Any] = None  # compiled.CompiledLayers under engine.compile
+        self.linear: Callable = _linear  # (x, layer with .weight / .bias) -> x's product; see `few_rows`
         self.rows_invariant = self._rows_invariant()  # `keep` may skip rows of the last layer's products
+
+    def few_rows(self) -> "DirectDecoder":
+        """This decoder with its products computed as `weight_major_linear` (CPU, eager loop): for DMTD's
+        refill, a product over tau rows of a lossy method. Not bitwise `F.linear`, so never for a pass whose
+        tokens must equal the model's. Elsewhere (CUDA, compiled layers) the decoder itself."""
+        if self.compiled is not None or self.base.layers[0].self_attn.o_proj.weight.device.type != "cpu":
+            return self
+        view = copy.copy(self)
+        view.linear = weight_major_linear
+        return view
 
     def compile(self, mode: Optional[str] = None) -> None:
         """Run the layers' projections, norms, rotary and MLP as compiled graphs (engine.compile)."""
@@ -200,7 +213,7 @@ class DirectDecoder:
     def _attention(self, attn: Any, x: torch.Tensor, rope, bias, cache: Any, i: int, b: int, q: int,
                    keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         nq, nk = self.heads
-        qkv = self.qkv[i](x).view(b, q, -1, attn.head_dim)  # [B, Q, H + 2 Hkv, hd]
+        qkv = self.linear(x, self.qkv[i]).view(b, q, -1, attn.head_dim)  # [B, Q, H + 2 Hkv, hd]
         qs, ks, vs = qkv[:, :, :nq], qkv[:, :, nq: nq + nk], qkv[:, :, nq + nk:]
         if self.qk_norm:
             qs, ks = self.norms[i][2](qs), self.norms[i][3](ks)
@@ -218,12 +231,11 @@ class DirectDecoder:
         out = out.reshape(b, q, -1)
         if keep is not None:
             out = gather_slots(out, keep)  # [B, K, H * hd]
-        return _linear(attn.o_proj, out.contiguous())
+        return self.linear(out.contiguous(), attn.o_proj)
 
-    @staticmethod
-    def _mlp(mlp: Any, x: torch.Tensor, gate_up: Callable) -> torch.Tensor:
-        gate, up = gate_up(x).chunk(2, dim=-1)
-        return _linear(mlp.down_proj, mlp.act_fn.forward(gate) * up)
+    def _mlp(self, mlp: Any, x: torch.Tensor, gate_up: Any) -> torch.Tensor:
+        gate, up = self.linear(x, gate_up).chunk(2, dim=-1)
+        return self.linear(mlp.act_fn.forward(gate) * up, mlp.down_proj)
 
 
 def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -251,9 +263,23 @@ def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     return out.reshape(b, h, q, hd).transpose(1, 2), None
 
 
-def _linear(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's own computation without nn.Module's call machinery."""
+def _linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """nn.Linear's own computation without nn.Module's call machinery (`layer`: a Linear or a `_Fused`)."""
     return F.linear(x, layer.weight, layer.bias)
+
+
+def weight_major_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """x [..., in] times layer.weight [out, in]^T as weight @ x^T, for products of 2 .. FEW_ROWS rows (else
+    `F.linear`). On the CPU `F.linear` over a few rows takes a small-M kernel that costs 1.5-1.8x one row, while
+    the same product with the weight as the left operand streams the weight once and costs about one row
+    (`scripts/row_costs.py`). It rounds differently from `F.linear`, so only a lossy method's own products use it."""
+    flat = x.reshape(-1, x.shape[-1])
+    if not 2 <= flat.shape[0] <= FEW_ROWS:
+        return _linear(x, layer)
+    out = torch.mm(layer.weight, flat.T).T  # [M, out]
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.contiguous().view(*x.shape[:-1], -1)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -286,9 +312,6 @@ class _Fused:
                 for m, bb, had in zip(mods, self.bias.split(sizes), has_bias):
                     if had:
                         m.bias.data = bb
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 def _norm_fn(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:

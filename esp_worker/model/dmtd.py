@@ -371,6 +371,9 @@ class CycleForward:
         cfg.check(len(runner.base.layers))
         self.runner, self.cfg = runner, cfg
         self.layers = runner.layers
+        # the refill's products are over a few rows (tau per row at a cycle start): where the layers have a
+        # faster product for those (the CPU's direct loop), the refill takes it; DMTD is lossy by design
+        self.refill_layers = runner.layers.few_rows()
 
     @inference
     def prefill(self, embeds: torch.Tensor, bias: Optional[torch.Tensor], position_ids: torch.Tensor, cache: Any,
@@ -424,7 +427,7 @@ class CycleForward:
             cache.plan(0, r, starts.view_len, write_at, rows=starts.index)
         try:
             rope = self.layers.rope(x, pos, max_position)
-            x = self.layers.run(x, 0, cfg.thinking_end, rope, bias, cache)
+            x = self.refill_layers.run(x, 0, cfg.thinking_end, rope, bias, cache)
         finally:
             cache.plan_ = plan
         return x[:, -1:]

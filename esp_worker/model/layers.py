@@ -35,5 +35,9 @@ class ModuleLayers:
             h = h[0] if isinstance(h, tuple) else h  # transformers < 4.54 returned (hidden, ...)
         return h if keep is None else gather_slots(h, keep)
 
+    def few_rows(self) -> "ModuleLayers":
+        """The layers for products over a few rows (DirectDecoder.few_rows): the modules compute their own."""
+        return self
+
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.base.norm(h)

@@ -5,10 +5,11 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine_helpers import ARCHS, tiny
 from esp_worker import kv_cache
-from esp_worker.model.decoder import direct_decoder
+from esp_worker.model.decoder import FEW_ROWS, direct_decoder, weight_major_linear
 from esp_worker.model.attention import attention_bias
 from esp_worker.model.runner import ModelRunner
 
@@ -91,6 +92,32 @@ def test_prefill_keep_rows_is_bitwise_the_full_forward(arch):
         expect = full.gather(1, torch.tensor(keep)[..., None].expand(-1, -1, full.shape[-1]))
         assert kept.shape == expect.shape and torch.equal(kept, expect) and torch.equal(hf_kept, expect)
         assert torch.equal(slab_kept, slab)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: projections with biases
+def test_few_row_products_are_close_and_leave_the_decoder_bitwise(arch):
+    """DMTD's refill runs its layers through `few_rows()`: products of 2 .. FEW_ROWS rows weight-major, which
+    round differently from F.linear (close, not equal); other row counts, and the decoder itself, stay bitwise."""
+    direct, hf = _runners(arch, "sdpa")
+    dec = direct.direct
+    layer, g = dec.qkv[0], torch.Generator().manual_seed(0)
+    assert layer.bias is not None or arch == "llama"
+    for m in (1, 2, 3, FEW_ROWS, FEW_ROWS + 1, 16):
+        x = torch.randn((1, m, layer.weight.shape[1]), generator=g)
+        ref, got = F.linear(x, layer.weight, layer.bias), weight_major_linear(x, layer)
+        assert got.shape == ref.shape and got.is_contiguous()
+        if 2 <= m <= FEW_ROWS:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, ref)
+    few = dec.few_rows()  # a view: the decoder keeps its own products
+    assert few is not dec and few.linear is weight_major_linear and dec.linear is not weight_major_linear
+    direct.direct = few  # a prefill of 27 rows, a tree block of 12 and a plain pass of 3 (weight-major)
+    for a, b in zip(_passes(direct, 0), _passes(hf, 0)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    direct.direct = dec
+    for a, b in zip(_passes(direct, 0), _passes(hf, 0)):
+        assert torch.equal(a, b)
 
 
 def test_unsupported_architecture_falls_back():

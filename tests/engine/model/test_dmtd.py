@@ -222,12 +222,14 @@ def test_a_pass_is_a_cycle_and_sampling_is_per_request(root):
     """One decode pass commits a cycle of tau tokens per row (one host read per cycle); seeded sampling draws each
     token from its request's own stream, so a request's tokens do not depend on the batch it runs in."""
     from esp_worker import Engine, Request
+    from esp_worker.model.decoder import weight_major_linear
 
     split = (0, 2, 2, 3)
     lm = load_model(ModelConfig(name_or_path=saved_model("llama", root, split)))
     eng = Engine(lm, EngineConfig(method="dmtd", max_batch_size=1))
     outs = eng.generate([Request(id="0", prompt=MORE[0], params=GenerationParams(max_new_tokens=40, ignore_eos=True))])
     assert len(outs[0].token_ids) == 40 and eng.stats.decode_passes == 13  # the prefill's token, then 13 cycles of 3
+    assert eng.cycle.refill_layers.linear is weight_major_linear  # the refill's 3-row products (this CPU)
     params = [GenerationParams(max_new_tokens=25, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True)
               for i in range(len(MORE))]
     got = {}
