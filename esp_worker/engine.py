@@ -420,7 +420,8 @@ class Engine:
         if graphed is None:  # no graph for this pass: read the one in flight, then run it as any other
             self._land(rows)
             if any(rows.done):
-                return  # rows ended: they retire before the next pass
+                self.graphs.withdraw()
+                return  # rows ended: they retire before the next pass (this one did not run)
             out = self._forward(rows, block)
             settled = self._settle(rows, block, out)
             self.drafter.observe(rows.view(), self._record(block, out, settled))

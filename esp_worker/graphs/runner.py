@@ -139,6 +139,7 @@ class GraphRunner:
         # the last pass ran eagerly as a class's pass before its capture: not what the class costs (the `auto` policy
         # does not time it)
         self.last_uncaptured = False
+        self._declined: Optional[str] = None  # the reason `run` last counted for a pass it declined
 
     def misfit(self, decoder: Any, dims: ModelDims, max_batch: int, slots: int, compiled: bool) -> Optional[str]:
         """Why an engine of this model (its direct decoder), dims, batch size, slots and engine.cuda_graphs_compile
@@ -169,10 +170,10 @@ class GraphRunner:
     def run(self, rows: Rows, block: Block) -> Optional[GraphPass]:
         """The pass over its class's buffers (replayed, or on a CPU run eagerly), or None: the caller runs it
         eagerly (counted by reason)."""
-        self.last_uncaptured = False
+        self.last_uncaptured, self._declined = False, None
         shape = self._shape(rows, block)
         if isinstance(shape, str):
-            self.stats.eager_passes[shape] += 1
+            self._decline(shape)
             return None
         entry = self._entries.get(shape)
         if entry is None or (self.capture and entry.graph is None):
@@ -201,6 +202,19 @@ class GraphRunner:
                                 last_token)
         fwd = ForwardOut(out.hidden.narrow(0, 0, b), None)
         return GraphPass(fwd, verified, n_fin, reason)
+
+    def _decline(self, reason: str) -> None:
+        self.stats.eager_passes[reason] += 1
+        self._declined = reason
+
+    def withdraw(self) -> None:
+        """The pass `run` last declined was not run after all (its rows ended first): it is not counted."""
+        if self._declined is not None:
+            counts, reason = self.stats.eager_passes, self._declined
+            counts[reason] -= 1
+            if not counts[reason]:
+                del counts[reason]
+            self._declined = None
 
     def _shape(self, rows: Rows, block: Block):
         """The pass's class, or why it has none (a reason string)."""
@@ -234,10 +248,10 @@ class GraphRunner:
         if self.capture:
             self._seen[shape] += 1
             if self._seen[shape] < CAPTURE_AFTER:
-                self.stats.eager_passes["new_shape"] += 1
+                self._decline("new_shape")
                 return None
             if len(self._entries) >= MAX_GRAPHS:
-                self.stats.eager_passes["graph_limit"] += 1
+                self._decline("graph_limit")
                 return None
         entry = self._entries[shape] = _Entry(StepInputs.allocate(shape, self.dims))
         return entry

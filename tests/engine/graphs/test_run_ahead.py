@@ -71,7 +71,19 @@ def test_context_limit_and_a_slab_that_grows():
     lm = tiny("llama")
     eng, outs = _generate(lm, True, reqs, cuda_graph_max_len=24)
     assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
-    assert eng.stats.graphs.eager_passes["capacity"] > 0 and eng.stats.graphs.ahead_passes > 0
+    g = eng.stats.graphs
+    assert g.eager_passes["capacity"] > 0 and g.ahead_passes > 0
+    assert g.graph_passes + sum(g.eager_passes.values()) == eng.stats.decode_passes
+    # a row that stops where its next pass has no graph (past the capacity of 24): that pass is not run, nor
+    # counted as an eager pass (the stops were found by trying each position)
+    ref = reference("llama", "sdpa")
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=64, stop_token_ids=[ref[i][k]]))
+            for i, (p, k) in enumerate(zip(PROMPTS, (20, 7, 22, 12)))]
+    eng, outs = _generate(lm, True, reqs, 1, cuda_graph_max_len=24)
+    _same(outs, _generate(lm, False, reqs, 1, cuda_graph_max_len=24)[1])
+    assert all(o.finish_reason == "stop" for o in outs)
+    g = eng.stats.graphs
+    assert g.graph_passes + sum(g.eager_passes.values()) == eng.stats.decode_passes
 
 
 def test_other_methods_and_stop_strings_read_every_pass():
