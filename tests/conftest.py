@@ -29,3 +29,18 @@ if _WORKER and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths live under it
     os.environ["RAY_TMPDIR"] = os.path.join(tempfile.gettempdir(), f"ray-{os.getuid()}-{_WORKER}")
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+# The suite is handed to the workers a module at a time (`--dist loadfile` in pyproject.toml): a module's fixtures
+# (Ray heads, models, an S3 server) are made once, and the compiled kernels its tests share are compiled once.
+# The longest modules (worker seconds on the 2-core development machine) go first, so that none of them starts
+# last and leaves one worker running it alone at the end.
+LONGEST_FIRST = ("engine/kernels/test_settle.py", "jobs/run/test_jobs_cluster.py", "jobs/run/test_jobs_integrity.py",
+                 "jobs/train/test_train_heads.py", "jobs/run/test_jobs_ray.py", "jobs/train/test_train_dmtd.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        module = item.nodeid.split("::")[0].removeprefix("tests/")
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the other modules keep their order
