@@ -270,7 +270,7 @@ def _linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
 
 def weight_major_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
     """x [..., in] times layer.weight [out, in]^T as weight @ x^T, for products of 2 .. FEW_ROWS rows (else
-    `F.linear`). On the CPU `F.linear` over a few rows takes a small-M kernel that costs 1.5-1.8x one row, while
+    `F.linear`). On the CPU `F.linear` over a few rows takes a small-M kernel that costs 1.3-1.8x one row, while
     the same product with the weight as the left operand streams the weight once and costs about one row
     (`scripts/row_costs.py`). It rounds differently from `F.linear`, so only a lossy method's own products use it."""
     flat = x.reshape(-1, x.shape[-1])
