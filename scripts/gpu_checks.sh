@@ -116,15 +116,26 @@ for name in ("torch", "transformers", "omegaconf", "pyarrow", "pytest", "matplot
 import torch
 print("cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))
 print("cuda_available", torch.cuda.is_available())
-if not missing:  # which RMSNorm the direct decoder runs here (model/decoder.py: fused where bitwise the module's)
+if not missing:  # which RMSNorm form the direct decoder runs here (model/decoder.py: the fewest kernels that are
+    # bitwise the module's), with a weight that is not all ones (a real model's)
+    from torch.utils._python_dispatch import TorchDispatchMode
     from esp_worker import ModelConfig, load_model
     from esp_worker.model.runner import ModelRunner
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for dtype in ("float32", "bfloat16"):
         lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device=dev, dtype=dtype))
-        d = ModelRunner(lm).direct
         norm = lm.model.get_decoder().layers[0].input_layernorm
-        print("rms_norm", dtype, "module" if d is None or d.norms[0][0] == norm.forward else "fused")
+        with torch.no_grad():
+            norm.weight.normal_()
+        fn, ops = ModelRunner(lm).direct.norms[0][0], []
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+        x = torch.randn(2, 3, norm.weight.shape[0], device=dev).to(norm.weight.dtype)
+        with torch.inference_mode(), Ops():
+            fn(x)
+        print("rms_norm", dtype, "module" if fn == norm.forward else "fused", " ".join(ops))
 sys.exit(1 if missing else 0)
 EOF
   [[ -f $P/prompts4.jsonl && -f $P/prompts128.jsonl ]] || { echo "no $P/prompts*.jsonl: run --prepare and carry gpu_data"; return 1; }

@@ -14,7 +14,7 @@ tests check the result, not just the parts):
   buffer per layer and the modules' own parameters become views of it, so memory is unchanged and the model's
   forward still works;
 - RMSNorm runs as the fused `F.rms_norm` where a check at start-up shows it equal to the module (in a half
-  type: on the float32 upcast, the module's order of operations);
+  type: the weight applied after `F.rms_norm` rounds, the module's order of operations; `_norm_fn`);
 - rotary cos/sin come from a table indexed by position (built with the model's own rotary module, grown on
   demand), not recomputed per pass; rotary types that depend on the sequence length keep the module.
 """
@@ -315,24 +315,29 @@ class _Fused:
 
 
 def _norm_fn(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The norm's computation: fused `F.rms_norm` where it is bitwise the module's on a probe, else its forward.
+    """The norm's computation: the first of the fused forms below that is bitwise the module's on a probe, else
+    its forward.
 
     In float32 that is `F.rms_norm` with the weight. In a half type the module (Llama's, Qwen's) computes in
-    float32 and rounds before the weight: `weight * F.rms_norm(x.float()).to(dtype)` is that order of
-    operations. On CUDA `F.rms_norm` is one kernel (`aten::_fused_rms_norm`) where the module launches five
-    (square, mean, add, rsqrt, multiply), and a replayed pass at small batch is bound by its kernel count; on
-    the CPU it decomposes into the same operations. Taken only where the probe shows it bitwise equal."""
+    float32 and rounds before the weight. `F.rms_norm` on the half input also computes in float32 and rounds
+    its result (CUDA's kernel and the CPU's decomposition alike), so `weight * F.rms_norm(x)` is two kernels on
+    CUDA; the explicit upcast, `weight * F.rms_norm(x.float()).to(dtype)`, is four; the module launches eight
+    (upcast, square, mean, add, rsqrt, multiply, round, weight). A replayed pass at small batch is bound by its
+    kernel count, so the fewest kernels that give the module's numbers win; the weight inside `F.rms_norm`
+    (one kernel) is tried first, though in a half type a kernel that applies it before rounding differs."""
     w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     rms = type(norm).__name__.endswith("RMSNorm")
     if not (rms and w is not None and eps is not None and w.dtype.is_floating_point):
         return norm.forward
     shape = tuple(w.shape)
-    if w.dtype == torch.float32:
-        fused = lambda x: F.rms_norm(x, shape, w, eps)  # noqa: E731
-    else:
-        fused = lambda x: w * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)  # noqa: E731
+    forms: list[Callable[[torch.Tensor], torch.Tensor]] = [lambda x: F.rms_norm(x, shape, w, eps)]
+    if w.dtype != torch.float32:
+        forms += [lambda x: w * F.rms_norm(x, shape, None, eps),
+                  lambda x: w * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)]
     probe = (torch.randn((3, 5) + shape, generator=torch.Generator().manual_seed(0)) * 3).to(w.device, w.dtype)
     with torch.no_grad():
-        if torch.equal(fused(probe), norm.forward(probe)):
-            return fused
+        want = norm.forward(probe)
+        for form in forms:
+            if torch.equal(form(probe), want):
+                return form
     return norm.forward
