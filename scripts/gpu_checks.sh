@@ -28,7 +28,8 @@
 #              then the op table of one replayed ar prompt (kernels per pass, attention backend)
 #   ar_compiled, ar64_compiled  ar vs ar eager vs ar with compiled graphs (engine.cuda_graphs_compile: Inductor's
 #              kernels captured; its compiles are in the warm-up round, ~100 s at batch 64) vs ar run ahead
-#              (engine.cuda_graphs_run_ahead: the next pass launched before the last one's read) at batch 1 and 64
+#              (engine.cuda_graphs_run_ahead: the next pass launched before the last one's read) vs both at batch
+#              1 and 64 (the two compiled settings share one runner: one compile)
 #   gpu_compiled  pytest -m gpu tests/gpu -k compiled: engine.cuda_graphs_compile gives the eager engine's tokens
 #              in float32 on the two-layer 1B shape (into gpu_tests.txt)
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
@@ -149,13 +150,13 @@ xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share
 step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   tests/engine/test_host_sync.py -k "not compiled"
 step ar_compiled ar.txt 220 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead]' \
+  big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead,ar:1:compiled_graphs+run_ahead]' \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
 step ar ar.txt 240 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
     'bench.profile=[ar]'"
 step ar64_compiled ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b64-compiled data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead]' \
+  big ar-b64-compiled data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead,ar:1:compiled_graphs+run_ahead]' \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
 step ar64 ar.txt 180 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b64 data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \

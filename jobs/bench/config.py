@@ -18,6 +18,11 @@ from ..config import ConfigError, JobConfig, load_config
 # what may follow METHOD:BC in bench.settings, each a Setting field of the same name (settings.py)
 OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead")
 
+
+def options_of(opt: str) -> list[str]:
+    """The options of a bench.settings entry's third part: "compiled_graphs+run_ahead" -> both; "" -> none."""
+    return [o for o in opt.split("+") if o] if opt else []
+
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
 DMTD_METHODS = ("dmtd", "dmtd_verified")  # bench.settings "dmtd:TAU" / "dmtd_verified:TAU" (bench.dmtd_paths)
@@ -62,7 +67,8 @@ class BenchSection:
     # "method:BC:compile_host" (and "ar:1:compile_host") runs that setting with engine.compile_host=true;
     # "method:BC:eager" (and "ar:1:eager") with engine.cuda_graphs=false (the eager engine beside the default's);
     # "method:BC:compiled_graphs" (and "ar:1:compiled_graphs") with engine.cuda_graphs_compile=true;
-    # "ar:1:run_ahead" with engine.cuda_graphs_run_ahead=true (plain passes only).
+    # "ar:1:run_ahead" with engine.cuda_graphs_run_ahead=true (plain passes only); options join with "+"
+    # ("ar:1:compiled_graphs+run_ahead").
     settings: list[str] = field(default_factory=list)
     # settings to run once more under torch.profiler after the timed runs (over one batch of prompts),
     # "method:BC" as in `settings` (or ar, hf): op tables per setting and batch size in
@@ -118,13 +124,17 @@ def validate_bench(cfg: DictConfig) -> None:
             need(bc.isdigit() and int(bc) >= (1 if method == "dmtd" else 2) and opt == "",
                  f"bench.settings: {spec!r} must be {method}:TAU with TAU an integer >= {1 if method == 'dmtd' else 2}")
             continue
-        need(opt in ("",) + OPTIONS, f"bench.settings: {spec!r}: the options after METHOD:BC are :compile_host, "
-             ":eager, :compiled_graphs and :run_ahead (ar only)")
+        opts = options_of(opt)
+        need(all(o in OPTIONS for o in opts), f"bench.settings: {spec!r}: the options after METHOD:BC are "
+             ":compile_host, :eager, :compiled_graphs and :run_ahead (ar only), or several joined by +")
+        need(not ("eager" in opts and ({"compiled_graphs", "run_ahead"} & set(opts))),
+             f"bench.settings: {spec!r}: compiled_graphs and run_ahead apply to replayed passes, not :eager")
         if method == "ar":  # ar itself always runs first; an entry can only add it under an option
-            need(bc == "1" and opt in OPTIONS, f"bench.settings: {spec!r}: ar always runs; the ar entries are "
-                 "ar:1:compile_host, ar:1:eager, ar:1:compiled_graphs and ar:1:run_ahead")
+            need(bc == "1" and len(opts) > 0, f"bench.settings: {spec!r}: ar always runs; the ar entries are "
+                 "ar:1:compile_host, ar:1:eager, ar:1:compiled_graphs, ar:1:run_ahead (or, e.g., "
+                 "ar:1:compiled_graphs+run_ahead)")
             continue
-        need(opt != "run_ahead", f"bench.settings: {spec!r}: run_ahead applies to plain passes: ar:1:run_ahead")
+        need("run_ahead" not in opts, f"bench.settings: {spec!r}: run_ahead applies to plain passes: ar:1:run_ahead")
         heads = method == HYBRID_HEADS
         method = "hybrid" if heads else method
         need(method in METHODS and method != "ar" and bc != "" and (bc == "auto" or (bc.isdigit() and int(bc) >= 2)),

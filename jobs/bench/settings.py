@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from omegaconf import DictConfig
 
-from .config import AUTO_METHODS, DMTD_METHODS, HYBRID_HEADS, OPTIONS
+from .config import AUTO_METHODS, DMTD_METHODS, HYBRID_HEADS, OPTIONS, options_of
 
 if TYPE_CHECKING:
     from .turns import Conversation
@@ -80,7 +80,8 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
     With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto; an entry
     METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so), METHOD:BC:eager with
     engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's), METHOD:BC:compiled_graphs
-    with engine.cuda_graphs_compile=true, ar:1:run_ahead with engine.cuda_graphs_run_ahead=true. dmtd:TAU runs
+    with engine.cuda_graphs_compile=true, ar:1:run_ahead with engine.cuda_graphs_run_ahead=true (options join with
+    "+": ar:1:compiled_graphs+run_ahead). dmtd:TAU runs
     each DMTD model of `bench.dmtd_paths` trained with that tau (none given: the bench's model, split by
     engine.dmtd_decoding_layers); dmtd_verified:TAU each trained copy there, drafting TAU - 1 tokens per pass.
     `hf generate compiled` follows `hf generate` when bench.hf_compiled is true, or auto on an accelerator.
@@ -93,7 +94,7 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
             m, _, rest = str(spec).partition(":")
             bc, _, opt = rest.partition(":")
             bc = bc if bc == "auto" else int(bc)
-            opts = {name: opt == name for name in OPTIONS}
+            opts = {name: name in options_of(opt) for name in OPTIONS}
             if m in DMTD_METHODS:
                 out.extend(dmtd_settings(m, int(bc), list(bench.get("dmtd_paths") or [])))
             elif m in ("cp_heads", HYBRID_HEADS):

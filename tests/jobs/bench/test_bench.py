@@ -122,12 +122,14 @@ def test_eager_option_and_the_compiled_hf_baseline_in_the_grid():
     from jobs.bench.settings import grid
     from jobs.bench.config import load_bench_config
 
-    cfg = load_bench_config(None, ["bench.settings=[ar:1:eager,pld:10:eager,pld:10,ar:1:compiled_graphs]"])
+    cfg = load_bench_config(None, ["bench.settings=[ar:1:eager,pld:10:eager,pld:10,ar:1:compiled_graphs,"
+                                   "ar:1:compiled_graphs+run_ahead]"])
     assert [s.label for s in grid(cfg.bench)] == ["ar", "hf generate", "ar eager", "pld BC10 eager", "pld BC10",
-                                                  "ar compiled graphs"]
-    assert [s.compiled_graphs for s in grid(cfg.bench)] == [False] * 5 + [True]
+                                                  "ar compiled graphs", "ar compiled graphs run ahead"]
+    assert [s.compiled_graphs for s in grid(cfg.bench)] == [False] * 5 + [True, True]
+    assert [s.run_ahead for s in grid(cfg.bench)] == [False] * 6 + [True]
     assert [s.label for s in grid(cfg.bench, accelerator=True)][:3] == ["ar", "hf generate", "hf generate compiled"]
-    assert [s.eager for s in grid(cfg.bench)] == [False, False, True, True, False, False]
+    assert [s.eager for s in grid(cfg.bench)] == [False, False, True, True, False, False, False]
     off = load_bench_config(None, ["bench.settings=[pld:10]", "bench.hf_compiled=false"])
     assert "hf generate compiled" not in [s.label for s in grid(off.bench, accelerator=True)]
     on = load_bench_config(None, ["bench.settings=[pld:10]", "bench.hf_compiled=true", "bench.hf_baseline=false"])
@@ -174,6 +176,8 @@ def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch
     ("pld", "METHOD:BC"), ("ar:10", "ar:1:compile_host"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
     ("pld:10:fast", ":compile_host"), ("ar:1:fast", ":compiled_graphs"),
     ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"), ("pld:10:run_ahead", "ar:1:run_ahead"),
+    ("ar:1:eager+run_ahead", "not :eager"), ("ar:1:run_ahead+fast", "joined by +"),
+    ("pld:10:compiled_graphs+run_ahead", "ar:1:run_ahead"),
 ])
 def test_bench_rejects_bad_settings(tmp_path, monkeypatch, capsys, spec, words):
     monkeypatch.chdir(tmp_path)  # a default output.dir would land here, not in the checkout
