@@ -87,6 +87,10 @@ class EngineConfig:
     # Batching
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
+    # what one more prefill forward costs, in padded prompt tokens: admitted prompts are grouped into the chunks
+    # that minimise forwards * this + padded tokens (esp_worker/prefill_plan.py). auto: measured at start-up on
+    # CUDA (an eager forward is bound by its launches there: thousands of tokens for a 1B model), 16 on a CPU
+    prefill_forward_tokens: Union[float, str] = "auto"
     seed: int = 0  # base seed for requests that carry none
     # STAND (stand): logit store of the model's own past top-k, tree by cumulative probability (BC - 1 nodes)
     stand_max_ngram: int = 3  # suffix match lengths tried, longest first (as pld)
@@ -127,6 +131,9 @@ class EngineConfig:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
+        pft = self.prefill_forward_tokens
+        if pft != "auto" and (isinstance(pft, bool) or not isinstance(pft, (int, float)) or not 0 <= pft < 1e9):
+            bad(f"engine.prefill_forward_tokens={pft!r} must be auto or a number of tokens >= 0")
         if self.method not in METHODS:
             bad(f"engine.method={self.method!r} is unknown; choose one of {', '.join(METHODS)}")
         if self.tree not in TREES:

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from . import kv_cache
-from .auto.cost_model import CostCurve
+from .auto.cost_model import CostCurve, measure_prefill_cost
 from .auto.planner import FixedPlanner, Planner
 from .auto.policy import BlockPolicy, PolicySettings, calibrate
 from .auto.sizer import DraftSizer
@@ -43,6 +43,7 @@ from .model.errors import ModelLoadError
 from .model.load import LoadedModel, load_model
 from .model.runner import ModelRunner
 from .passes import Block, ForwardOut, PassRecord, Placement, RowsView, Settled
+from .prefill_plan import CPU_FORWARD_TOKENS, plan_chunks
 from .sampling import UniformStreams, choose_tokens
 from .stats import EngineStats, PassClock
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
@@ -52,7 +53,6 @@ from .verify import VerifyResult, verify, verify_greedy
 
 log = logging.getLogger(__name__)
 
-PREFILL_PAD = 0.1  # a prefill chunk takes prompts at least 90% as long as its longest
 # block_complexity=auto decides each pass at the end of the one before (`PolicySettings.prepare_looks`) on an
 # accelerator, where a host read drains the device's queue; on a CPU a read costs nothing and deciding with the
 # latest statistics measured faster. None = by device (tests set True to check the accelerator's way on a CPU)
@@ -123,6 +123,7 @@ class Engine:
             self.drafter_kernels = AotKernels("drafter")
             self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
+        self.prefill_forward_tokens = self._forward_tokens()  # a prefill forward's cost in tokens (prefill_plan.py)
         self._in_flight: Optional[_InFlight] = None  # engine.cuda_graphs_run_ahead: the pass not yet read
 
     def _graphs(self, shared: Optional[GraphRunner]) -> Optional[GraphRunner]:
@@ -158,6 +159,21 @@ class Engine:
         self.stats.graphs = graphs.stats
         graphs.capture_plain()
         return graphs
+
+    def _forward_tokens(self) -> float:
+        """engine.prefill_forward_tokens resolved: on CUDA measured once per loaded model (every engine over it then
+        chunks the same prompts alike)."""
+        value = self.cfg.prefill_forward_tokens
+        if value != "auto":
+            return float(value)
+        if self.device.type != "cuda":
+            return CPU_FORWARD_TOKENS
+        if self.loaded.prefill_cost is None:
+            self.loaded.prefill_cost = measure_prefill_cost(self.runner)
+            log.info("prefill: a forward costs %.1f ms and a token %.1f us: one forward = %.0f padded tokens",
+                     1e3 * self.loaded.prefill_cost.fixed_s, 1e6 * self.loaded.prefill_cost.token_s,
+                     self.loaded.prefill_cost.forward_tokens)
+        return self.loaded.prefill_cost.forward_tokens
 
     def _policy(self, cost_curve: Optional[CostCurve]) -> Optional[BlockPolicy]:
         """block_complexity=auto's policy over the drafter's sizes (None: a fixed size, or nothing to size)."""
@@ -275,20 +291,11 @@ class Engine:
         return Seq(req=Request(rid, req.prompt, ids, params), prompt_ids=ids, seed=seed, stats=stats)
 
     def _prefill_chunks(self, seqs: list[Seq]) -> Iterator[list[Seq]]:
-        """Admitted sequences in prefill forwards: longest first, a chunk holds prompts within PREFILL_PAD of its
-        longest (padding is compute spent on nothing) and at most `prefill_batch_tokens` padded tokens."""
-        chunk: list[Seq] = []
-        longest = 0
-        for s in sorted(seqs, key=lambda x: -len(x.prompt_ids)):
-            n = len(s.prompt_ids)
-            if chunk and (longest * (len(chunk) + 1) > self.cfg.prefill_batch_tokens or n < longest * (1 - PREFILL_PAD)):
-                yield chunk
-                chunk = []
-            if not chunk:
-                longest = n
-            chunk.append(s)
-        if chunk:
-            yield chunk
+        """Admitted sequences in prefill forwards, longest first: the chunks that minimise forwards x
+        prefill_forward_tokens + padded tokens, each within `prefill_batch_tokens` padded tokens (prefill_plan.py)."""
+        plan = plan_chunks([len(s.prompt_ids) for s in seqs], self.prefill_forward_tokens, self.cfg.prefill_batch_tokens)
+        for chunk in plan:
+            yield [seqs[i] for i in chunk]
 
     def _new_rows(self, seqs: list[Seq], cache: kv_cache.KVCache) -> Rows:
         dev = self.device
@@ -372,6 +379,8 @@ class Engine:
         self.drafter.observe(rows.view(), PassRecord(committed, n_fin, hidden=aux_hidden, mask_hidden=mask_hidden,
                                                      prefill=True, trunk=self.runner.tapped))
         rows.read_back(self.drafter.row_hints(rows.view()))
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_s += time.perf_counter() - now
         return rows
 
     # ---- one decode pass ---------------------------------------------------------------------------

@@ -45,6 +45,8 @@ class EngineStats:
     decode_s: float = 0.0  # seconds in decode passes
     model_s: float = 0.0  # of which inside the model (forward and LM head, the drafter's LM-head calls included)
     decode_passes: int = 0
+    prefill_s: float = 0.0  # seconds in prefills (forwards, first tokens, the rows' set-up)
+    prefill_forwards: int = 0  # prefill forwards (chunks of admitted prompts: prefill_plan.py)
     peak_cache_bytes: int = 0  # the largest KV cache held
     # rows in the batch -> decode passes
     batch_histogram: collections.Counter = field(default_factory=collections.Counter)
@@ -54,6 +56,7 @@ class EngineStats:
     def reset_timing(self) -> None:
         """Zero the time and pass counters (a benchmark's warm-up is not measured)."""
         self.decode_s, self.model_s, self.decode_passes, self.peak_cache_bytes = 0.0, 0.0, 0, 0
+        self.prefill_s, self.prefill_forwards = 0.0, 0
         if self.graphs is not None:
             self.graphs.graph_passes = self.graphs.ahead_passes = 0
             self.graphs.eager_passes.clear()
@@ -64,6 +67,7 @@ class EngineStats:
                                                       ahead_passes=self.graphs.ahead_passes,
                                                       eager_passes=sum(self.graphs.eager_passes.values()))
         return dict(decode_s=self.decode_s, model_s=self.model_s, decode_passes=self.decode_passes,
+                    prefill_s=self.prefill_s, prefill_forwards=self.prefill_forwards,
                     peak_cache_bytes=self.peak_cache_bytes, **graphs)
 
     @staticmethod

@@ -4,7 +4,7 @@
 
 Per directory and batch size, one line per setting over all prompts: tokens/s, tau, speedup against ar (median
 and paired), against hf generate, exact match against ar, passes replayed from graphs and run eagerly, capture
-and compile seconds, the block sizes used. Then the ratios issue 40 asks for, paired per round-robin round:
+and compile seconds, prefill forwards and their seconds (timed runs), the block sizes used. Then the ratios issue 40 asks for, paired per round-robin round:
 ar over replayed passes (as the default runs it, and with compiled graphs and / or run ahead where the directory
 has them) over `ar eager` and over `hf generate compiled`. Then the cost curve, when the directory has one."""
 from __future__ import annotations
@@ -41,13 +41,13 @@ def summarise(out: Path) -> str:
         held = rows[0].get("max_rows", batch)
         lines.append(f"## batch {batch}" + (f" (at most {held} rows in flight: one category at a time)" if held < batch else ""))
         lines.append("setting | tok/s | tau | vs ar | vs ar paired | vs hf | exact | graph/eager passes | capture+compile s"
-                     " | blocks")
+                     " | prefill forwards, s | blocks")
         for r in rows:
             lines.append(" | ".join([
                 r["setting"], _fmt(r["tokens_per_s"], 1), _fmt(r["tau"]), _fmt(r["speedup_vs_ar"]),
                 _fmt(r.get("speedup_vs_ar_paired")), _fmt(r.get("speedup_vs_hf")), _fmt(r["exact_match_rate"]),
                 f"{_fmt(r.get('graph_passes'))}/{_fmt(r.get('eager_passes'))}", _fmt(r.get("compile_s"), 1),
-                (r.get("block_sizes") or "")[:60]]))
+                f"{_fmt(r.get('prefill_forwards'))}, {_fmt(r.get('prefill_s'))}", (r.get("block_sizes") or "")[:60]]))
         by = {r["setting"]: r for r in rows}
         for name in REPLAYED_AR:
             ar = by.get(name)

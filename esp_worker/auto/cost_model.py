@@ -202,3 +202,38 @@ def _eager_passes(runner: ModelRunner, b: int, s: int, max_block: int) -> Callab
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+@dataclass
+class PrefillCost:
+    """One eager forward of Q new tokens costs about fixed_s + Q * token_s (a prefill pads each prompt of a
+    chunk to the longest, so a chunk of R prompts costs fixed_s + R * longest * token_s)."""
+
+    fixed_s: float
+    token_s: float
+
+    @property
+    def forward_tokens(self) -> float:
+        """What one more forward costs, in padded prompt tokens (a forward bound by its launches: thousands)."""
+        return min(self.fixed_s / self.token_s, 1e9) if self.token_s > 0 else 1e9
+
+
+@torch.inference_mode()
+def measure_prefill_cost(runner: ModelRunner, short: int = 16, long: int = 1024, repeats: int = 3) -> PrefillCost:
+    """Time eager forwards (with the LM head) of `short` and `long` tokens at one row, the median of `repeats`
+    after one untimed each, and fit the line through them. Synchronises: a start-up measurement, not a pass."""
+    long = max(short + 1, min(long, runner.loaded.max_context - 2))
+    make = _eager_passes(runner, 1, 1, long)
+    seconds = []
+    for q in (short, long):
+        run, times = make(q), []
+        for i in range(1 + repeats):
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            run()
+            _sync(runner.device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        seconds.append(statistics.median(times))
+    token_s = max(seconds[1] - seconds[0], 0.0) / (long - short)
+    return PrefillCost(fixed_s=max(seconds[0] - short * token_s, 0.0), token_s=token_s)

@@ -33,6 +33,9 @@ class LoadedModel:
     max_context: int  # positions the model can address (prompt + generated)
     name: str
     direct_forward: bool = True  # ModelConfig.direct_forward
+    # what a prefill forward of this model costs on its device (engine.prefill_forward_tokens=auto on CUDA:
+    # measured by the first engine over it, cost_model.PrefillCost)
+    prefill_cost: Optional[Any] = None
 
 
 def resolve_device(device: str) -> torch.device:

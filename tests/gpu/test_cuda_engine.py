@@ -46,3 +46,17 @@ def test_bfloat16_on_cuda_finishes_every_row_with_consistent_statistics():
             assert 0 < len(o.token_ids) <= 32 and st.num_generated_tokens == len(o.token_ids)
             assert st.num_accepted_drafts <= st.num_drafted_tokens
             assert st.num_decode_tokens <= st.num_accepted_drafts + st.num_decode_passes  # a pass: drafts + bonus
+
+
+def test_prefill_forward_tokens_is_measured_once_per_model_on_cuda():
+    """engine.prefill_forward_tokens=auto on CUDA: timed once per loaded model (every engine over it then groups
+    prompts alike), and the engine's prompts of four lengths stay generate's whatever the grouping."""
+    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda", dtype="float32"))
+    first = Engine(lm, EngineConfig(method="ar", max_batch_size=4))
+    cost = lm.prefill_cost
+    assert cost is not None and cost.fixed_s > 0 and first.prefill_forward_tokens == cost.forward_tokens > 0
+    second = Engine(lm, EngineConfig(method="ar", max_batch_size=4))
+    assert lm.prefill_cost is cost and second.prefill_forward_tokens == first.prefill_forward_tokens
+    merged = _generate(lm, EngineConfig(method="ar", max_batch_size=4, prefill_forward_tokens=1e6))
+    apart = _generate(lm, EngineConfig(method="ar", max_batch_size=4, prefill_forward_tokens=0))
+    assert [o.token_ids for o in merged] == [o.token_ids for o in apart]

@@ -1,0 +1,43 @@
+"""Which admitted prompts share a prefill forward.
+
+A prefill forward pads every prompt of its chunk to the chunk's longest, so a chunk of R prompts whose longest
+has L tokens costs about one forward's fixed cost plus R * L tokens' compute. On a GPU an eager forward is bound
+by launching its kernels (about 10 ms for a 1B model, whatever it is fed) while a token costs microseconds: a
+forward is worth a thousand padded tokens or more, and admitting 64 prompts of 60-400 tokens as chunks of
+similar lengths would spend most of the prefill launching forwards. On a CPU a forward is worth a few tens.
+
+`plan_chunks` takes the forward's worth in padded tokens (`forward_tokens`: measured on CUDA at start-up,
+`cost_model.measure_prefill_cost`) and splits the prompts, longest first, into the runs that minimise
+forwards * forward_tokens + padded tokens, each within `max_tokens` padded tokens: a shortest path over the
+sorted lengths, O(n * rows per chunk).
+
+    plan_chunks([300, 10, 290, 12], forward_tokens=16, max_tokens=8192) -> [[0, 2], [3, 1]]
+    plan_chunks([300, 10, 290, 12], forward_tokens=1000, max_tokens=8192) -> [[0, 2, 3, 1]]
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+CPU_FORWARD_TOKENS = 16.0  # a CPU forward's fixed cost in tokens (12-25 measured for the tiny models here)
+
+
+def plan_chunks(lengths: Sequence[int], forward_tokens: float, max_tokens: int) -> list[list[int]]:
+    """Indices into `lengths` per prefill forward, longest chunk first; prompts of one length keep their order."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    ls = [lengths[i] for i in order]
+    n = len(ls)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of prefilling the j longest
+    start = [0] * (n + 1)  # start[j]: where the last chunk of that plan begins
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):  # the chunk ls[i:j]: longest ls[i], padded (j - i) * ls[i]
+            padded = (j - i) * ls[i]
+            if j - i > 1 and padded > max_tokens:
+                break  # an earlier start only adds rows and length
+            cost = best[i] + forward_tokens + padded
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    chunks, j = [], n
+    while j:
+        chunks.append([order[k] for k in range(start[j], j)])
+        j = start[j]
+    return chunks[::-1]
