@@ -222,7 +222,9 @@ class PrefillCost:
 def measure_prefill_cost(runner: ModelRunner, short: int = 16, long: int = 1024, repeats: int = 3) -> PrefillCost:
     """Time eager forwards (with the LM head) of `short` and `long` tokens at one row, the median of `repeats`
     after one untimed each, and fit the line through them. Synchronises: a start-up measurement, not a pass."""
-    long = max(short + 1, min(long, runner.loaded.max_context - 2))
+    room = runner.loaded.max_context - 2  # positions after the one cached token
+    short = max(1, min(short, room // 4))
+    long = max(short + 1, min(long, room))
     make = _eager_passes(runner, 1, 1, long)
     seconds = []
     for q in (short, long):
