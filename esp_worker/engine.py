@@ -359,8 +359,12 @@ class Engine:
         pos = pos.clamp(max=self.loaded.max_context - 1)
         cache.reserve(len(batch) + r, max([q] + [n + 1 for n in batch.lens]))
         cache.plan(len(batch), r, q, 0)
-        if min(rows.lens) == lmax and self.runner.causal_without_bias and self.runner.sliding_window is None:
-            bias = None  # prompts of one length, then masks: plain causal attention, no mask tensor
+        if (a == 0 or min(rows.lens) == lmax) and self.runner.causal_without_bias and self.runner.sliding_window is None:
+            # plain causal attention, no mask tensor (on CUDA SDPA may then take its flash backend): every prompt
+            # token sees only tokens of its own prompt before it, since each prompt's padding comes after it (its
+            # outputs are never read, its cache slots lie past the row's length); masks appended after the
+            # padding would see it, so with masks only prompts of one length qualify
+            bias = None
         else:
             bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
         wanted = torch.cat([lens[:, None] - 1, i[lmax:].expand(r, a)], 1)  # [R, 1 + A] last prompt token, masks

@@ -55,18 +55,26 @@ def test_a_forward_worth_many_tokens_merges_up_to_the_cap_and_a_cheap_one_splits
     assert plan_chunks([], 16, 8192) == []
 
 
-def test_engine_prefill_chunks_follow_the_setting_and_stay_lossless():
-    """Prompts of four lengths: one forward when a forward is worth many tokens, one per length when it is worth
-    none; tokens are generate's either way. On a CPU `auto` is CPU_FORWARD_TOKENS."""
-    lm = tiny("llama")
-    ref = reference("llama", "sdpa", 16)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("setting", [dict(method="ar"), dict(method="esp", block_complexity=10, num_masks=2),
+                                     dict(method="hybrid", block_complexity="auto")])
+def test_engine_prefill_chunks_follow_the_setting_and_stay_lossless(arch, setting):
+    """Prompts of four lengths: one forward when a forward is worth many tokens (padded prompts under plain causal
+    attention, or with ESP's masks after the padding a mask that hides it), one per length when it is worth none;
+    tokens are generate's either way. On a CPU `auto` is CPU_FORWARD_TOKENS."""
+    lm = tiny(arch)
+    ref = reference(arch, "sdpa", 16)
     params = GenerationParams(max_new_tokens=16)
+    passes = []
     for value, forwards in ((10_000, 1), (0, len({len(lm.tokenizer(p).input_ids) for p in PROMPTS}))):
-        eng = Engine(lm, EngineConfig(method="ar", max_batch_size=4, prefill_forward_tokens=value))
+        eng = Engine(lm, EngineConfig(max_batch_size=4, prefill_forward_tokens=value, **setting))
         outs = eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
         assert [tuple(o.token_ids) for o in outs] == [r[:16] for r in ref]
         assert eng.stats.prefill_forwards == forwards and eng.stats.timing()["prefill_forwards"] == forwards
         assert eng.stats.prefill_s > 0
+        passes.append([o.stats.committed_per_pass for o in outs])
+    if setting["method"] == "esp":  # the masks saw their own prompt either way, so they drafted the same trees
+        assert passes[0] == passes[1]
     assert Engine(lm, EngineConfig(method="ar")).prefill_forward_tokens == CPU_FORWARD_TOKENS
 
 
