@@ -13,7 +13,7 @@
 # dmtd.txt, log.txt and results.tgz (every bench directory, re-packed after each step).
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
-# (own limits: env 60, gpu_tests 120, ar_compiled 220, ar 240, ar64_compiled 200, ar64 180, gpu_compiled 150,
+# (own limits: env 60, gpu_tests 120, ar_compiled 220, ar64_compiled 200, ar 240, ar64 180, gpu_compiled 150,
 # tiny 100, methods64 150, methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
 # The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
@@ -76,7 +76,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar_compiled ar ar64_compiled ar64 gpu_compiled tiny methods64 methods dmtd} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar_compiled ar64_compiled ar ar64 gpu_compiled tiny methods64 methods dmtd} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -152,12 +152,12 @@ step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o add
 step ar_compiled ar.txt 220 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead,ar:1:compiled_graphs+run_ahead]' \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
-step ar ar.txt 240 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
-    'bench.profile=[ar]'"
 step ar64_compiled ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b64-compiled data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead,ar:1:compiled_graphs+run_ahead]' \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
+step ar ar.txt 240 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
+    'bench.profile=[ar]'"
 step ar64 ar.txt 180 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b64 data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \
     'bench.batch_sizes=[64]'"
