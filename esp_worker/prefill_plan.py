@@ -20,8 +20,8 @@ from typing import Sequence
 
 # A CPU forward's fixed cost in tokens: `measure_prefill_cost` gives 12-25 for the tiny models on the development
 # CPU. Prefilling the 60 development prompts (esp-tiny-llama, one thread) with 0 / 4 / 16 / 64 / 256 took 2.30 /
-# 2.30 / 2.37 / 2.43 / 2.52 s at batch 8 and 2.43 / 2.34 / 2.19 / 2.22 / 2.36 s at batch 32; the rule it
-# replaced (prompts within 10% of the chunk's longest) took the same time as 16 at both (within 4%).
+# 2.30 / 2.37 / 2.43 / 2.52 s at batch 8 and 2.43 / 2.34 / 2.19 / 2.22 / 2.36 s at batch 32; chunks of the
+# prompts within 10% of the chunk's longest took the same time as 16 at both (within 4%).
 CPU_FORWARD_TOKENS = 16.0
 
 
