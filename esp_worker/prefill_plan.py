@@ -3,8 +3,8 @@
 A prefill forward pads every prompt of its chunk to the chunk's longest, so a chunk of R prompts whose longest
 has L tokens costs about one forward's fixed cost plus R * L tokens' compute. On a GPU an eager forward is bound
 by launching its kernels (about 10 ms for a 1B model, whatever it is fed) while a token costs microseconds: a
-forward is worth a thousand padded tokens or more, and admitting 64 prompts of 60-400 tokens as chunks of
-similar lengths would spend most of the prefill launching forwards. On a CPU a forward is worth a few tens.
+forward is worth a thousand padded tokens or more, where chunks of prompts of similar lengths launch a
+forward for every 10% of length. On a CPU a forward is worth a few tens.
 
 `plan_chunks` takes the forward's worth in padded tokens (`forward_tokens`: measured on CUDA at start-up,
 `cost_model.measure_prefill_cost`) and splits the prompts, longest first, into the runs that minimise
