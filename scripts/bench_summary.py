@@ -6,7 +6,8 @@ Per directory and batch size, one line per setting over all prompts: tokens/s, t
 and paired), against hf generate, exact match against ar, passes replayed from graphs and run eagerly, capture
 and compile seconds, prefill forwards and their seconds (timed runs), the block sizes used. Then the ratios issue 40 asks for, paired per round-robin round:
 ar over replayed passes (as the default runs it, and with compiled graphs and / or run ahead where the directory
-has them) over `ar eager` and over `hf generate compiled`. Then the cost curve, when the directory has one."""
+has them) over `ar eager` (also over the decode passes alone: the prefill is eager in both) and over
+`hf generate compiled`. Then the cost curve, when the directory has one."""
 from __future__ import annotations
 
 import json
@@ -57,6 +58,8 @@ def summarise(out: Path) -> str:
                     lines.append(f"{name} / {other}: {_fmt(ratio)}x paired, "
                                  f"{_fmt(ar['tokens_per_s'] / by[other]['tokens_per_s'])}x medians"
                                  if by[other]["tokens_per_s"] else f"{name} / {other}: -")
+                    if other == "ar eager" and ar.get("decode_s") and by[other].get("decode_s"):
+                        lines.append(f"  decode passes only (prefill apart): {_fmt(by[other]['decode_s'] / ar['decode_s'])}x")
     curve = out / "cost_curve.json"
     if curve.exists():
         c = json.loads(curve.read_text())

@@ -117,8 +117,9 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
         rec["host_overhead"] = (t["decode_s"] - t["model_s"]) / t["decode_s"] if whole and t.get("decode_s") else None
         # peak KV-cache bytes of the run (the whole run, so on every record), and against ar's
         rec["peak_cache_mb"] = t["peak_cache_bytes"] / 2**20 if t.get("peak_cache_bytes") else None
-        # prefill forwards and their seconds (the whole run: chunks of admitted prompts, esp_worker/prefill_plan.py)
+        # prefill forwards and their seconds, and seconds in decode passes (the whole run: time_s is about their sum)
         rec["prefill_forwards"], rec["prefill_s"] = t.get("prefill_forwards"), t.get("prefill_s")
+        rec["decode_s"] = t.get("decode_s")
         rec["compile_s"] = t.get("compile_s") or None  # engine.compile: seconds compiling (warm-up included)
         # engine.cuda_graphs: passes replayed from graphs and passes run eagerly (timed runs), captures (whole engine)
         g = t.get("graphs")
