@@ -150,15 +150,7 @@ def measure_cost_curve(
             per_block = []
             for q in block_sizes:
                 run = (passes(b, s, q) if passes is not None else None) or eager(q)
-                times = []
-                for i in range(warmup + repeats):
-                    _sync(dev)
-                    t0 = time.perf_counter()
-                    run()
-                    _sync(dev)
-                    if i >= warmup:
-                        times.append(time.perf_counter() - t0)
-                per_block.append(statistics.median(times))
+                per_block.append(_median_seconds(run, dev, warmup, repeats))
             per_cache.append(per_block)
         seconds.append(per_cache)
     return CostCurve(
@@ -199,6 +191,20 @@ def _eager_passes(runner: ModelRunner, b: int, s: int, max_block: int) -> Callab
     return make
 
 
+def _median_seconds(run: Callable[[], Any], dev: torch.device, warmup: int, repeats: int) -> float:
+    """Median wall seconds of `repeats` calls of `run` after `warmup` untimed ones, the device synchronised around
+    each (a measurement, never inside a pass)."""
+    times = []
+    for i in range(warmup + repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        run()
+        _sync(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -226,16 +232,6 @@ def measure_prefill_cost(runner: ModelRunner, short: int = 16, long: int = 1024,
     short = max(1, min(short, room // 4))
     long = max(short + 1, min(long, room))
     make = _eager_passes(runner, 1, 1, long)
-    seconds = []
-    for q in (short, long):
-        run, times = make(q), []
-        for i in range(1 + repeats):
-            _sync(runner.device)
-            t0 = time.perf_counter()
-            run()
-            _sync(runner.device)
-            if i:
-                times.append(time.perf_counter() - t0)
-        seconds.append(statistics.median(times))
+    seconds = [_median_seconds(make(q), runner.device, 1, repeats) for q in (short, long)]
     token_s = max(seconds[1] - seconds[0], 0.0) / (long - short)
     return PrefillCost(fixed_s=max(seconds[0] - short * token_s, 0.0), token_s=token_s)
