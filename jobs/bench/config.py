@@ -17,6 +17,7 @@ from ..config import ConfigError, JobConfig, load_config
 
 # what may follow METHOD:BC in bench.settings, each a Setting field of the same name (settings.py)
 OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead")
+
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
 DMTD_METHODS = ("dmtd", "dmtd_verified")  # bench.settings "dmtd:TAU" / "dmtd_verified:TAU" (bench.dmtd_paths)
