@@ -1,4 +1,4 @@
-"""Write the prompt files `scripts/gpu_session.sh` and `scripts/gpu_bench.sh` read (a device machine has no
+"""Write the prompt files `scripts/gpu_checks.sh` reads (a device machine has no
 `../shared`, so they travel in the ignored folder `gpu_data/`, named in the device call's `carry`):
 
     python scripts/gpu_data.py [--src ../shared/data/tiny_prompts_dev.jsonl] [--out gpu_data]
