@@ -31,7 +31,7 @@ import torch
 from ..consts import steps
 from ..kv_cache import move_slots
 from ..model.attention import attention_bias
-from ..model.decoder import DirectDecoder
+from ..model.decoder import DirectDecoder, RopeTable
 from ..model.runner import ModelRunner
 from ..sampling import choose_tokens
 from ..stops import apply_stops
@@ -48,8 +48,7 @@ class StepModel:
     decoder: DirectDecoder
     embed: Callable[[torch.Tensor], torch.Tensor]  # ids [..] -> [.., D]
     head: Callable[[torch.Tensor], torch.Tensor]  # hidden [.., D] -> float32 logits [.., V]
-    cos: torch.Tensor  # [P, hd] rotary table of positions 0 .. P-1
-    sin: torch.Tensor  # [P, hd]
+    rope: RopeTable  # rotary table of positions 0 .. P-1
     max_position: int  # the model's last position: later ones are clamped to it, as the eager pass does
     window: Optional[int]  # sliding attention window (None = full attention)
     dtype: torch.dtype
@@ -58,20 +57,20 @@ class StepModel:
     def of(cls, runner: ModelRunner, positions: int) -> "StepModel":
         """The runner's model for passes whose positions stay below `positions` (`graph_support` said yes)."""
         dec = runner.direct
-        cos, sin = _table(dec, positions, runner.loaded.max_context - 1, runner.dtype, runner.device)
-        return cls(dec, runner._embed_fn, runner.head, cos, sin, runner.loaded.max_context - 1, runner.sliding_window,
+        rope = _table(dec, positions, runner.loaded.max_context - 1, runner.dtype, runner.device)
+        return cls(dec, runner._embed_fn, runner.head, rope, runner.loaded.max_context - 1, runner.sliding_window,
                    runner.dtype)
 
     def covering(self, positions: int) -> "StepModel":
         """This model with a rotary table for positions below `positions` (after the KV slab grew)."""
-        if self.cos.shape[0] >= min(positions, self.max_position + 1):
+        if self.rope.cos.shape[0] >= min(positions, self.max_position + 1):
             return self
-        cos, sin = _table(self.decoder, positions, self.max_position, self.dtype, self.cos.device)
-        return dataclasses.replace(self, cos=cos, sin=sin)
+        rope = _table(self.decoder, positions, self.max_position, self.dtype, self.rope.cos.device)
+        return dataclasses.replace(self, rope=rope)
 
 
-def _table(dec: DirectDecoder, positions: int, max_position: int, dtype: torch.dtype, device) -> tuple:
-    """The decoder's rotary table (cos, sin) [P, hd] covering positions below min(positions, max_position + 1)."""
+def _table(dec: DirectDecoder, positions: int, max_position: int, dtype: torch.dtype, device) -> RopeTable:
+    """The decoder's rotary table covering positions below min(positions, max_position + 1)."""
     like = torch.zeros((1, 1, 1), dtype=dtype, device=device)
     return dec.rotary_table(min(positions - 1, max_position), like)
 
@@ -123,7 +122,9 @@ class StaticCache:
         dev = cache_len.device
         self.layer_ids = steps(kv.shape[0], dev)  # [L]
         self.row_ids = steps(self.rows, dev).unsqueeze(1)  # [B, 1]
-        self.slots = cache_len.unsqueeze(1) + steps(num_inputs, dev)  # [B, Q]
+        self.slots = cache_len.unsqueeze(1)  # [B, Q]: each row's Q slots from its cached length
+        if num_inputs > 1:
+            self.slots = self.slots + steps(num_inputs, dev)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         # keys, values: [B, Hkv, Q, hd] -> the first C slots of the rows' buffers [B, Hkv, C, hd] each
@@ -158,7 +159,7 @@ def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: Shap
     pos = (cache_len.unsqueeze(1) + inp.rel_pos).clamp(max=model.max_position)  # [B, Q]
     bias = attention_bias(inp.visible, cache_len, pos, shape.capacity, model.dtype, model.window)  # [B, 1, Q, C]
     dec = model.decoder
-    rope = dec.rope_factors(model.cos[pos], model.sin[pos])
+    rope = dec.rope_at(model.rope, pos)
     layers = dec.run(embeds, 0, len(dec.base.layers), rope, bias, StaticCache(kv, cache_len, q, shape.capacity))
     hidden = dec.norm(layers)  # [B, Q, D]
     logits = model.head(hidden.narrow(1, 0, t))  # [B, T, V]

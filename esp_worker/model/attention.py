@@ -34,24 +34,24 @@ def attention_bias(
         return torch.cat([prefix, block], -1).expand(b, q, view_len)[:, None]
     if cache_len is None:  # prefill: the block is the whole view
         assert view_len == q
-        visible = in_block.expand(b, q, q)
+        hidden = ~in_block.expand(b, q, q)
         key_pos = position_ids
     else:
         slots = torch.arange(view_len, device=dev)  # [S]
         rel = slots[None] - cache_len[:, None]  # [B, S] block index of each slot; < 0 = cached prefix
-        prefix = rel < 0
-        if q == 1:  # plain decoding: the prefix and the root itself
-            visible = (rel <= 0)[:, None, :]
+        if q == 1:  # plain decoding: the prefix and the root itself (5 kernels in a replayed plain pass)
+            hidden = (rel > 0)[:, None, :]
             key_pos = slots[None].expand(b, -1)
         else:
+            prefix = rel < 0
             idx = rel.clamp(0, q - 1)  # [B, S]
             visible = in_block.expand(b, q, q).gather(2, idx[:, None, :].expand(b, q, view_len))
-            visible = (visible & (rel < q)[:, None, :]) | prefix[:, None, :]  # [B, Q, S]
+            hidden = ~((visible & (rel < q)[:, None, :]) | prefix[:, None, :])  # [B, Q, S]
             key_pos = torch.where(prefix, slots[None], position_ids.gather(1, idx))
     if window is not None:
-        visible = visible & ((position_ids[:, :, None] - key_pos[:, None, :]) < window)
-    bias = torch.zeros(visible.shape, dtype=dtype, device=dev)
-    return bias.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+        hidden = hidden | ((position_ids[:, :, None] - key_pos[:, None, :]) >= window)
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=dev)
+    return bias.masked_fill_(hidden, torch.finfo(dtype).min)[:, None]
 
 
 class StaticBlockBias:

@@ -16,12 +16,14 @@ tests check the result, not just the parts):
 - RMSNorm runs as the fused `F.rms_norm` where a check at start-up shows it equal to the module (in a half
   type: the weight applied after `F.rms_norm` rounds, the module's order of operations; `_norm_fn`);
 - rotary cos/sin come from a table indexed by position (built with the model's own rotary module, grown on
-  demand), not recomputed per pass; rotary types that depend on the sequence length keep the module.
+  demand, rotate_half's sign folded into its sine), not recomputed per pass; rotary types that depend on the
+  sequence length keep the module.
 """
 from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,6 +38,15 @@ _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 FEW_ROWS = 8  # weight-major products pay up to this many rows on the CPU (`weight_major_linear`)
 MIN_ROWS = 4  # products with fewer rows may take another kernel (e.g. a matrix-vector one) and round differently
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """Rotary cos/sin by position, and the sine the fast rotary multiplies by (made once per table, not per pass)."""
+
+    cos: torch.Tensor  # [P, hd]
+    sin: torch.Tensor  # [P, hd] the module's
+    signed_sin: torch.Tensor  # [P, hd] sin with rotate_half's sign carried (`_signed_sin`)
 
 
 def direct_decoder(base: Any) -> Optional["DirectDecoder"]:
@@ -86,7 +97,7 @@ class DirectDecoder:
         self.rope_table = getattr(rot, "rope_type", "default") not in ("dynamic", "longrope")
         self.heads = (attn.config.num_attention_heads, attn.config.num_key_value_heads)
         self.fast_rope = self._fast_rope_matches()
-        self._cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # [P, hd] each
+        self._table: Optional[RopeTable] = None  # grown on demand (`rotary_table`)
         self.compiled: Optional[Any] = None  # compiled.CompiledLayers under engine.compile
         self.linear: Callable = _linear  # (x, layer with .weight / .bias) -> x's product; see `few_rows`
         self.rows_invariant = self._rows_invariant()  # `keep` may skip rows of the last layer's products
@@ -120,35 +131,33 @@ class DirectDecoder:
         ref, _ = self.rotate(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
         return torch.equal(_rope(q, cos[:, :, None], _signed_sin(sin)[:, :, None]).transpose(1, 2), ref)
 
-    def _rotary(self, x: torch.Tensor, position_ids: torch.Tensor, max_position: Optional[int]):
-        """(cos, sin) [B, Q, hd] for the positions: rows of a table where the caller bounds the positions."""
-        if not self.rope_table or max_position is None:
-            return self.base.rotary_emb(x, position_ids=position_ids)
-        cos, sin = self.rotary_table(max_position, x)
-        return cos[position_ids], sin[position_ids]
-
-    def rotary_table(self, max_position: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [P, hd] of positions 0 .. P-1, P > max_position, in the dtype of like [B, Q, D] (rope_table
+    def rotary_table(self, max_position: int, like: torch.Tensor) -> "RopeTable":
+        """The rotary table of positions 0 .. P-1, P > max_position, in the dtype of like [B, Q, D] (rope_table
         models only): built with the model's own rotary module, grown to the next power of two when a position
         passes it. Each entry is a function of its position alone, so a larger table holds the same values."""
-        if self._cos_sin is None or self._cos_sin[0].shape[0] <= max_position:
+        if self._table is None or self._table.cos.shape[0] <= max_position:
             size = max(256, 1 << int(max_position).bit_length())  # next power of two above max_position
             pos = torch.arange(size, device=like.device)[None]
             cos, sin = self.base.rotary_emb(like[:1, :1], position_ids=pos)
-            self._cos_sin = (cos[0], sin[0])
-        return self._cos_sin
+            self._table = RopeTable(cos[0], sin[0], _signed_sin(sin[0]))
+        return self._table
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor, max_position: Optional[int] = None) -> tuple:
         """The rotary factors of `position_ids` [B, Q] in the form `run` takes (one per forward, shared by its
-        layer groups)."""
-        return self.rope_factors(*self._rotary(x, position_ids, max_position))  # from cos, sin [B, Q, hd]
-
-    def rope_factors(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`run`'s rotary factors from cos, sin [B, Q, hd] (also the captured pass's, from its own table): with the
-        fast rotary, broadcast over heads in the [B, Q, H, hd] layout and sin carrying rotate_half's sign."""
+        layer groups): rows of the table where the caller bounds the positions, else the module's."""
+        if self.rope_table and max_position is not None:
+            return self.rope_at(self.rotary_table(max_position, x), position_ids)
+        cos, sin = self.base.rotary_emb(x, position_ids=position_ids)  # [B, Q, hd] each
         if self.fast_rope:
             return cos[:, :, None], _signed_sin(sin)[:, :, None]
         return cos, sin
+
+    def rope_at(self, table: "RopeTable", position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run`'s rotary factors of position_ids [B, Q] from a table (also the captured pass's, from its own):
+        two row lookups, with the fast rotary broadcast over heads in the [B, Q, H, hd] layout."""
+        if self.fast_rope:
+            return table.cos[position_ids][:, :, None], table.signed_sin[position_ids][:, :, None]
+        return table.cos[position_ids], table.sin[position_ids]
 
     @inference
     def __call__(

@@ -152,13 +152,13 @@ def test_the_rotary_table_grows_with_the_slab():
 
     runner = ModelRunner(tiny("llama"))
     model = StepModel.of(runner, 100)
-    assert model.cos.shape[0] >= 100 and model.covering(100) is model
-    grown = model.covering(900)
-    assert grown.cos.shape[0] >= 900 and grown.sin.shape[0] >= 900
-    n = model.cos.shape[0]
-    assert torch.equal(grown.cos[:n], model.cos) and torch.equal(grown.sin[:n], model.sin)
+    assert model.rope.cos.shape[0] >= 100 and model.covering(100) is model
+    grown = model.covering(900).rope
+    assert grown.cos.shape[0] >= 900 and grown.signed_sin.shape[0] >= 900
+    n = model.rope.cos.shape[0]
+    assert torch.equal(grown.cos[:n], model.rope.cos) and torch.equal(grown.signed_sin[:n], model.rope.signed_sin)
     capped = model.covering(10**6)  # never past the model's context (1024 positions)
-    assert capped.cos.shape[0] >= 1024
+    assert capped.rope.cos.shape[0] >= 1024
 
 
 @pytest.mark.parametrize("setting", [i for i, s in enumerate(SETTINGS) if s["method"] != "dmtd"])  # dmtd: eager
