@@ -86,6 +86,10 @@ class StepInputs:
     top_k: Optional[torch.Tensor] = None
     # [B, S] each row's next S uniforms, one per token it may commit (sampled classes only)
     uniforms: Optional[torch.Tensor] = None
+    # [C] the key slots every row's attention reads, 0 .. C-1: the step takes the class's capacity from its
+    # length, a tensor size that a compiled step can hold symbolic (`mark_dynamic`), not a Python int it would
+    # compile anew for each capacity bucket
+    key_slots: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, shape: ShapeClass, dims: ModelDims) -> "StepInputs":
@@ -106,10 +110,24 @@ class StepInputs:
             top_p=torch.ones(b, device=dev) if sampled else None,
             top_k=zeros(b) if sampled else None,
             uniforms=zeros(b, s, dtype=torch.float32) if sampled else None,
+            key_slots=torch.arange(shape.capacity, device=dev),
         )
         inp.parents.fill_(-1)
         inp.valid[:, 0] = True
         return inp
+
+    def mark_dynamic(self) -> None:
+        """Tell torch.compile (`engine.cuda_graphs_compile`) that the batch and the capacity vary between classes,
+        so that one compile serves every batch bucket of two or more rows at every capacity bucket. Otherwise it
+        compiles first for the sizes it meets and again each time one of them changes (four compiles of the
+        plain pass in a job of many rows; each takes tens of seconds on a GPU). Buckets of one row still compile
+        apart: torch specialises sizes of one."""
+        batch = self.hist_len.shape[0]
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is not None and batch > 1 and t.shape[0] == batch:  # rows first (the layouts: when per row)
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(self.key_slots, 0)
 
     def clear_rows(self, start: int) -> None:
         """Rows start .. B-1 become padding again (after the live batch shrank): length 1, never stopping, so a

@@ -162,6 +162,15 @@ class GraphRunner:
         self.stats = GraphStats()
         return self.stats
 
+    def _new_entry(self, shape: ShapeClass) -> _Entry:
+        """A class's buffers, registered; under engine.cuda_graphs_compile its batch and capacity are marked dynamic
+        (`StepInputs.mark_dynamic`)."""
+        inp = StepInputs.allocate(shape, self.dims)
+        if self.compiled is not None:
+            inp.mark_dynamic()
+        entry = self._entries[shape] = _Entry(inp)
+        return entry
+
     def _step(self, inp: StepInputs, shape: ShapeClass) -> StepOutput:
         """The class's pass over its buffers: decode_step, or its compiled form."""
         return (self.compiled or decode_step)(self.model, self._slab, inp, shape)
@@ -253,7 +262,7 @@ class GraphRunner:
             if len(self._entries) >= MAX_GRAPHS:
                 self._decline("graph_limit")
                 return None
-        entry = self._entries[shape] = _Entry(StepInputs.allocate(shape, self.dims))
+        entry = self._new_entry(shape)
         return entry
 
     def _fill(self, entry: _Entry, rows: Rows, block: Block, shape: ShapeClass) -> None:
@@ -318,7 +327,7 @@ class GraphRunner:
             for capacity in [c for c in self.capacities if c <= START_CAPACITY] or self.capacities[:1]:
                 shape = ShapeClass(batch=batch, num_slots=1, num_aux=0, capacity=capacity, max_depth=0,
                                    in_place=True, shared_layout=True, sampling=False)
-                entry = self._entries[shape] = _Entry(StepInputs.allocate(shape, self.dims))
+                entry = self._new_entry(shape)
                 self._capture(shape, entry)
 
     @inference
@@ -333,7 +342,7 @@ class GraphRunner:
                            shared_layout=True, sampling=False)
         entry = self._entries.get(shape)
         if entry is None:
-            entry = self._entries[shape] = _Entry(StepInputs.allocate(shape, self.dims))
+            entry = self._new_entry(shape)
         inp, dev = entry.inp, self.dims.device
         inp.parents.copy_(torch.arange(-1, q - 1, device=dev).expand(bucket, q))
         inp.valid.fill_(True)

@@ -96,9 +96,10 @@ StepFn = Callable[["StepModel", torch.Tensor, StepInputs, ShapeClass], StepOutpu
 
 def compiled_step(mode: str = "", recompile_limit: int = 512) -> StepFn:
     """`decode_step` under Inductor (engine.cuda_graphs_compile): the step is one graph with no break (tested), so
-    what a CUDA graph then captures is Inductor's fused kernels instead of one kernel per operation. Shapes are
-    automatic-dynamic: the first class compiles for its sizes, a class that differs only in batch or capacity
-    recompiles once with those sizes symbolic, and later ones reuse it; classes of other blocks compile their own.
+    what a CUDA graph then captures is Inductor's fused kernels instead of one kernel per operation. The batch and
+    the capacity are dynamic from the first compile (`StepInputs.mark_dynamic`), so one compile of a block serves
+    every batch bucket of two or more rows at every capacity bucket; a batch of one row, and a capacity of the
+    slab's whole row, compile apart (torch specialises sizes of one, and that view is contiguous).
     Each shape class still gets its own CUDA graph. recompile_limit: compiles kept before torch falls back to
     eager for new shapes (torch's default, 8, is fewer than the classes a drafting job meets)."""
     import torch._dynamo.config as dynamo_config
@@ -152,15 +153,16 @@ class _SampledChoice:
 def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: ShapeClass) -> StepOutput:
     """One decode pass over the class's B rows (see the module docstring); writes the KV slab in place."""
     t, q = shape.num_slots, shape.num_inputs
+    capacity = inp.key_slots.shape[0]  # C (shape.capacity): a tensor size, symbolic in a compiled step
     embeds = model.embed(inp.tokens)  # [B, T, D]
     if inp.aux is not None:
         embeds = torch.cat([embeds, inp.aux], 1)  # [B, Q, D]
     cache_len = inp.hist_len - 1  # [B] cached slots per row (the root is not cached yet)
     pos = (cache_len.unsqueeze(1) + inp.rel_pos).clamp(max=model.max_position)  # [B, Q]
-    bias = attention_bias(inp.visible, cache_len, pos, shape.capacity, model.dtype, model.window)  # [B, 1, Q, C]
+    bias = attention_bias(inp.visible, cache_len, pos, capacity, model.dtype, model.window)  # [B, 1, Q, C]
     dec = model.decoder
     rope = dec.rope_at(model.rope, pos)
-    layers = dec.run(embeds, 0, len(dec.base.layers), rope, bias, StaticCache(kv, cache_len, q, shape.capacity))
+    layers = dec.run(embeds, 0, len(dec.base.layers), rope, bias, StaticCache(kv, cache_len, q, capacity))
     hidden = dec.norm(layers)  # [B, Q, D]
     logits = model.head(hidden.narrow(1, 0, t))  # [B, T, V]
 

@@ -5,6 +5,8 @@ captured at start-up, other classes at their second pass (the first runs eagerly
 limit, the slab's growth dropping every graph, and the cost curve timed from captured chain passes."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -190,13 +192,25 @@ def test_compiled_steps_are_captured_and_match_generate(capturing, setting):
     as it comes (no start-up captures: each would be a compile), with no graph break; the tokens are generate's."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    eng, outs = _run(2, cuda_graphs_compile=True, **setting)
-    for o, r in zip(outs, reference("llama", "sdpa")):
-        assert tuple(o.token_ids) == r, setting
+    eng = Engine(tiny("llama"), EngineConfig(max_batch_size=4, cuda_graphs=True, cuda_graphs_compile=True, **setting))
+    # rows that end one after another (batch buckets 4, 2, 1) and one that goes on past 256 slots (capacities)
+    lengths = (40, 64, 20, 300)
+    outs = eng.generate([Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=n))
+                         for i, (p, n) in enumerate(zip(PROMPTS, lengths))])
+    for o, r, n in zip(outs, reference("llama", "sdpa"), lengths):
+        assert tuple(o.token_ids[:64]) == r[:n], setting
     g = eng.stats.graphs
     assert eng.graphs.compiled is not None and g.captured == len(eng.graphs._entries) >= 1
     assert g.graph_passes + g.eager_passes["new_shape"] == eng.stats.decode_passes
     assert not torch._dynamo.utils.counters["graph_break"]
+    # batch and capacity are dynamic from the first compile (StepInputs.mark_dynamic): one compile per block, per
+    # batch of one row or more, and per capacity of the slab's whole row or less (a view of a whole row is
+    # contiguous, which torch specialises on); not one more each time a size changes
+    slab = eng.graphs.cache.slab.shape[4]
+    kinds = {(dataclasses.replace(s, batch=0, capacity=0), s.batch == 1, s.capacity == slab)
+             for s in eng.graphs._entries}
+    assert len({s.batch for s in eng.graphs._entries}) > 1 and len({s.capacity for s in eng.graphs._entries}) > 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= len(kinds)
     with pytest.raises(ValueError, match="cuda_graphs_compile=False against True"):
         Engine(tiny("llama"), EngineConfig(max_batch_size=2, cuda_graphs=True), graphs=eng.graphs)
 

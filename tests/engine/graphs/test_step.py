@@ -77,7 +77,8 @@ class _Twin:
                      == graphed.out.hidden.data_ptr())
         after = _snapshot(rows)
         _restore(rows, snap)
-        exact = decode_step(graphs.model, rows.cache.slab, graphs._entries[shape].inp,
+        inp = graphs._entries[shape].inp
+        exact = decode_step(graphs.model, rows.cache.slab, dataclasses.replace(inp, key_slots=inp.key_slots[:view_len]),
                             dataclasses.replace(shape, capacity=view_len))
         if block.num_inputs == 1 and rows.common_length() is not None:
             # the eager plain pass over rows of one length passes no mask (transformers' attention, the keys repeated
