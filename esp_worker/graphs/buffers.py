@@ -119,9 +119,10 @@ class StepInputs:
     def mark_dynamic(self) -> None:
         """Tell torch.compile (`engine.cuda_graphs_compile`) that the batch and the capacity vary between classes,
         so that one compile serves every batch bucket of two or more rows at every capacity bucket. Otherwise it
-        compiles first for the sizes it meets and again each time one of them changes (four compiles of the
-        plain pass in a job of many rows; each takes tens of seconds on a GPU). Buckets of one row still compile
-        apart: torch specialises sizes of one."""
+        compiles first for the sizes it meets and again each time one of them changes (in a CPU run of 23 rows at
+        batch 16, five compiles of the plain pass against three; each takes tens of seconds on a GPU). A bucket of
+        one row still compiles apart (torch specialises sizes of one), as does the slab's whole row (that view of
+        it is contiguous)."""
         batch = self.hist_len.shape[0]
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
