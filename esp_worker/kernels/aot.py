@@ -96,7 +96,7 @@ class AotKernels:
                 fp = fingerprint(program)
                 kernel = _COMPILED.get(fp)
                 if kernel is None:
-                    # the wrapper (C++ glue that calls the kernels) unoptimised: a third less compile time, with the
+                    # the wrapper (C++ glue that calls the kernels) unoptimised: about a quarter less compile time, the
                     # same time per call; the kernels themselves are built at -O3 either way
                     with torch._inductor.config.patch({"aot_inductor.compile_wrapper_opt_level": "O0"}):
                         path = torch._inductor.aoti_compile_and_package(
