@@ -13,25 +13,26 @@
 # dmtd.txt, log.txt and results.tgz (every bench directory, re-packed after each step).
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
-# (own limits: env 60, gpu_tests 120, ar_compiled 220, ar64_compiled 200, ar 240, ar64 180, gpu_compiled 150,
-# tiny 100, methods64 150, methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
+# (own limits: env 60, gpu_tests 120, ar 270, ar64 230, gpu_compiled 150, profile 120, tiny 100, methods64 150,
+# methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
 # The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
 #   gpu_tests  pytest -m gpu tests/gpu tests/engine/test_host_sync.py (graph-vs-eager float32 equality on a
 #              two-layer 1B-shape model, no synchronisation inside a replayed pass for every method, ...)
 #              (-k "not compiled": the compiled tests, whose compiles take minutes, are step gpu_compiled)
-#   ar64       Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
-#              round-robin repeats, medians: ar (graphs) vs ar eager vs hf generate at batch 64 (prompts128: 64 per
-#              category, as the bench runs categories one at a time)
-#   ar         the 1B shape at batch 1 (prompts4): ar (graphs) vs ar eager vs hf generate vs hf generate compiled;
-#              then the op table of one replayed ar prompt (kernels per pass, attention backend)
-#   ar_compiled, ar64_compiled  ar vs ar eager vs ar with compiled graphs (engine.cuda_graphs_compile: Inductor's
-#              kernels captured; its compiles are in the warm-up round, ~100 s at batch 64) vs ar run ahead
-#              (engine.cuda_graphs_run_ahead: the next pass launched before the last one's read) vs both at batch
-#              1 and 64 (the two compiled settings share one runner: one compile)
+#   ar         Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
+#              round-robin repeats, medians, batch 1 (prompts4): ar (replayed passes) vs ar eager vs ar with
+#              compiled graphs (engine.cuda_graphs_compile: Inductor's kernels captured; compiled in the warm-up
+#              round) vs ar run ahead (engine.cuda_graphs_run_ahead: the next pass launched before the last one's
+#              read) vs both (the two compiled settings share one runner: one compile) vs hf generate vs hf
+#              generate compiled
+#   ar64       the same ar settings and hf generate at batch 64 (prompts128: 64 per category, as the bench runs
+#              categories one at a time)
 #   gpu_compiled  pytest -m gpu tests/gpu -k compiled: engine.cuda_graphs_compile gives the eager engine's tokens
 #              in float32 on the two-layer 1B shape (into gpu_tests.txt)
+#   profile    op tables of one replayed ar prompt, eager kernels and compiled ones (kernels per pass, where a
+#              pass's time goes), batch 1
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
 #              hybrid auto, with tau; then op tables of ar, pld and hybrid under torch.profiler (where a drafting
 #              pass's time goes once the forward is replayed)
@@ -76,7 +77,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar_compiled ar64_compiled ar ar64 gpu_compiled tiny methods64 methods dmtd} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar ar64 gpu_compiled profile tiny methods64 methods dmtd} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -149,20 +150,16 @@ fi
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share the GPU from 4 processes
 step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   tests/engine/test_host_sync.py -k "not compiled"
-step ar_compiled ar.txt 220 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1-compiled data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead,ar:1:compiled_graphs+run_ahead]' \
-    bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
-step ar64_compiled ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b64-compiled data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead,ar:1:compiled_graphs+run_ahead]' \
-    bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
-step ar ar.txt 240 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1 data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=true bench.cost_curve=false \
-    'bench.profile=[ar]'"
-step ar64 ar.txt 180 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b64 data.path=$P/prompts128.jsonl 'bench.settings=[ar:1:eager]' bench.hf_compiled=false bench.cost_curve=false \
-    'bench.batch_sizes=[64]'"
+AR='bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead,ar:1:compiled_graphs+run_ahead]'
+step ar ar.txt 270 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b1 data.path=$P/prompts4.jsonl '$AR' bench.hf_compiled=true bench.cost_curve=false"
+step ar64 ar.txt 230 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b64 data.path=$P/prompts128.jsonl '$AR' bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
 step gpu_compiled gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   -k compiled
+step profile ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-profile data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:compiled_graphs]' bench.repeats=1 \
+    bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false 'bench.profile=[ar]'"
 step tiny tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
   bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
     generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.settings=[pld:10,esp:30,esp:auto,hybrid:auto]' \
