@@ -15,6 +15,7 @@ EXPANSIONS = ("top1", "frontier")
 MASK_INITS = ("mean", "last_k", "sample", "offset")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTN_IMPLS = ("sdpa", "eager")
+ATTENTION_BACKENDS = ("auto", "torch", "cudnn", "efficient", "math")  # engine.attention_backend
 TINY_PREFIX = "tiny-random-"  # model names built in code, never read from a directory
 RANDOM_PREFIX = "random:"
 
@@ -84,6 +85,10 @@ class EngineConfig:
     # copies behind it: the host's work between passes overlaps the device's. A pass found to have ended a row
     # makes the next one (run for it too, committing nothing there) be read at once. esp_worker/engine.py
     cuda_graphs_run_ahead: bool = False
+    # the SDPA kernel of decode passes' attention (the direct forward, sdpa attention; prefill keeps torch's own
+    # choice): auto = the engine's rule (esp_worker/model/decoder.py, `attention_backends`), torch = PyTorch's
+    # own priority, or one of cudnn | efficient | math (math where the one named refuses the inputs)
+    attention_backend: str = "auto"
     # Batching
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
@@ -203,6 +208,8 @@ class EngineConfig:
         if self.cuda_graphs_compile and self.compile_mode in ("reduce-overhead", "max-autotune"):
             bad(f"engine.compile_mode={self.compile_mode} captures CUDA graphs of its own; with "
                 "engine.cuda_graphs_compile use the default mode or max-autotune-no-cudagraphs")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad(f"engine.attention_backend={self.attention_backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.cuda_graph_max_len < 1:
             bad(f"engine.cuda_graph_max_len={self.cuda_graph_max_len} must be >= 1")
         if any(b < 1 for b in self.branches):

@@ -95,7 +95,7 @@ class Engine:
         cfg.validate()
         self.cfg = cfg
         self.loaded = loaded
-        self.runner = ModelRunner(loaded, cfg.compile, cfg.compile_mode)
+        self.runner = ModelRunner(loaded, cfg.compile, cfg.compile_mode, cfg.attention_backend)
         # engine.compile_host: a greedy pass's verification, stops, commit and counters as one kernel (settle.py)
         self.settler = Settler(loaded.device) if cfg.compile_host else None
         self.device = loaded.device

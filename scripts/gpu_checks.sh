@@ -13,8 +13,8 @@
 # dmtd.txt, log.txt and results.tgz (every bench directory, re-packed after each step).
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
-# (own limits: env 60, gpu_tests 120, ar 270, ar64 230, gpu_compiled 150, profile 120, tiny 100, methods64 150,
-# methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
+# (own limits: env 60, gpu_tests 120, ar 270, ar64 230, attn 60, ar_attn 200, gpu_compiled 150, profile 120, tiny 100,
+# methods64 150, methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
 # The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
@@ -31,6 +31,10 @@
 #              categories one at a time)
 #   gpu_compiled  pytest -m gpu tests/gpu -k compiled: engine.cuda_graphs_compile gives the eager engine's tokens
 #              in float32 on the two-layer 1B shape (into gpu_tests.txt)
+#   attn       scripts/attn_backends.py: the decode attention kernels (cudnn, efficient, math) at batch 1, 16, 64,
+#              Q = 1, 8, 32 and 128 .. 2048 key slots, microseconds per call in a replayed graph
+#   ar_attn    the ar step's model at batch 1 with engine.attention_backend=efficient and math beside torch's
+#              choice, eager kernels replayed, run ahead, and compiled
 #   profile    op tables of one replayed ar prompt, eager kernels and compiled ones (kernels per pass, where a
 #              pass's time goes), batch 1
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
@@ -42,7 +46,8 @@
 #              eager: DMTD passes run eagerly), then the committed esp-tiny-llama DMTD model and its verified copy at
 #              batch 1 and 8
 #   methods64  esp k1 BC 30 and hybrid auto beside ar at batch 64 alone (no cost curve)
-# STEPS picks steps (default all; env always runs); T_<STEP> overrides a step's own limit.
+# STEPS picks steps (default all; env always runs); T_<STEP> overrides a step's own limit; GPU_TESTS_K the gpu_tests'
+# pytest -k expression.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -77,7 +82,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar ar64 gpu_compiled profile tiny methods64 methods dmtd} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar ar64 attn ar_attn gpu_compiled profile tiny methods64 methods dmtd} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -149,12 +154,17 @@ if ! grep -q "^cuda_available True" "$out/env.txt" && (( ! dry )); then
 fi
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share the GPU from 4 processes
 step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
-  tests/engine/test_host_sync.py -k "not compiled"
+  tests/engine/test_host_sync.py -k "${GPU_TESTS_K:-not compiled}"
 AR='bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead,ar:1:compiled_graphs+run_ahead]'
 step ar ar.txt 270 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b1 data.path=$P/prompts4.jsonl '$AR' bench.hf_compiled=true bench.cost_curve=false"
 step ar64 ar.txt 230 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b64 data.path=$P/prompts128.jsonl '$AR' bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
+step attn ar.txt 60 python3 scripts/attn_backends.py
+step ar_attn ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b1-attention data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:run_ahead,\
+ar:1:run_ahead+attention_efficient,ar:1:run_ahead+attention_math,ar:1:compiled_graphs+run_ahead+attention_math]' \
+    bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
 step gpu_compiled gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   -k compiled
 step profile ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \

@@ -90,6 +90,16 @@ def cuda_capture(fn: Callable[[], StepOutput], pool: Any, device: torch.device) 
     return graph, out
 
 
+def pool_bytes(pool: Any, device: torch.device) -> int:
+    """Device memory the allocator holds in `pool` (a graph pool handle): the sum of its segments. Not a difference of
+    `memory_reserved` around a capture, which another pool's release (a collected engine's graphs) can cancel."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == tuple(pool))
+
+
 # how a class is captured (tests replace it to drive the capture path on a CPU)
 capture_graph: Callable[[Callable[[], StepOutput], Any, torch.device], tuple[Any, StepOutput]] = cuda_capture
 
@@ -308,11 +318,9 @@ class GraphRunner:
         does not touch), so the replay that follows computes the same pass again."""
         t0 = time.perf_counter()
         dev = self.dims.device
-        cuda = dev.type == "cuda"
-        before = torch.cuda.memory_reserved(dev) if cuda else 0
         entry.graph, entry.out = capture_graph(lambda: self._step(entry.inp, shape), self._pool, dev)
         self.stats.captured += 1
-        self.stats.graph_bytes += max(0, torch.cuda.memory_reserved(dev) - before) if cuda else 0
+        self.stats.graph_bytes = pool_bytes(self._pool, dev) if self._pool is not None else 0
         self.stats.capture_s += time.perf_counter() - t0
 
     def capture_plain(self) -> None:

@@ -22,12 +22,14 @@ tests check the result, not just the parts):
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..grad import inference
 from ..tree import gather_slots
@@ -101,6 +103,12 @@ class DirectDecoder:
         self.compiled: Optional[Any] = None  # compiled.CompiledLayers under engine.compile
         self.linear: Callable = _linear  # (x, layer with .weight / .bias) -> x's product; see `few_rows`
         self.rows_invariant = self._rows_invariant()  # `keep` may skip rows of the last layer's products
+
+    def use_attention(self, backend: str) -> None:
+        """Decode passes' SDPA kernels (engine.attention_backend), under sdpa attention."""
+        if self.sdpa:
+            device = self.base.layers[0].self_attn.o_proj.weight.device
+            self.attend = functools.partial(sdpa_packed_gqa, backends=attention_backends(backend, device))
 
     def few_rows(self) -> "DirectDecoder":
         """This decoder with its products computed as `weight_major_linear` (CPU, eager loop): for DMTD's
@@ -247,8 +255,32 @@ class DirectDecoder:
         return self.linear(mlp.act_fn.forward(gate) * up, mlp.down_proj)
 
 
+# engine.attention_backend -> the SDPA kernels a decode pass may use, in torch's order of priority; math last, so
+# that inputs the named kernel refuses still run
+_BACKENDS = {"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH],
+             "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], "math": [SDPBackend.MATH]}
+
+
+def attention_backends(backend: str, device: torch.device) -> Optional[list]:
+    """The SDPA kernels for decode passes (None = torch's own choice). `auto`: torch's own choice."""
+    if backend in ("auto", "torch"):
+        return None
+    return _BACKENDS[backend]
+
+
 def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    bias: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None):
+                    bias: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                    backends: Optional[list] = None):
+    """`_sdpa_packed_gqa` with decode passes (a bias, keys beyond the block) restricted to `backends`
+    (`attention_backends`); a prefill keeps torch's choice."""
+    if backends is None or bias is None or key.shape[2] <= query.shape[2]:
+        return _sdpa_packed_gqa(module, query, key, value, bias, dropout, scaling)
+    with sdpa_kernel(backends):
+        return _sdpa_packed_gqa(module, query, key, value, bias, dropout, scaling)
+
+
+def _sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     bias: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None):
     """transformers' sdpa attention, except that with a bias and grouped-query heads the g query heads of each
     key/value head are packed into the query dimension: query [B, H, Q, hd] -> [B, Hkv, g * Q, hd], bias
     [B, 1, Q, S] tiled g times. transformers repeats the keys and values per query head there instead

@@ -24,7 +24,8 @@ class ModelRunner:
     (`logits_at`), so a 60-token block does not materialise 60 x vocab logits it never reads.
     """
 
-    def __init__(self, loaded: LoadedModel, compile: bool = False, compile_mode: str = ""):
+    def __init__(self, loaded: LoadedModel, compile: bool = False, compile_mode: str = "",
+                 attention_backend: str = "auto"):
         self.loaded = loaded
         self.model = loaded.model
         self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
@@ -33,6 +34,8 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
         # the layer loop called directly where the architecture allows (bitwise equal hidden states)
         self.direct = direct_decoder(self.base) if loaded.direct_forward else None
+        if self.direct is not None:
+            self.direct.use_attention(attention_backend)
         if compile:
             if self.direct is None:
                 raise ModelLoadError(

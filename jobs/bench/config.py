@@ -16,7 +16,8 @@ from esp_worker.config import EXPANSIONS, METHODS, TREES
 from ..config import ConfigError, JobConfig, load_config
 
 # what may follow METHOD:BC in bench.settings, each a Setting field of the same name (settings.py)
-OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead")
+OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead", "attention_cudnn", "attention_efficient",
+           "attention_math")
 
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
@@ -126,7 +127,10 @@ def validate_bench(cfg: DictConfig) -> None:
             continue
         opts = options_of(opt)
         need(all(o in OPTIONS for o in opts), f"bench.settings: {spec!r}: the options after METHOD:BC are "
-             ":compile_host, :eager, :compiled_graphs and :run_ahead (ar only), or several joined by +")
+             ":compile_host, :eager, :compiled_graphs, :run_ahead (ar only) and :attention_cudnn, :attention_efficient or "
+             ":attention_math (engine.attention_backend), or several joined by +")
+        need(sum(o.startswith("attention_") for o in opts) <= 1,
+             f"bench.settings: {spec!r}: one attention_ option at most")
         need(not ("eager" in opts and ({"compiled_graphs", "run_ahead"} & set(opts))),
              f"bench.settings: {spec!r}: compiled_graphs and run_ahead apply to replayed passes, not :eager")
         if method == "ar":  # ar itself always runs first; an entry can only add it under an option

@@ -129,10 +129,11 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         cuda_graphs=False if s.eager else base.cuda_graphs,
         cuda_graphs_compile=base.cuda_graphs_compile or s.compiled_graphs,
         cuda_graphs_run_ahead=base.cuda_graphs_run_ahead or s.run_ahead,
+        attention_backend=s.attention or base.attention_backend,
         dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )
     share = share if share is not None else EngineShare()
-    key = (batch, cfg.cuda_graphs_compile)
+    key = (batch, cfg.cuda_graphs_compile, cfg.attention_backend)  # graphs hold the kernels they captured
     reused = share.graphs.get(key)
     # auto sizing uses the curve measured here
     engine = Engine(loaded, cfg, cost_curve=share.curve, graphs=reused)

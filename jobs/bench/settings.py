@@ -28,6 +28,10 @@ class Setting:
     eager: bool = False  # engine.cuda_graphs=false for this setting ("METHOD:BC:eager"): passes run eagerly
     compiled_graphs: bool = False  # engine.cuda_graphs_compile=true ("METHOD:BC:compiled_graphs")
     run_ahead: bool = False  # engine.cuda_graphs_run_ahead=true ("ar:1:run_ahead")
+    # engine.attention_backend=cudnn / efficient / math ("METHOD:BC:attention_math")
+    attention_cudnn: bool = False
+    attention_efficient: bool = False
+    attention_math: bool = False
     dmtd_tau: int = 0  # dmtd / dmtd_verified: tokens per cycle
     # dmtd: the DMTD model directory ("" = the bench's own model, split by engine.dmtd_decoding_layers);
     # dmtd_verified: the trained copy's directory
@@ -36,7 +40,13 @@ class Setting:
     @property
     def label(self) -> str:
         return self._label + (" compile_host" if self.compile_host else "") + (" eager" if self.eager else "") \
-            + (" compiled graphs" if self.compiled_graphs else "") + (" run ahead" if self.run_ahead else "")
+            + (" compiled graphs" if self.compiled_graphs else "") + (" run ahead" if self.run_ahead else "") \
+            + (f" {self.attention} attention" if self.attention else "")
+
+    @property
+    def attention(self) -> str:
+        """The engine.attention_backend this setting names ("" = the bench's own)."""
+        return next((name for name in ("cudnn", "efficient", "math") if getattr(self, f"attention_{name}")), "")
 
     @property
     def _label(self) -> str:

@@ -51,6 +51,19 @@ def test_replayed_passes_are_the_eager_engines_float32_1b_shape(few_layer_1b, se
     assert set(g.eager_passes) <= {"new_shape"}  # nothing else keeps a pass from its graph here
 
 
+@pytest.mark.parametrize("backend", ["cudnn", "efficient", "math"])
+@pytest.mark.parametrize("setting", [0, 1])
+def test_attention_backends_replayed_are_the_eager_engines_float32_1b_shape(few_layer_1b, backend, setting):
+    """engine.attention_backend: replayed passes give the eager engine's tokens under each decode attention kernel
+    (float32: cudnn falls back to math)."""
+    params = GenerationParams(max_new_tokens=40, ignore_eos=True)
+    setting = dict(METHODS[setting], attention_backend=backend)
+    eager = _generate(few_layer_1b, False, params, 4, **setting)[1]
+    eng, graphed = _generate(few_layer_1b, True, params, 4, **setting)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager], setting
+    assert eng.stats.graphs.graph_passes > 0
+
+
 def test_plain_replayed_decoding_is_generate_float32_1b_shape(few_layer_1b):
     lm = few_layer_1b
     eng, outs = _generate(lm, True, GenerationParams(max_new_tokens=40), 1, method="ar")
@@ -94,7 +107,7 @@ def test_passes_run_ahead_are_the_engines_that_reads_each_float32_1b_shape(few_l
     reasons and statistics as reading every pass; most passes ran ahead."""
     lm = few_layer_1b
     first = _generate(lm, True, GenerationParams(max_new_tokens=40, ignore_eos=True), batch, method="ar")[1]
-    stops = [first[0].token_ids[12], first[1].token_ids[25]]
+    stops = [first[0].token_ids[6], first[1].token_ids[15]]  # within rows 0 and 1's limits (10 and 19 tokens)
     reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=10 + 9 * i, stop_token_ids=stops))
             for i, p in enumerate(PROMPTS)]
     outs = {}

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_helpers import ARCHS, tiny
-from esp_worker import kv_cache
+from engine_helpers import ARCHS, reference, run, tiny
+from esp_worker import EngineConfig, GenerationParams, kv_cache
 from esp_worker.model.decoder import FEW_ROWS, direct_decoder, weight_major_linear
 from esp_worker.model.attention import attention_bias
 from esp_worker.model.runner import ModelRunner
@@ -255,3 +255,40 @@ def test_half_precision_norms_run_fused_with_the_module_numbers(arch):
         out = fused(x)
     assert ops == ["rms_norm", "mul"]
     assert out.dtype == torch.bfloat16 and torch.equal(out, module.forward(x))
+
+
+def test_attention_backend_restricts_decode_passes_not_prefill(monkeypatch):
+    """engine.attention_backend=math: a decode pass's attention (keys beyond the block) runs under
+    sdpa_kernel([MATH]), bitwise the math kernel's result; a prefill (keys = the block) keeps torch's choice."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from esp_worker.model import decoder
+
+    gen = torch.Generator().manual_seed(3)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    k, v = torch.randn((2, 2, 40, 8), generator=gen), torch.randn((2, 2, 40, 8), generator=gen)
+    query = torch.randn((2, 4, 3, 8), generator=gen)  # [B, H, Q, hd]
+    bias = torch.zeros((2, 1, 3, 40))
+    bias[..., 30:] = torch.finfo(torch.float32).min
+    backends = decoder.attention_backends("math", torch.device("cpu"))
+    got, _ = decoder.sdpa_packed_gqa(module, query, k, v, bias, scaling=0.3, backends=backends)
+    with sdpa_kernel([SDPBackend.MATH]):
+        want, _ = decoder.sdpa_packed_gqa(module, query, k, v, bias, scaling=0.3)
+    assert torch.equal(got, want)
+    assert decoder.attention_backends("auto", torch.device("cuda")) is None
+    seen = []
+    monkeypatch.setattr(decoder, "sdpa_kernel", lambda b: seen.append(b) or sdpa_kernel(b))
+    decoder.sdpa_packed_gqa(module, query, k[:, :, :3], v[:, :, :3], bias[..., :3], scaling=0.3, backends=backends)
+    assert seen == []  # prefill
+    decoder.sdpa_packed_gqa(module, query, k, v, bias, scaling=0.3, backends=backends)
+    assert seen == [backends]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_with_math_attention_is_generate(arch):
+    """The engine's tokens under engine.attention_backend=math are generate's (float32), drafting and batched."""
+    cfg = EngineConfig(method="esp", num_masks=1, block_complexity=10, max_batch_size=2, attention_backend="math")
+    outs = run(tiny(arch), cfg, GenerationParams(max_new_tokens=24))
+    assert [tuple(o.token_ids) for o in outs] == list(reference(arch, "sdpa", 24))
