@@ -15,7 +15,7 @@ EXPANSIONS = ("top1", "frontier")
 MASK_INITS = ("mean", "last_k", "sample", "offset")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTN_IMPLS = ("sdpa", "eager")
-ATTENTION_BACKENDS = ("auto", "torch", "cudnn", "efficient", "math")  # engine.attention_backend
+ATTENTION_BACKENDS = ("torch", "cudnn", "efficient", "math")  # engine.attention_backend
 TINY_PREFIX = "tiny-random-"  # model names built in code, never read from a directory
 RANDOM_PREFIX = "random:"
 
@@ -84,11 +84,12 @@ class EngineConfig:
     # plain greedy or sampled passes (method ar) launched before the last one's host read, which the device then
     # copies behind it: the host's work between passes overlaps the device's. A pass found to have ended a row
     # makes the next one (run for it too, committing nothing there) be read at once. esp_worker/engine.py
-    cuda_graphs_run_ahead: bool = False
-    # the SDPA kernel of decode passes' attention (the direct forward, sdpa attention; prefill keeps torch's own
-    # choice): auto = the engine's rule (esp_worker/model/decoder.py, `attention_backends`), torch = PyTorch's
-    # own priority, or one of cudnn | efficient | math (math where the one named refuses the inputs)
-    attention_backend: str = "auto"
+    cuda_graphs_run_ahead: Union[bool, str] = "auto"  # auto = wherever passes are replayed | true | false
+    # the SDPA kernel of decode passes' attention (the direct forward with sdpa attention; a prefill keeps torch's
+    # choice): torch = PyTorch's own priority (cuDNN's on an H100/H200 in bfloat16, the fastest there at every
+    # decode shape measured: docs/design/cuda-graphs.md), or cudnn | efficient | math (math where the one named
+    # refuses the inputs)
+    attention_backend: str = "torch"
     # Batching
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
@@ -199,7 +200,9 @@ class EngineConfig:
             bad(f"engine.cuda_graphs={self.cuda_graphs!r} must be auto, true or false")
         if self.cuda_graphs is True and self.compile_host:
             bad("engine.cuda_graphs=true and engine.compile_host=true both run a pass's settle; choose one")
-        if self.cuda_graphs_run_ahead and self.cuda_graphs is False:
+        if self.cuda_graphs_run_ahead not in ("auto", True, False):
+            bad(f"engine.cuda_graphs_run_ahead={self.cuda_graphs_run_ahead!r} must be auto, true or false")
+        if self.cuda_graphs_run_ahead is True and self.cuda_graphs is False:
             bad("engine.cuda_graphs_run_ahead=true runs replayed passes ahead of their reads; it needs "
                 "engine.cuda_graphs=auto or true")
         if self.cuda_graphs_compile and self.cuda_graphs is False:

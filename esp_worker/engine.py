@@ -417,7 +417,7 @@ class Engine:
         """Whether this batch's passes may run ahead: replayed plain passes (method ar), which need nothing from a
         pass before the next is launched but their tokens (on the device) and their lengths (each row that goes on
         gains exactly one token), and nothing the host must check between passes (stop strings)."""
-        return (self.cfg.cuda_graphs_run_ahead and self.graphs is not None and self.policy is None
+        return (self.cfg.cuda_graphs_run_ahead is not False and self.graphs is not None and self.policy is None
                 and self.cycle is None and isinstance(self.drafter, PlainDrafter) and not rows.has_stop_strings)
 
     def _step_ahead(self, rows: Rows) -> None:

@@ -22,11 +22,11 @@
 #              two-layer 1B-shape model, no synchronisation inside a replayed pass for every method, ...)
 #              (-k "not compiled": the compiled tests, whose compiles take minutes, are step gpu_compiled)
 #   ar         Llama-3.2-1B shape, random weights, bfloat16, 64 new tokens, ignore_eos, 1 warm-up round, 3
-#              round-robin repeats, medians, batch 1 (prompts4): ar (replayed passes) vs ar eager vs ar with
-#              compiled graphs (engine.cuda_graphs_compile: Inductor's kernels captured; compiled in the warm-up
-#              round) vs ar run ahead (engine.cuda_graphs_run_ahead: the next pass launched before the last one's
-#              read) vs both (the two compiled settings share one runner: one compile) vs hf generate vs hf
-#              generate compiled
+#              round-robin repeats, medians, batch 1 (prompts4): ar (replayed passes, run ahead: the next pass
+#              launched before the last one's read) vs ar eager vs ar reading each pass at once
+#              (engine.cuda_graphs_run_ahead=false) vs compiled graphs (engine.cuda_graphs_compile: Inductor's
+#              kernels captured; compiled in the warm-up round), run ahead and not (the two compiled settings share
+#              one runner: one compile) vs hf generate vs hf generate compiled
 #   ar64       the same ar settings and hf generate at batch 64 (prompts128: 64 per category, as the bench runs
 #              categories one at a time)
 #   gpu_compiled  pytest -m gpu tests/gpu -k compiled: engine.cuda_graphs_compile gives the eager engine's tokens
@@ -34,7 +34,7 @@
 #   attn       scripts/attn_backends.py: the decode attention kernels (cudnn, efficient, math) at batch 1, 16, 64,
 #              Q = 1, 8, 32 and 128 .. 2048 key slots, microseconds per call in a replayed graph
 #   ar_attn    the ar step's model at batch 1 with engine.attention_backend=efficient and math beside torch's
-#              choice, eager kernels replayed, run ahead, and compiled
+#              choice (cuDNN's kernel on an H100/H200), eager kernels replayed and compiled
 #   profile    op tables of one replayed ar prompt, eager kernels and compiled ones (kernels per pass, where a
 #              pass's time goes), batch 1
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
@@ -155,15 +155,15 @@ fi
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share the GPU from 4 processes
 step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   tests/engine/test_host_sync.py -k "${GPU_TESTS_K:-not compiled}"
-AR='bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:run_ahead,ar:1:compiled_graphs+run_ahead]'
+AR='bench.settings=[ar:1:eager,ar:1:no_run_ahead,ar:1:compiled_graphs,ar:1:compiled_graphs+no_run_ahead]'
 step ar ar.txt 270 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b1 data.path=$P/prompts4.jsonl '$AR' bench.hf_compiled=true bench.cost_curve=false"
 step ar64 ar.txt 230 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b64 data.path=$P/prompts128.jsonl '$AR' bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
 step attn ar.txt 60 python3 scripts/attn_backends.py
 step ar_attn ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1-attention data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:run_ahead,\
-ar:1:run_ahead+attention_efficient,ar:1:run_ahead+attention_math,ar:1:compiled_graphs+run_ahead+attention_math]' \
+  big ar-b1-attention data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,\
+ar:1:attention_efficient,ar:1:attention_math,ar:1:compiled_graphs,ar:1:compiled_graphs+attention_math]' \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
 step gpu_compiled gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   -k compiled

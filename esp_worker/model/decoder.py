@@ -107,8 +107,7 @@ class DirectDecoder:
     def use_attention(self, backend: str) -> None:
         """Decode passes' SDPA kernels (engine.attention_backend), under sdpa attention."""
         if self.sdpa:
-            device = self.base.layers[0].self_attn.o_proj.weight.device
-            self.attend = functools.partial(sdpa_packed_gqa, backends=attention_backends(backend, device))
+            self.attend = functools.partial(sdpa_packed_gqa, backends=attention_backends(backend))
 
     def few_rows(self) -> "DirectDecoder":
         """This decoder with its products computed as `weight_major_linear` (CPU, eager loop): for DMTD's
@@ -261,11 +260,9 @@ _BACKENDS = {"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH],
              "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], "math": [SDPBackend.MATH]}
 
 
-def attention_backends(backend: str, device: torch.device) -> Optional[list]:
-    """The SDPA kernels for decode passes (None = torch's own choice). `auto`: torch's own choice."""
-    if backend in ("auto", "torch"):
-        return None
-    return _BACKENDS[backend]
+def attention_backends(backend: str) -> Optional[list]:
+    """The SDPA kernels for decode passes (engine.attention_backend; None = torch's own choice)."""
+    return None if backend == "torch" else _BACKENDS[backend]
 
 
 def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -25,7 +25,7 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, compile: bool = False, compile_mode: str = "",
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "torch"):
         self.loaded = loaded
         self.model = loaded.model
         self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model

@@ -16,7 +16,7 @@ from esp_worker.config import EXPANSIONS, METHODS, TREES
 from ..config import ConfigError, JobConfig, load_config
 
 # what may follow METHOD:BC in bench.settings, each a Setting field of the same name (settings.py)
-OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead", "attention_cudnn", "attention_efficient",
+OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead", "no_run_ahead", "attention_cudnn", "attention_efficient",
            "attention_math")
 
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
@@ -68,8 +68,9 @@ class BenchSection:
     # "method:BC:compile_host" (and "ar:1:compile_host") runs that setting with engine.compile_host=true;
     # "method:BC:eager" (and "ar:1:eager") with engine.cuda_graphs=false (the eager engine beside the default's);
     # "method:BC:compiled_graphs" (and "ar:1:compiled_graphs") with engine.cuda_graphs_compile=true;
-    # "ar:1:run_ahead" with engine.cuda_graphs_run_ahead=true (plain passes only); options join with "+"
-    # ("ar:1:compiled_graphs+run_ahead").
+    # "ar:1:run_ahead" with engine.cuda_graphs_run_ahead=true and "ar:1:no_run_ahead" with false (plain passes
+    # only; the default, auto, runs them ahead wherever passes are replayed); "METHOD:BC:attention_math" (and
+    # _cudnn, _efficient) with that engine.attention_backend; options join with "+" ("ar:1:compiled_graphs+run_ahead").
     settings: list[str] = field(default_factory=list)
     # settings to run once more under torch.profiler after the timed runs (over one batch of prompts),
     # "method:BC" as in `settings` (or ar, hf): op tables per setting and batch size in
@@ -127,18 +128,20 @@ def validate_bench(cfg: DictConfig) -> None:
             continue
         opts = options_of(opt)
         need(all(o in OPTIONS for o in opts), f"bench.settings: {spec!r}: the options after METHOD:BC are "
-             ":compile_host, :eager, :compiled_graphs, :run_ahead (ar only) and :attention_cudnn, :attention_efficient or "
+             ":compile_host, :eager, :compiled_graphs, :run_ahead or :no_run_ahead (ar only) and :attention_cudnn, :attention_efficient or "
              ":attention_math (engine.attention_backend), or several joined by +")
         need(sum(o.startswith("attention_") for o in opts) <= 1,
              f"bench.settings: {spec!r}: one attention_ option at most")
-        need(not ("eager" in opts and ({"compiled_graphs", "run_ahead"} & set(opts))),
+        need(not {"run_ahead", "no_run_ahead"} <= set(opts), f"bench.settings: {spec!r}: run_ahead or no_run_ahead")
+        need(not ("eager" in opts and ({"compiled_graphs", "run_ahead", "no_run_ahead"} & set(opts))),
              f"bench.settings: {spec!r}: compiled_graphs and run_ahead apply to replayed passes, not :eager")
         if method == "ar":  # ar itself always runs first; an entry can only add it under an option
             need(bc == "1" and len(opts) > 0, f"bench.settings: {spec!r}: ar always runs; the ar entries are "
-                 "ar:1:compile_host, ar:1:eager, ar:1:compiled_graphs, ar:1:run_ahead (or, e.g., "
+                 "ar:1:compile_host, ar:1:eager, ar:1:compiled_graphs, ar:1:no_run_ahead (or, e.g., "
                  "ar:1:compiled_graphs+run_ahead)")
             continue
-        need("run_ahead" not in opts, f"bench.settings: {spec!r}: run_ahead applies to plain passes: ar:1:run_ahead")
+        need(not {"run_ahead", "no_run_ahead"} & set(opts),
+             f"bench.settings: {spec!r}: run_ahead applies to plain passes: ar:1:run_ahead, ar:1:no_run_ahead")
         heads = method == HYBRID_HEADS
         method = "hybrid" if heads else method
         need(method in METHODS and method != "ar" and bc != "" and (bc == "auto" or (bc.isdigit() and int(bc) >= 2)),

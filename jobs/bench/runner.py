@@ -128,7 +128,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         compile_host=base.compile_host or s.compile_host,
         cuda_graphs=False if s.eager else base.cuda_graphs,
         cuda_graphs_compile=base.cuda_graphs_compile or s.compiled_graphs,
-        cuda_graphs_run_ahead=base.cuda_graphs_run_ahead or s.run_ahead,
+        cuda_graphs_run_ahead=False if s.no_run_ahead else True if s.run_ahead else base.cuda_graphs_run_ahead,
         attention_backend=s.attention or base.attention_backend,
         dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )

@@ -28,6 +28,7 @@ class Setting:
     eager: bool = False  # engine.cuda_graphs=false for this setting ("METHOD:BC:eager"): passes run eagerly
     compiled_graphs: bool = False  # engine.cuda_graphs_compile=true ("METHOD:BC:compiled_graphs")
     run_ahead: bool = False  # engine.cuda_graphs_run_ahead=true ("ar:1:run_ahead")
+    no_run_ahead: bool = False  # engine.cuda_graphs_run_ahead=false ("ar:1:no_run_ahead": every pass read at once)
     # engine.attention_backend=cudnn / efficient / math ("METHOD:BC:attention_math")
     attention_cudnn: bool = False
     attention_efficient: bool = False
@@ -41,6 +42,7 @@ class Setting:
     def label(self) -> str:
         return self._label + (" compile_host" if self.compile_host else "") + (" eager" if self.eager else "") \
             + (" compiled graphs" if self.compiled_graphs else "") + (" run ahead" if self.run_ahead else "") \
+            + (" no run ahead" if self.no_run_ahead else "") \
             + (f" {self.attention} attention" if self.attention else "")
 
     @property

@@ -101,3 +101,15 @@ def test_other_methods_and_stop_strings_read_every_pass():
 def test_run_ahead_needs_graphs():
     with pytest.raises(ValueError, match="cuda_graphs_run_ahead"):
         EngineConfig(cuda_graphs=False, cuda_graphs_run_ahead=True).validate()
+    with pytest.raises(ValueError, match="cuda_graphs_run_ahead"):
+        EngineConfig(cuda_graphs_run_ahead="sometimes").validate()
+    EngineConfig(cuda_graphs=False).validate()  # the default, auto, runs ahead only where passes are replayed
+
+
+def test_replayed_plain_passes_run_ahead_by_default():
+    lm = tiny("llama")
+    eng = Engine(lm, EngineConfig(method="ar", max_batch_size=2, cuda_graphs=True))
+    outs = eng.generate([Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=16))
+                         for i, p in enumerate(PROMPTS)])
+    assert eng.stats.graphs.ahead_passes > 0
+    assert [tuple(o.token_ids) for o in outs] == [r[:16] for r in reference("llama", "sdpa")]

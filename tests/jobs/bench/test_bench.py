@@ -396,9 +396,10 @@ def test_settings_at_one_batch_size_replay_one_graph_runner():
     runs = [run_setting(loaded, base, s, 2, prompts, gen, 0, share) for s in (Setting("ar", 1, 0, ""),
                                                                              Setting("pld", 10, 0, ""),
                                                                              Setting("esp", 30, 1, "static"))]
-    first = share.graphs[2, False]
-    assert list(share.graphs) == [(2, False)]
+    key = (2, False, "torch")  # batch size, compiled graphs, attention kernel
+    first = share.graphs[key]
+    assert list(share.graphs) == [key]
     run_setting(loaded, base, Setting("hybrid", 30, 1, "static"), 2, prompts, gen, 0, share)
-    assert share.graphs[2, False] is first
+    assert share.graphs[key] is first
     tokens = [{i: o.token_ids for i, o in run["outputs"].items()} for run in runs]
     assert all(t == tokens[0] for t in tokens[1:])
