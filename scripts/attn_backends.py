@@ -5,7 +5,10 @@ dimension (esp_worker/model/decoder.py, `sdpa_packed_gqa`): query [B, Hkv, g * Q
 [B, Hkv, C, hd] (C = the shape class's key slots), an additive bias [B, 1, g * Q, C]. Each backend runs 20
 calls captured in one CUDA graph (what a replayed pass pays: no launch cost from Python), replayed 10 times;
 the table gives microseconds per call, the median of the replays. Defaults: Llama-3.2-1B's heads (32 query
-heads, 8 key/value heads, head dim 64) in bfloat16.
+heads, 8 key/value heads, head dim 64) in bfloat16. Column `flex`: FlexAttention under torch.compile with the bias
+as its score_mod, over the unpacked query [B, H, Q, hd] (a candidate for compiled passes: its decoding kernel
+splits the keys across thread blocks; the engine does not use it), timed at Q = 1 with 512 and 2048 key slots at
+batch 1 and 64 only ('-' elsewhere: each shape is a compile).
 
     python scripts/attn_backends.py [--dtype bfloat16] [--out attn.txt]
 """
@@ -35,9 +38,34 @@ def inputs(b: int, q: int, c: int, heads: tuple[int, int, int], dtype: torch.dty
     return query, key, value, bias
 
 
-def time_backend(backend: SDPBackend, args: tuple, calls: int = 20, replays: int = 10) -> float | None:
-    """Microseconds per call inside a replayed graph, or None where the backend refuses the inputs."""
+def flex_call(g: int):
+    """FlexAttention, compiled, on the engine's packed inputs unpacked: query [B, Hkv, g * Q, hd] -> [B, H, Q, hd],
+    bias [B, 1, g * Q, C] -> its first Q rows (every group's are the same)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    @torch.compile(fullgraph=True)
+    def attend(query, key, value, bias):
+        b, hkv, gq, hd = query.shape
+        q = gq // g
+        query = query.reshape(b, hkv * g, q, hd)
+        rows = bias[:, :, :q]
+
+        def add_bias(score, bi, h, qi, kv):
+            return score + rows[bi, 0, qi, kv]
+
+        return flex_attention(query, key, value, score_mod=add_bias, enable_gqa=True)
+
+    return attend
+
+
+def time_backend(backend, args: tuple, calls: int = 20, replays: int = 10) -> float | None:
+    """Microseconds per call inside a replayed graph, or None where the backend refuses the inputs. `backend`: an
+    SDPBackend, or a callable of (query, key, value, bias) (flex)."""
     def run():
+        if callable(backend):
+            for _ in range(calls):
+                backend(*args)
+            return
         with sdpa_kernel([backend]):
             for _ in range(calls):
                 F.scaled_dot_product_attention(*args[:3], attn_mask=args[3])
@@ -50,7 +78,7 @@ def time_backend(backend: SDPBackend, args: tuple, calls: int = 20, replays: int
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
-    except RuntimeError:
+    except Exception:  # noqa: BLE001 - a kernel that refuses the inputs, or a compile that fails: no number
         return None
     times = []
     for _ in range(replays):
@@ -76,13 +104,17 @@ def main() -> int:
     heads = tuple(int(x) for x in a.heads.split(","))
     lines = [f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {a.dtype}, heads {heads}: "
              "us per call in a replayed graph", "",
-             "| batch | Q | key slots | " + " | ".join(BACKENDS) + " | fastest |",
-             "|---|---|---|" + "---|" * (len(BACKENDS) + 1)]
+             "| batch | Q | key slots | " + " | ".join(BACKENDS) + " | flex | fastest |",
+             "|---|---|---|" + "---|" * (len(BACKENDS) + 2)]
+
     for b in (1, 16, 64):
         for q in (1, 8, 32):
             for c in (128, 512, 2048):
                 args = inputs(b, q, c, heads, dtype)
                 us = {name: time_backend(be, args) for name, be in BACKENDS.items()}
+                # a compile per shape (seconds each): only the plain pass at two lengths
+                flex_here = q == 1 and c in (512, 2048) and b in (1, 64)
+                us["flex"] = time_backend(flex_call(heads[0] // heads[1]), args) if flex_here else None
                 ok = {k: v for k, v in us.items() if v is not None}
                 best = min(ok, key=ok.get) if ok else "-"
                 cells = " | ".join("-" if v is None else f"{v:.1f}" for v in us.values())
