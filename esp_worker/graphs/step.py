@@ -159,7 +159,8 @@ def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: Shap
         embeds = torch.cat([embeds, inp.aux], 1)  # [B, Q, D]
     cache_len = inp.hist_len - 1  # [B] cached slots per row (the root is not cached yet)
     pos = (cache_len.unsqueeze(1) + inp.rel_pos).clamp(max=model.max_position)  # [B, Q]
-    bias = attention_bias(inp.visible, cache_len, pos, capacity, model.dtype, model.window)  # [B, 1, Q, C]
+    bias = attention_bias(inp.visible, cache_len, pos, capacity, model.dtype, model.window,  # [B, 1, Q, C]
+                          slots=inp.key_slots)
     dec = model.decoder
     rope = dec.rope_at(model.rope, pos)
     layers = dec.run(embeds, 0, len(dec.base.layers), rope, bias, StaticCache(kv, cache_len, q, capacity))

@@ -20,6 +20,7 @@ def attention_bias(
     dtype: torch.dtype,
     window: Optional[int] = None,  # sliding attention window (keys at distance >= window are hidden)
     uniform_len: Optional[int] = None,  # every row has exactly this many cached slots and view_len = it + Q
+    slots: Optional[torch.Tensor] = None,  # [S] arange(view_len), where the caller holds one (a replayed pass)
 ) -> torch.Tensor:
     """Additive bias [B, 1, Q, S]: 0 where visible, finfo.min elsewhere (eager needs finite values).
 
@@ -37,9 +38,9 @@ def attention_bias(
         hidden = ~in_block.expand(b, q, q)
         key_pos = position_ids
     else:
-        slots = torch.arange(view_len, device=dev)  # [S]
+        slots = torch.arange(view_len, device=dev) if slots is None else slots  # [S]
         rel = slots[None] - cache_len[:, None]  # [B, S] block index of each slot; < 0 = cached prefix
-        if q == 1:  # plain decoding: the prefix and the root itself (5 kernels in a replayed plain pass)
+        if q == 1:  # plain decoding: the prefix and the root itself (4 kernels in a replayed plain pass, its slots given)
             hidden = (rel > 0)[:, None, :]
             key_pos = slots[None].expand(b, -1)
         else:
