@@ -11,13 +11,14 @@ from typing import Optional, Union
 
 from omegaconf import DictConfig
 
-from esp_worker.config import EXPANSIONS, METHODS, TREES
+from esp_worker.config import ATTENTION_BACKENDS, EXPANSIONS, METHODS, TREES
 
 from ..config import ConfigError, JobConfig, load_config
 
 # what may follow METHOD:BC in bench.settings, each a Setting field of the same name (settings.py)
-OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead", "no_run_ahead", "attention_cudnn", "attention_efficient",
-           "attention_math")
+# (and attention_NAME for each engine.attention_backend but torch's own)
+ATTENTION_OPTIONS = tuple(f"attention_{name}" for name in ATTENTION_BACKENDS if name != "torch")
+OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead", "no_run_ahead", *ATTENTION_OPTIONS)
 
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate

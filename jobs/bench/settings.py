@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from omegaconf import DictConfig
 
-from .config import AUTO_METHODS, DMTD_METHODS, HYBRID_HEADS, OPTIONS, options_of
+from .config import ATTENTION_OPTIONS, AUTO_METHODS, DMTD_METHODS, HYBRID_HEADS, OPTIONS, options_of
 
 if TYPE_CHECKING:
     from .turns import Conversation
@@ -48,7 +48,7 @@ class Setting:
     @property
     def attention(self) -> str:
         """The engine.attention_backend this setting names ("" = the bench's own)."""
-        return next((name for name in ("cudnn", "efficient", "math") if getattr(self, f"attention_{name}")), "")
+        return next((o.removeprefix("attention_") for o in ATTENTION_OPTIONS if getattr(self, o)), "")
 
     @property
     def _label(self) -> str:

@@ -8,6 +8,7 @@ import pytest
 
 from esp_worker.auto.cost_model import CostCurve, predict_speedup
 from jobs.bench.runner import main
+from jobs.config import ConfigError
 from jobs_helpers import write_jsonl
 
 
@@ -134,6 +135,25 @@ def test_eager_option_and_the_compiled_hf_baseline_in_the_grid():
     assert "hf generate compiled" not in [s.label for s in grid(off.bench, accelerator=True)]
     on = load_bench_config(None, ["bench.settings=[pld:10]", "bench.hf_compiled=true", "bench.hf_baseline=false"])
     assert [s.label for s in grid(on.bench)] == ["ar", "hf generate compiled", "pld BC10"]
+
+
+def test_run_ahead_and_attention_options_in_the_grid():
+    """ar:1:no_run_ahead reads each pass (engine.cuda_graphs_run_ahead=false); METHOD:BC:attention_NAME names the
+    decode passes' attention kernel, one at most."""
+    from jobs.bench.config import load_bench_config
+    from jobs.bench.settings import grid
+
+    cfg = load_bench_config(None, ["bench.settings=[ar:1:no_run_ahead,ar:1:attention_math,esp:30:attention_efficient]",
+                                   "bench.hf_baseline=false"])
+    settings = grid(cfg.bench)
+    assert [s.label for s in settings] == ["ar", "ar no run ahead", "ar math attention",
+                                           "esp k1 static BC30 efficient attention"]
+    assert [s.attention for s in settings] == ["", "", "math", "efficient"]
+    assert [s.no_run_ahead for s in settings] == [False, True, False, False]
+    for bad in ("ar:1:attention_math+attention_cudnn", "ar:1:run_ahead+no_run_ahead", "pld:10:no_run_ahead",
+                "ar:1:attention_flash"):
+        with pytest.raises(ConfigError):
+            load_bench_config(None, [f"bench.settings=[{bad}]"])
 
 
 @pytest.mark.slow
