@@ -9,6 +9,11 @@ The suite runs on two pytest-xdist workers (`-n 2` in pyproject.toml): much of t
 (Ray clusters coming up, Ray Train polling) while other tests compute, so both workers take jobs tests too
 (run on one, they alone would take longer than the whole suite takes now).
 
+Ray Train's controller polls its workers every 2 s (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S): a training test's run of a
+few steps on a tiny model spent about a third of its time waiting for those polls, so the tests poll every 0.2 s.
+That is the controller's reporting cadence, not what a run computes or writes; the variable reaches the controller
+from the driver's environment (Ray Train propagates it).
+
 Each worker keeps its Ray instances under a RAY_TMPDIR of its own (a test that builds clusters sets a private one
 on top). Under a shared /tmp/ray the two workers' clusters would meet: Ray records the last cluster started on
 the machine in /tmp/ray/ray_current_cluster, a `ray job submit` to one test's head handed its job driver that file's
@@ -23,6 +28,7 @@ import os
 import tempfile
 
 os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{_WORKER}")

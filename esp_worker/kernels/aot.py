@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 
 COMPILE_AFTER = 32  # calls of a key before it is compiled
 _COMPILED: dict[str, Any] = {}  # the exported program's fingerprint -> its package loader, for the process
-_PACKAGES = tempfile.TemporaryDirectory(prefix="esp-aot-")  # the packages' files, removed at exit
+_PACKAGES: Optional[tempfile.TemporaryDirectory] = None  # the packages' files, removed at exit (`_packages`)
+# How the packages are built: the wrapper (C++ glue that calls the kernels) unoptimised, about a quarter less compile
+# time for the same time per call; the kernels themselves are built at -O3 either way.
+_BUILD = {"aot_inductor.compile_wrapper_opt_level": "O0"}
 
 
 def require_compiler(device: torch.device) -> None:
@@ -68,6 +71,11 @@ class AotKernels:
         self._asked: dict[tuple, int] = {}  # key -> calls so far, until it is compiled
         self.compile_s = 0.0
 
+    @property
+    def compiled(self) -> int:
+        """Kernels compiled (or loaded from the process's packages) so far."""
+        return sum(k is not None for k in self._kernels.values())
+
     def get(self, key: tuple, make: Callable[[], torch.nn.Module], args: list[torch.Tensor],
             dynamic: list[dict[int, str]]) -> Optional[Any]:
         """The kernel of `key`, compiled at its COMPILE_AFTER-th call from `make()` traced on `args` (dense
@@ -96,12 +104,11 @@ class AotKernels:
                 fp = fingerprint(program)
                 kernel = _COMPILED.get(fp)
                 if kernel is None:
-                    # the wrapper (C++ glue that calls the kernels) unoptimised: about a quarter less compile time, the
-                    # same time per call; the kernels themselves are built at -O3 either way
-                    with torch._inductor.config.patch({"aot_inductor.compile_wrapper_opt_level": "O0"}):
+                    packages = _packages()
+                    with torch._inductor.config.patch(_BUILD):
                         path = torch._inductor.aoti_compile_and_package(
-                            program, package_path=f"{_PACKAGES.name}/{self.what}-{len(_COMPILED)}.pt2")
-                    with _extracting_into(_PACKAGES.name):
+                            program, package_path=f"{packages}/{self.what}-{len(_COMPILED)}.pt2")
+                    with _extracting_into(packages):
                         kernel = _COMPILED[fp] = torch._inductor.aoti_load_package(path).loader
         except Exception as e:  # noqa: BLE001 - an optimisation: the work runs eagerly instead
             log.warning("engine.compile_host: no %s kernel for %s (%s: %s); it runs eagerly", self.what, key,
@@ -109,6 +116,15 @@ class AotKernels:
             kernel = None
         self.compile_s += time.perf_counter() - t0
         return kernel
+
+
+def _packages() -> str:
+    """The process's directory for compiled packages, made at its first compile: every actor imports this module,
+    and a directory made at import would be left behind by each one that is killed."""
+    global _PACKAGES
+    if _PACKAGES is None:
+        _PACKAGES = tempfile.TemporaryDirectory(prefix="esp-aot-")
+    return _PACKAGES.name
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ class SettleArgs:
     accepted_by: Optional[torch.Tensor] = None  # [B, P] in place
     ema_m: Optional[torch.Tensor] = None  # [B, 1, D]
     embed_weight: Optional[torch.Tensor] = None  # [V, D] the plain input embedding
-    ema_cols: Optional[torch.Tensor] = None  # [N+1, 1, 1+S] the EMA's weight columns
+    ema_cols: Optional[torch.Tensor] = None  # [N+1, 1, 1+S] the EMA's weight columns (N grows with the largest gap)
     hidden: Optional[torch.Tensor] = None  # [B, Q, D] the block's hidden states (every slot owns k masks)
     kv: Optional[torch.Tensor] = None  # [L, 2, R, H, C, D] the cache's slab (R rows, C slots), in place
 
@@ -207,17 +207,22 @@ class Settler:
         """The kernel for this pass's shapes (compiled on first use), or None when there is none."""
         if not all(a.is_contiguous() for a in args):
             return None  # the kernel reads dense rows (never so for the engine's own buffers)
-        # SHARED tensors are [1, ..] (one for every row) or [B, ..]; at batch 1 either counts as shared
-        per_row = {name: a.shape[0] != 1 for name, a in zip(names, args) if name in SettleArgs.SHARED}
+        # SHARED tensors are [1, ..] (one for every row) or [B, ..]. At batch 1 they are both: a per-row tree's
+        # (static_key None: [B, ..] at every other batch) count as per-row, so that the batch's last row keeps the
+        # kernel its batch used instead of compiling a second one
+        alone = args[0].shape[0] == 1 and tree.static_key is None
+        per_row = {name: a.shape[0] != 1 or alone for name, a in zip(names, args) if name in SettleArgs.SHARED}
         kv = args[-1] if names[-1] == "kv" else None
         by_name = dict(zip(names, args))
         optional = [by_name[n] for n in names[13:] if n != "kv"]
         key = (names, tree.num_slots, spec, tuple(a.dtype for a in args), tuple(per_row.values()),
                by_name["slot_logits"].shape[2],
                *(tuple(a.shape[1:]) for a in (lay.visible, lay.depth, by_name["stop_table"], *optional)),
-               *(tuple(a.shape) + (a.dtype,) for name, a in zip(names, args) if name in SettleArgs.FIXED),
+               *(tuple(a.shape[name == "ema_cols":]) + (a.dtype,) for name, a in zip(names, args)
+                 if name in SettleArgs.FIXED),
                None if kv is None else (kv.shape[:2], kv.shape[3], kv.shape[5], kv.dtype))
         dynamic = [{0: "batch", 1: "length"} if name == "hist" else {2: "rows", 4: "slots"} if name == "kv"
+                   else {0: "gaps"} if name == "ema_cols"  # a larger block grows the table: the same kernel reads it
                    else {} if name in SettleArgs.FIXED else {0: "batch"} if per_row.get(name, True) else {}
                    for name in names]
         return self.kernels.get(key, lambda: _Settle(names, spec), args, dynamic)
