@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .results import SettingRun
+
 
 def compile_config(device: Any) -> Any:
     """transformers' CompileConfig for `hf generate compiled`: its defaults (Inductor, reduce-overhead) on an
@@ -70,8 +72,8 @@ def hf_generate(loaded: Any, prompts: list[Any], generation: dict[str, Any], bat
 
 
 def run_hf(loaded: Any, batch: int, prompts: list[Any], generation: dict[str, Any], warmup: int,
-           compiled: bool = False) -> dict[str, Any]:
-    """Same shape as bench.run_setting's result: outputs (RequestOutput per id), seconds per category, timing.
+           compiled: bool = False) -> SettingRun:
+    """bench.run_setting's result for hf generate: outputs (RequestOutput per id), seconds per category.
     compiled: `hf generate compiled` (its compiles happen in the warm-up prompts and rounds, and in the first
     call of each new shape)."""
     from .turns import all_turns
@@ -86,7 +88,7 @@ def run_hf(loaded: Any, batch: int, prompts: list[Any], generation: dict[str, An
         outputs.update(all_turns(ps, lambda turn: _outputs(
             loaded, turn, hf_generate(loaded, turn, generation, batch, compiled, pad_to))))
         seconds[cat] = time.perf_counter() - t0
-    return {"outputs": outputs, "seconds": seconds, "timing": {}}
+    return SettingRun(outputs, seconds)
 
 
 def _outputs(loaded: Any, prompts: list[Any], got: dict[str, list[int]]) -> dict[str, Any]:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .results import SettingRun
 
 
-def profile_run(run: Callable[[], dict[str, Any]], label: str, batch: int, out: Path, device_type: str,
+def profile_run(run: Callable[[], SettingRun], label: str, batch: int, out: Path, device_type: str,
                 rows: int = 40) -> Path:
     """Run `run()` once under torch.profiler; write the tables; return the file written."""
     import torch
@@ -37,10 +40,10 @@ def profile_run(run: Callable[[], dict[str, Any]], label: str, batch: int, out: 
     finally:
         ModelRunner.profile_marks = False
     key = "self_cuda_time_total" if device_type == "cuda" else "self_cpu_time_total"
-    passes = sum(getattr(getattr(o, "stats", None), "num_decode_passes", 0) for o in result.get("outputs", {}).values())
+    passes = sum(getattr(getattr(o, "stats", None), "num_decode_passes", 0) for o in result.outputs.values())
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", label)
     path = out / f"profile-{name}-b{batch}.txt"
-    seconds = sum(result.get("seconds", {}).values())
+    seconds = sum(result.seconds.values())
     text = [
         f"# {label}, batch {batch}: one untimed run under torch.profiler ({seconds:.2f} s with the profiler on); "
         f"{passes} row-passes (decode passes summed over requests)",

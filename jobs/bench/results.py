@@ -1,6 +1,8 @@
 """The benchmark's results: what `jobs.bench` measured, turned into records and tables.
 
-- `summarise(...)`: one record per category (and one for ALL) from a setting's run against the `ar` run:
+- `SettingRun`: one timed run of a setting (outputs by prompt id, seconds by category, the engine's timing);
+  `Baselines`: the `ar` and `hf generate` runs every setting of a batch size is measured against.
+- `summarise(...)`: one record per category (and one for ALL) from a setting's run against the baselines:
   tau, tokens/s, speedup vs ar/hf, exact-match and token-mismatch rates, predicted speedup, cache use.
   With repeats, `speedup_vs_ar_paired` / `speedup_vs_hf_paired` are the median over repeats of the ratio
   within one round-robin round (both settings ran minutes apart), robust to a machine whose speed drifts;
@@ -15,7 +17,9 @@ report.md and the PNG plots are written by jobs/bench/report.py.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -25,6 +29,44 @@ from .settings import ALL, HF_METHODS
 
 if TYPE_CHECKING:
     from .settings import Prompt, Setting
+
+
+@dataclass
+class SettingRun:
+    """One run of a setting over every prompt: categories run one after another and are timed apart."""
+
+    outputs: dict[str, Any]  # prompt id -> RequestOutput
+    seconds: dict[str, float]  # category -> seconds
+    timing: dict[str, Any] = field(default_factory=dict)  # the engine's timing record (empty for hf generate)
+
+    @staticmethod
+    def median(runs: list["SettingRun"]) -> "SettingRun":
+        """One run from repeats: the first repeat's outputs and timing, the median seconds per category."""
+        first = runs[0]
+        return dataclasses.replace(first, seconds={cat: statistics.median(r.seconds[cat] for r in runs)
+                                                   for cat in first.seconds})
+
+
+@dataclass
+class Baselines:
+    """What every setting of one batch size is measured against: `ar`'s run (the speedups' denominator and the
+    exact-match reference) and hf generate's (None where it did not run), with every repeat's seconds per
+    category of both for the paired ratios."""
+
+    ar: SettingRun
+    hf: Optional[SettingRun]
+    ar_rounds: list[dict[str, float]]
+    hf_rounds: list[dict[str, float]]
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """What every record of a bench shares."""
+
+    prompts: list["Prompt"]
+    curve: Any  # the measured cost curve, or None
+    max_new_tokens: int
+    tolerance: float  # predicted against measured speedup
 
 
 def token_mismatch_rate(outputs: list[list[int]], references: list[list[int]]) -> Optional[float]:
@@ -41,39 +83,39 @@ def token_mismatch_rate(outputs: list[list[int]], references: list[list[int]]) -
     return diverged / compared if compared else None
 
 
-def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any], prompts: list[Prompt],
-              curve: Any, max_new_tokens: int, tolerance: float, hf_run: Optional[dict[str, Any]] = None,
-              rounds: Optional[dict[str, list[dict[str, float]]]] = None) -> list[dict[str, Any]]:
-    """One record per category and one for ALL. `rounds`: seconds per category of every repeat, of this
-    setting ("self"), of ar ("ar") and of hf generate ("hf"), for the paired ratios."""
+def summarise(s: "Setting", batch: int, run: SettingRun, rounds: list[dict[str, float]], base: Baselines,
+              ctx: BenchContext) -> list[dict[str, Any]]:
+    """One record per category and one for ALL. `rounds`: this setting's seconds per category of every repeat,
+    for the paired ratios."""
     from esp_worker import RequestStats
     from esp_worker.auto.cost_model import predict_speedup
 
-    groups = {cat: [p for p in prompts if p.category == cat] for cat in run["seconds"]}
+    prompts, ar_run, hf_run = ctx.prompts, base.ar, base.hf
+    groups = {cat: [p for p in prompts if p.category == cat] for cat in run.seconds}
     if len(groups) > 1:
         groups = {**groups, ALL: prompts}
     ar_tps = {}
     records = []
     for cat, ps in groups.items():
-        outs = [run["outputs"][p.id] for p in ps]
+        outs = [run.outputs[p.id] for p in ps]
         st = RequestStats()
         for o in outs:
             st = st.merge(o.stats)
-        secs = sum(run["seconds"][c] for c in {p.category for p in ps})
-        ar_secs = sum(ar_run["seconds"][c] for c in {p.category for p in ps})
-        ar_tokens = sum(len(ar_run["outputs"][p.id].token_ids) for p in ps)
+        secs = sum(run.seconds[c] for c in {p.category for p in ps})
+        ar_secs = sum(ar_run.seconds[c] for c in {p.category for p in ps})
+        ar_tokens = sum(len(ar_run.outputs[p.id].token_ids) for p in ps)
         ar_tps[cat] = ar_tokens / ar_secs if ar_secs else None
         hf_tps = None
         if hf_run is not None:
-            hf_secs = sum(hf_run["seconds"][c] for c in {p.category for p in ps})
-            hf_tps = sum(len(hf_run["outputs"][p.id].token_ids) for p in ps) / hf_secs if hf_secs else None
+            hf_secs = sum(hf_run.seconds[c] for c in {p.category for p in ps})
+            hf_tps = sum(len(hf_run.outputs[p.id].token_ids) for p in ps) / hf_secs if hf_secs else None
         tokens = sum(len(o.token_ids) for o in outs)
         tps = tokens / secs if secs else None
         tau = st.tau
         fed = sum(q * n for q, n in st.block_size_histogram.items())
         block = fed / st.num_decode_passes if st.num_decode_passes else None
-        exact = sum(o.token_ids == ar_run["outputs"][p.id].token_ids for o, p in zip(outs, ps)) / len(ps)
-        mismatch = token_mismatch_rate([o.token_ids for o in outs], [ar_run["outputs"][p.id].token_ids for p in ps])
+        exact = sum(o.token_ids == ar_run.outputs[p.id].token_ids for o, p in zip(outs, ps)) / len(ps)
+        mismatch = token_mismatch_rate([o.token_ids for o in outs], [ar_run.outputs[p.id].token_ids for p in ps])
         rec = dict(
             method=s.method, setting=s.label, block_complexity=s.block_complexity, num_masks=s.num_masks,
             tree=s.tree, expansion=s.expansion, batch_size=batch, category=cat, num_prompts=len(ps),
@@ -96,23 +138,24 @@ def summarise(s: Setting, batch: int, run: dict[str, Any], ar_run: dict[str, Any
             if st.num_decode_passes else "",
         )
         cs = {p.category for p in ps}
-        rec["time_s_rounds"] = [sum(r[c] for c in cs) for r in rounds.get("self") or []] if rounds else None
-        for base, key in (("ar", "speedup_vs_ar_paired"), ("hf", "speedup_vs_hf_paired")):
-            q = paired_quartiles(rounds.get("self") or [], rounds.get(base) or [], cs) if rounds else None
+        rec["time_s_rounds"] = [sum(r[c] for c in cs) for r in rounds] if rounds else None
+        for theirs, key in ((base.ar_rounds, "speedup_vs_ar_paired"), (base.hf_rounds, "speedup_vs_hf_paired")):
+            q = paired_quartiles(rounds, theirs, cs)
             rec[key] = q[1] if q else None
-            if base == "ar":
+            if key == "speedup_vs_ar_paired":
                 rec[key + "_q1"], rec[key + "_q3"] = (q[0], q[2]) if q else (None, None)
         # dmtd / dmtd_verified: the cycle length, PLT (dmtd: layers per token / layers), whether the output is ar's
         rec.update(dmtd_tau=s.dmtd_tau or None, plt=st.plt, lossless=s.method not in NOT_LOSSLESS)
         rec["predicted_speedup"] = None
         rec["within_tolerance"] = None
         # (the cost curve times whole passes: it says nothing of a pass over some of the layers, dmtd's)
+        curve = ctx.curve
         if curve is not None and tau and block and s.method not in (*HF_METHODS, "dmtd"):
-            cache = sum(len(p.ids) for p in ps) / len(ps) + max_new_tokens / 2
+            cache = sum(len(p.ids) for p in ps) / len(ps) + ctx.max_new_tokens / 2
             rec["predicted_speedup"] = predict_speedup(tau, block, curve, batch=batch, cache_len=cache)
             if rec["speedup_vs_ar"]:
-                rec["within_tolerance"] = abs(rec["speedup_vs_ar"] / rec["predicted_speedup"] - 1) <= tolerance
-        t, t_ar = run["timing"], ar_run["timing"]
+                rec["within_tolerance"] = abs(rec["speedup_vs_ar"] / rec["predicted_speedup"] - 1) <= ctx.tolerance
+        t, t_ar = run.timing, ar_run.timing
         whole = cat == ALL or len(groups) == 1
         rec["host_overhead"] = (t["decode_s"] - t["model_s"]) / t["decode_s"] if whole and t.get("decode_s") else None
         # peak KV-cache bytes of the run (the whole run, so on every record), and against ar's

@@ -27,7 +27,6 @@ import logging
 import platform
 import re
 import sys
-import statistics
 import time
 
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..report.plots import fmt
 from .profiling import matches, profile_run
 from .report import bench_plots, write_bench_report
-from .results import against_fastest_fixed, summarise, write_table
+from .results import Baselines, BenchContext, SettingRun, against_fastest_fixed, summarise, write_table
 from .retention import add_retention
 from .settings import ALL, HF_METHODS, Prompt, Setting, grid
 from .turns import Conversation, all_turns
@@ -107,11 +106,8 @@ class EngineShare:
 
 
 def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Prompt], generation: dict[str, Any],
-                warmup: int, share: Optional[EngineShare] = None) -> dict[str, Any]:
-    """Generate every prompt with one setting; categories run one after another and are timed apart.
-
-    Returns {"outputs": {id: RequestOutput}, "seconds": {category: s}, "timing": engine.stats.timing()}.
-    """
+                warmup: int, share: Optional[EngineShare] = None) -> SettingRun:
+    """Generate every prompt with one setting; categories run one after another and are timed apart."""
     from esp_worker import Engine
 
     if s.method in HF_METHODS:
@@ -156,8 +152,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
     # compile time (engine.compile, engine.compile_host, engine.cuda_graphs' captures), warm-up included: a job pays
     # it once per actor
     graphs = {} if engine.graphs is None else {"graphs": engine.graphs.summary()}
-    return {"outputs": outputs, "seconds": seconds,
-            "timing": {**engine.stats.timing(), "compile_s": engine.compile_s, **graphs}}
+    return SettingRun(outputs, seconds, {**engine.stats.timing(), "compile_s": engine.compile_s, **graphs})
 
 
 def _graph_timer(loaded: Any, base: Any, b: DictConfig) -> Any:
@@ -208,13 +203,6 @@ class DmtdModels:
 
             self.models[s.dmtd_path] = load_model(dataclasses.replace(self.model_cfg, name_or_path=s.dmtd_path))
         return self.models[s.dmtd_path]
-
-
-def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One run from repeats: the first repeat's outputs and timing shares, the median seconds per category."""
-    first = runs[0]
-    seconds = {cat: statistics.median(r["seconds"][cat] for r in runs) for cat in first["seconds"]}
-    return {**first, "seconds": seconds}
 
 
 def default_output_dir(cfg: DictConfig) -> str:
@@ -273,12 +261,13 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
         write_table(out / "cost_curve.csv", curve.records())
     dmtd_models = DmtdModels(loaded, model_config(cfg))
     share = EngineShare(curve)
+    ctx = BenchContext(prompts, curve, g.max_new_tokens, b.tolerance)
     records = []
     for batch in b.batch_sizes:
         # repeats run round-robin over the settings (drift hits every setting alike); per category the
         # median time is kept. Round r starts r settings further on, so no setting always runs right after
         # the same one or at the same place in a round (a position's bias spreads over every setting)
-        runs: dict[Setting, list[dict[str, Any]]] = {s: [] for s in settings}
+        runs: dict[Setting, list[SettingRun]] = {s: [] for s in settings}
         for r in range(-b.warmup_rounds, b.repeats):  # r < 0: an untimed warm-up round
             for s in rotated(settings, r):
                 t0 = time.perf_counter()
@@ -287,20 +276,19 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
                 if r < 0:
                     log.info("%-24s batch %d warm-up round (%.1fs)", s.label, batch, time.perf_counter() - t0)
                     continue
-                # only the first repeat's outputs are read (median_run): later ones would only grow the heap
-                runs[s].append(run if r == 0 else {**run, "outputs": {}})
+                # only the first repeat's outputs are read (SettingRun.median): later ones would only grow the heap
+                runs[s].append(run if r == 0 else dataclasses.replace(run, outputs={}))
                 log.info("%-24s batch %d repeat %d/%d (%.1fs)", s.label, batch, r + 1, b.repeats, time.perf_counter() - t0)
-        ar_run = median_run(runs[settings[0]])
         hf = [s for s in settings if s.method == "hf"]
-        hf_run = median_run(runs[hf[0]]) if hf else None
-        secs = {s: [r["seconds"] for r in runs[s]] for s in settings}
+        secs = {s: [r.seconds for r in runs[s]] for s in settings}
+        baselines = Baselines(SettingRun.median(runs[settings[0]]), SettingRun.median(runs[hf[0]]) if hf else None,
+                              secs[settings[0]], secs[hf[0]] if hf else [])
         batch_records = []
         for s in settings:
-            rounds = {"self": secs[s], "ar": secs[settings[0]], "hf": secs[hf[0]] if hf else []}
-            recs = summarise(s, batch, median_run(runs[s]), ar_run, prompts, curve, g.max_new_tokens, b.tolerance, hf_run,
-                             rounds)
+            run = SettingRun.median(runs[s])
+            recs = summarise(s, batch, run, secs[s], baselines, ctx)
             if s.method in NOT_LOSSLESS:  # untimed: against ar's greedy output, under the bench's model
-                add_retention(recs, loaded, prompts, median_run(runs[s])["outputs"], ar_run["outputs"])
+                add_retention(recs, loaded, prompts, run.outputs, baselines.ar.outputs)
             batch_records += recs
             top = recs[-1]
             log.info("%-24s batch %d: tau %s, %s tok/s, speedup %s (vs hf %s), exact %s", s.label, batch,

@@ -383,7 +383,7 @@ def test_bench_runs_every_turn_of_a_multi_turn_row_as_a_job_does(tmp_path, histo
     assert len(rows["t"]["turn_generated_tokens"]) == 3
     for rid, row in rows.items():
         for m, run in runs.items():
-            out = run["outputs"][rid]
+            out = run.outputs[rid]
             assert out.token_ids == row["generated_token_ids"], (m, rid)
             assert out.stats.num_prompt_tokens == row["num_prompt_tokens"], (m, rid)
 
@@ -422,5 +422,5 @@ def test_settings_at_one_batch_size_replay_one_graph_runner():
     assert list(share.graphs) == [key]
     run_setting(loaded, base, Setting("hybrid", 30, 1, "static"), 2, prompts, gen, 0, share)
     assert share.graphs[key] is first
-    tokens = [{i: o.token_ids for i, o in run["outputs"].items()} for run in runs]
+    tokens = [{i: o.token_ids for i, o in run.outputs.items()} for run in runs]
     assert all(t == tokens[0] for t in tokens[1:])
