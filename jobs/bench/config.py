@@ -18,7 +18,7 @@ from ..config import ConfigError, JobConfig, load_config
 # what may follow METHOD:BC in bench.settings, each a Setting field of the same name (settings.py)
 # (and attention_NAME for each engine.attention_backend but torch's own)
 ATTENTION_OPTIONS = tuple(f"attention_{name}" for name in ATTENTION_BACKENDS if name != "torch")
-OPTIONS = ("compile_host", "eager", "compiled_graphs", "run_ahead", "no_run_ahead", *ATTENTION_OPTIONS)
+OPTIONS = ("compile_host", "eager", "compiled_graphs", "autotune", "run_ahead", "no_run_ahead", *ATTENTION_OPTIONS)
 
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
@@ -129,11 +129,14 @@ def validate_bench(cfg: DictConfig) -> None:
             continue
         opts = options_of(opt)
         need(all(o in OPTIONS for o in opts), f"bench.settings: {spec!r}: the options after METHOD:BC are "
-             ":compile_host, :eager, :compiled_graphs, :run_ahead or :no_run_ahead (ar only) and :attention_cudnn, :attention_efficient or "
+             ":compile_host, :eager, :compiled_graphs, :autotune (with compiled_graphs), :run_ahead or :no_run_ahead "
+             "(ar only) and :attention_cudnn, :attention_efficient or "
              ":attention_math (engine.attention_backend), or several joined by +")
         need(sum(o.startswith("attention_") for o in opts) <= 1,
              f"bench.settings: {spec!r}: one attention_ option at most")
         need(not {"run_ahead", "no_run_ahead"} <= set(opts), f"bench.settings: {spec!r}: run_ahead or no_run_ahead")
+        need("autotune" not in opts or "compiled_graphs" in opts,
+             f"bench.settings: {spec!r}: autotune tunes the compiled graphs' kernels: compiled_graphs+autotune")
         need(not ("eager" in opts and ({"compiled_graphs", "run_ahead", "no_run_ahead"} & set(opts))),
              f"bench.settings: {spec!r}: compiled_graphs and run_ahead apply to replayed passes, not :eager")
         if method == "ar":  # ar itself always runs first; an entry can only add it under an option

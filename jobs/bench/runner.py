@@ -45,6 +45,7 @@ from .settings import ALL, HF_METHODS, Prompt, Setting, grid
 from .turns import Conversation, all_turns
 
 log = logging.getLogger("esp_batch.bench")
+AUTOTUNE = "max-autotune-no-cudagraphs"  # the autotune option's engine.compile_mode (the engine captures the graphs)
 
 
 def load_prompts(cfg: DictConfig, tokenizer: Any) -> tuple[list[Prompt], int]:
@@ -102,7 +103,8 @@ class EngineShare:
     and the eager first pass of each class in every run)."""
 
     curve: Any = None
-    graphs: dict[tuple[int, bool], Any] = field(default_factory=dict)  # (batch, compiled step) -> GraphRunner
+    # (batch, compiled step, attention kernel, compile mode of a compiled step) -> GraphRunner
+    graphs: dict[tuple[int, bool, str, str], Any] = field(default_factory=dict)
 
 
 def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Prompt], generation: dict[str, Any],
@@ -124,12 +126,14 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         compile_host=base.compile_host or s.compile_host,
         cuda_graphs=False if s.eager else base.cuda_graphs,
         cuda_graphs_compile=base.cuda_graphs_compile or s.compiled_graphs,
+        compile_mode=AUTOTUNE if s.autotune else base.compile_mode,
         cuda_graphs_run_ahead=False if s.no_run_ahead else True if s.run_ahead else base.cuda_graphs_run_ahead,
         attention_backend=s.attention or base.attention_backend,
         dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )
     share = share if share is not None else EngineShare()
-    key = (batch, cfg.cuda_graphs_compile, cfg.attention_backend)  # graphs hold the kernels they captured
+    # graphs hold the kernels they captured
+    key = (batch, cfg.cuda_graphs_compile, cfg.attention_backend, cfg.compile_mode if cfg.cuda_graphs_compile else "")
     reused = share.graphs.get(key)
     # auto sizing uses the curve measured here
     engine = Engine(loaded, cfg, cost_curve=share.curve, graphs=reused)

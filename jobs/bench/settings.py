@@ -27,6 +27,9 @@ class Setting:
     compile_host: bool = False  # engine.compile_host for this setting ("METHOD:BC:compile_host")
     eager: bool = False  # engine.cuda_graphs=false for this setting ("METHOD:BC:eager"): passes run eagerly
     compiled_graphs: bool = False  # engine.cuda_graphs_compile=true ("METHOD:BC:compiled_graphs")
+    # with compiled_graphs: engine.compile_mode=max-autotune-no-cudagraphs ("METHOD:BC:compiled_graphs+autotune"),
+    # Inductor's matrix-product kernels chosen by timing its candidates at each shape
+    autotune: bool = False
     run_ahead: bool = False  # engine.cuda_graphs_run_ahead=true ("ar:1:run_ahead")
     no_run_ahead: bool = False  # engine.cuda_graphs_run_ahead=false ("ar:1:no_run_ahead": every pass read at once)
     # engine.attention_backend=cudnn / efficient / math ("METHOD:BC:attention_math")
@@ -41,7 +44,8 @@ class Setting:
     @property
     def label(self) -> str:
         return self._label + (" compile_host" if self.compile_host else "") + (" eager" if self.eager else "") \
-            + (" compiled graphs" if self.compiled_graphs else "") + (" run ahead" if self.run_ahead else "") \
+            + (" compiled graphs" if self.compiled_graphs else "") + (" autotuned" if self.autotune else "") \
+            + (" run ahead" if self.run_ahead else "") \
             + (" no run ahead" if self.no_run_ahead else "") \
             + (f" {self.attention} attention" if self.attention else "")
 
@@ -92,7 +96,8 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
     With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto; an entry
     METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so), METHOD:BC:eager with
     engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's), METHOD:BC:compiled_graphs
-    with engine.cuda_graphs_compile=true, ar:1:run_ahead with engine.cuda_graphs_run_ahead=true (options join with
+    with engine.cuda_graphs_compile=true (METHOD:BC:compiled_graphs+autotune: and
+    engine.compile_mode=max-autotune-no-cudagraphs), ar:1:run_ahead with engine.cuda_graphs_run_ahead=true (options join with
     "+": ar:1:compiled_graphs+run_ahead). dmtd:TAU runs
     each DMTD model of `bench.dmtd_paths` trained with that tau (none given: the bench's model, split by
     engine.dmtd_decoding_layers); dmtd_verified:TAU each trained copy there, drafting TAU - 1 tokens per pass.

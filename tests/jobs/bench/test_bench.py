@@ -139,19 +139,20 @@ def test_eager_option_and_the_compiled_hf_baseline_in_the_grid():
 
 def test_run_ahead_and_attention_options_in_the_grid():
     """ar:1:no_run_ahead reads each pass (engine.cuda_graphs_run_ahead=false); METHOD:BC:attention_NAME names the
-    decode passes' attention kernel, one at most."""
+    decode passes' attention kernel, one at most; autotune goes with compiled_graphs only."""
     from jobs.bench.config import load_bench_config
     from jobs.bench.settings import grid
 
-    cfg = load_bench_config(None, ["bench.settings=[ar:1:no_run_ahead,ar:1:attention_math,esp:30:attention_efficient]",
-                                   "bench.hf_baseline=false"])
+    cfg = load_bench_config(None, ["bench.settings=[ar:1:no_run_ahead,ar:1:attention_math,esp:30:attention_efficient,"
+                                   "ar:1:compiled_graphs+autotune]", "bench.hf_baseline=false"])
     settings = grid(cfg.bench)
     assert [s.label for s in settings] == ["ar", "ar no run ahead", "ar math attention",
-                                           "esp k1 static BC30 efficient attention"]
-    assert [s.attention for s in settings] == ["", "", "math", "efficient"]
-    assert [s.no_run_ahead for s in settings] == [False, True, False, False]
+                                           "esp k1 static BC30 efficient attention", "ar compiled graphs autotuned"]
+    assert [s.attention for s in settings] == ["", "", "math", "efficient", ""]
+    assert [s.no_run_ahead for s in settings] == [False, True, False, False, False]
+    assert [s.autotune for s in settings] == [False, False, False, False, True]
     for bad in ("ar:1:attention_math+attention_cudnn", "ar:1:run_ahead+no_run_ahead", "pld:10:no_run_ahead",
-                "ar:1:attention_flash"):
+                "ar:1:attention_flash", "ar:1:autotune", "esp:30:eager+autotune"):
         with pytest.raises(ConfigError):
             load_bench_config(None, [f"bench.settings=[{bad}]"])
 
@@ -417,7 +418,7 @@ def test_settings_at_one_batch_size_replay_one_graph_runner():
     runs = [run_setting(loaded, base, s, 2, prompts, gen, 0, share) for s in (Setting("ar", 1, 0, ""),
                                                                              Setting("pld", 10, 0, ""),
                                                                              Setting("esp", 30, 1, "static"))]
-    key = (2, False, "torch")  # batch size, compiled graphs, attention kernel
+    key = (2, False, "torch", "")  # batch size, compiled graphs, attention kernel, compile mode
     first = share.graphs[key]
     assert list(share.graphs) == [key]
     run_setting(loaded, base, Setting("hybrid", 30, 1, "static"), 2, prompts, gen, 0, share)
