@@ -14,7 +14,7 @@
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
 # (own limits: env 60, gpu_tests 120, ar 270, ar64 230, attn 60, ar_tune 240, ar_attn 200, gpu_compiled 150, profile 120,
-# tiny 100, methods64 150, methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
+# profile64 120, tiny 100, methods64 150, methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
 # The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
@@ -40,6 +40,8 @@
 #              choice (cuDNN's kernel on an H100/H200), eager kernels replayed and compiled
 #   profile    op tables of one replayed ar prompt, eager kernels and compiled ones (kernels per pass, where a
 #              pass's time goes), batch 1
+#   profile64  op tables of replayed ar passes (eager kernels) at batch 64 over 64 prompts: where a full batch's
+#              pass goes (weights, attention over the rows' keys, the rest)
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
 #              hybrid auto, with tau; then op tables of ar, pld and hybrid under torch.profiler (where a drafting
 #              pass's time goes once the forward is replayed)
@@ -85,7 +87,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar ar64 attn ar_tune ar_attn gpu_compiled profile tiny methods64 methods dmtd} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar ar64 attn ar_tune ar_attn gpu_compiled profile profile64 tiny methods64 methods dmtd} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -176,6 +178,9 @@ step gpu_compiled gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o 
 step profile ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-profile data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:compiled_graphs]' bench.repeats=1 \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false 'bench.profile=[ar]'"
+step profile64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-profile-b64 data.path=$P/prompts128.jsonl 'bench.methods=[ar]' 'bench.batch_sizes=[64]' bench.repeats=1 \
+    bench.warmup_rounds=0 bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false 'bench.profile=[ar]'"
 step tiny tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
   bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
     generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.settings=[pld:10,esp:30,esp:auto,hybrid:auto]' \
