@@ -7,8 +7,10 @@ calls captured in one CUDA graph (what a replayed pass pays: no launch cost from
 the table gives microseconds per call, the median of the replays. Defaults: Llama-3.2-1B's heads (32 query
 heads, 8 key/value heads, head dim 64) in bfloat16. Column `flex`: FlexAttention under torch.compile with the bias
 as its score_mod, over the unpacked query [B, H, Q, hd] (a candidate for compiled passes: its decoding kernel
-splits the keys across thread blocks; the engine does not use it), timed at Q = 1 with 512 and 2048 key slots at
-batch 1 and 64 only ('-' elsewhere: each shape is a compile).
+splits the keys across thread blocks; the engine does not use it). Column `flex_len`: the same visibility as a
+block mask built from the keys each query sees (`BlockMask.from_kv_blocks`), so that key blocks past a row's
+length are never read: what the engine would pass. Both are timed at Q = 1 with 512 and 2048 key slots at batch 1
+and 64 only ('-' elsewhere: each shape is a compile).
 
     python scripts/attn_backends.py [--dtype bfloat16] [--out attn.txt]
 """
@@ -54,6 +56,38 @@ def flex_call(g: int):
             return score + rows[bi, 0, qi, kv]
 
         return flex_attention(query, key, value, score_mod=add_bias, enable_gqa=True)
+
+    return attend
+
+
+def flex_len_call(g: int, block: int = 128):
+    """`flex_call` with the bias's visibility (query i sees keys 0 .. C/2 + i, as `inputs` hides the rest) as a
+    block mask: key blocks past C/2 + Q are skipped, those before it read whole, the one it ends in masked per key.
+    What the mask reads (each query's last key, the rows' block counts) is an input of the compiled function, as
+    the engine's row lengths would be (Inductor's CPU template refuses a mask over a tensor made inside the graph),
+    and the block mask is built from block counts (`BlockMask.from_kv_blocks`), not `create_block_mask`, whose own
+    kernel fails to compile on a CPU (torch 2.13: Inductor's C++ code mixes two vector-mask types)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    @torch.compile(fullgraph=True)
+    def core(query, key, value, last, kv_num, kv_idx):
+        b, hkv, gq, hd = query.shape
+        q, c = gq // g, key.shape[2]
+
+        def visible(bi, h, qi, kv):
+            return kv <= last[qi]
+
+        mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(block, block), mask_mod=visible,
+                                        seq_lengths=(q, c))
+        return flex_attention(query.reshape(b, hkv * g, q, hd), key, value, block_mask=mask, enable_gqa=True)
+
+    def attend(query, key, value, bias):
+        b, q, c, dev = query.shape[0], query.shape[2] // g, key.shape[2], query.device
+        last = c // 2 + torch.arange(q, device=dev)  # [Q] each query's last visible key
+        kv_num = torch.full((b, 1, 1), (c // 2 + q - 1) // block + 1, dtype=torch.int32, device=dev)
+        n = -(-c // block)
+        kv_idx = torch.arange(n, dtype=torch.int32, device=dev).expand(b, 1, 1, n).contiguous()
+        return core(query, key, value, last, kv_num, kv_idx)
 
     return attend
 
@@ -104,8 +138,8 @@ def main() -> int:
     heads = tuple(int(x) for x in a.heads.split(","))
     lines = [f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {a.dtype}, heads {heads}: "
              "us per call in a replayed graph", "",
-             "| batch | Q | key slots | " + " | ".join(BACKENDS) + " | flex | fastest |",
-             "|---|---|---|" + "---|" * (len(BACKENDS) + 2)]
+             "| batch | Q | key slots | " + " | ".join(BACKENDS) + " | flex | flex_len | fastest |",
+             "|---|---|---|" + "---|" * (len(BACKENDS) + 3)]
 
     for b in (1, 16, 64):
         for q in (1, 8, 32):
@@ -115,6 +149,7 @@ def main() -> int:
                 # a compile per shape (seconds each): only the plain pass at two lengths
                 flex_here = q == 1 and c in (512, 2048) and b in (1, 64)
                 us["flex"] = time_backend(flex_call(heads[0] // heads[1]), args) if flex_here else None
+                us["flex_len"] = time_backend(flex_len_call(heads[0] // heads[1]), args) if flex_here else None
                 ok = {k: v for k, v in us.items() if v is not None}
                 best = min(ok, key=ok.get) if ok else "-"
                 cells = " | ".join("-" if v is None else f"{v:.1f}" for v in us.values())
