@@ -14,9 +14,11 @@ Writes job_bench.json and job_bench.md under --out.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = make_rows(Path(ns.prompts), ns.rows, ns.min_new, ns.max_new, seed=0)
-    tmp = Path(tempfile.mkdtemp(prefix="job-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix="job-bench-"))  # the rows and the jobs' outputs: removed at the end
+    atexit.register(shutil.rmtree, tmp, True)
     data = tmp / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     sizes = [DataConfig.shard_size if s == "default" else int(s) for s in ns.shard_sizes.split(",")]
