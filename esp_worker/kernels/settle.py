@@ -210,15 +210,16 @@ class Settler:
         # SHARED tensors are [1, ..] (one for every row) or [B, ..]. At batch 1 they are both: a per-row tree's
         # (static_key None: [B, ..] at every other batch) count as per-row, so that the batch's last row keeps the
         # kernel its batch used instead of compiling a second one
-        alone = args[0].shape[0] == 1 and tree.static_key is None
-        per_row = {name: a.shape[0] != 1 or alone for name, a in zip(names, args) if name in SettleArgs.SHARED}
-        kv = args[-1] if names[-1] == "kv" else None
         by_name = dict(zip(names, args))
+        alone = by_name["tokens"].shape[0] == 1 and tree.static_key is None
+        per_row = {name: a.shape[0] != 1 or alone for name, a in by_name.items() if name in SettleArgs.SHARED}
+        kv = args[-1] if names[-1] == "kv" else None
         optional = [by_name[n] for n in names[13:] if n != "kv"]
         key = (names, tree.num_slots, spec, tuple(a.dtype for a in args), tuple(per_row.values()),
                by_name["slot_logits"].shape[2],
                *(tuple(a.shape[1:]) for a in (lay.visible, lay.depth, by_name["stop_table"], *optional)),
-               *(tuple(a.shape[name == "ema_cols":]) + (a.dtype,) for name, a in zip(names, args)
+               # (the EMA table's rows are dynamic: a kernel serves the table at every size)
+               *(tuple(a.shape[1:] if name == "ema_cols" else a.shape) + (a.dtype,) for name, a in by_name.items()
                  if name in SettleArgs.FIXED),
                None if kv is None else (kv.shape[:2], kv.shape[3], kv.shape[5], kv.dtype))
         dynamic = [{0: "batch", 1: "length"} if name == "hist" else {2: "rows", 4: "slots"} if name == "kv"
