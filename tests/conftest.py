@@ -38,10 +38,17 @@ if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths
 
 # The suite is handed to the workers a module at a time (`--dist loadfile` in pyproject.toml): a module's fixtures
 # (Ray heads, models, an S3 server) are made once, and the compiled kernels its tests share are compiled once.
-# The longest modules (worker seconds on the 2-core development machine) go first, so that none of them starts
-# last and leaves one worker running it alone at the end.
+# The longest modules (worker seconds in a run of the suite on the 2-core development machine) go first and the
+# short ones fill in at the end, so that no long module starts last and leaves one worker running it alone
+# (`--no-loadscope-reorder` keeps this order: by default xdist hands out the modules with the most tests first,
+# which started the two training modules last on one worker).
 LONGEST_FIRST = ("engine/kernels/test_settle.py", "jobs/run/test_jobs_cluster.py", "jobs/run/test_jobs_integrity.py",
-                 "jobs/train/test_train_heads.py", "jobs/run/test_jobs_ray.py", "jobs/train/test_train_dmtd.py")
+                 "jobs/run/test_jobs_ray.py", "jobs/train/test_train_heads.py", "jobs/train/test_train_dmtd.py",
+                 "engine/test_lossless.py", "jobs/io/test_jobs_s3.py", "jobs/export/test_spec_bench_export.py",
+                 "engine/graphs/test_step_compile.py", "jobs/bench/test_bench.py", "jobs/run/test_jobs_dmtd.py",
+                 "jobs/run/test_jobs_graphs.py", "engine/model/test_compile.py", "engine/graphs/test_capture_path.py",
+                 "jobs/run/test_jobs_local_ray.py", "engine/drafters/test_cp_heads.py",
+                 "engine/graphs/test_static_engine.py", "jobs/run/test_jobs_default.py")
 
 
 def pytest_collection_modifyitems(config, items):

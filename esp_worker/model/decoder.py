@@ -192,7 +192,7 @@ class DirectDecoder:
         last layer in the range): that layer's projection and MLP at the kept positions only, [B, K', D] with
         K' >= K (padded to a product of >= MIN_ROWS rows; the first K are the kept positions). DMTD runs its
         layer groups through here (model/dmtd.py)."""
-        b, q, _ = h.shape
+        b = h.shape[0]
         last = len(self.base.layers) - 1
         if keep is not None:
             assert stop - 1 == last, "keep applies to the model's last layer"
@@ -207,7 +207,7 @@ class DirectDecoder:
         for i in range(start, stop):
             layer = self.base.layers[i]
             sel = keep if i == last else None
-            a = self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, b, q, sel)
+            a = self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, sel)
             h = (h if sel is None else gather_slots(h, sel)) + a
             h = h + self._mlp(layer.mlp, self.norms[i][1](h), self.gate_up[i])
         return h
@@ -226,8 +226,9 @@ class DirectDecoder:
                     return False
         return True
 
-    def _attention(self, attn: Any, x: torch.Tensor, rope, bias, cache: Any, i: int, b: int, q: int,
+    def _attention(self, attn: Any, x: torch.Tensor, rope, bias, cache: Any, i: int,
                    keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, q, _ = x.shape
         nq, nk = self.heads
         qkv = self.linear(x, self.qkv[i]).view(b, q, -1, attn.head_dim)  # [B, Q, H + 2 Hkv, hd]
         qs, ks, vs = qkv[:, :, :nq], qkv[:, :, nq: nq + nk], qkv[:, :, nq + nk:]

@@ -29,7 +29,7 @@ from ..io.output import REPORT_DIR, SUMMARY
 from ..io.storage import is_uri, join, resolve
 from ..run.schema import CATEGORY
 from ..run.stats import Group
-from .plots import REPORT, Sink, empty, fmt, hbars, pct, pyplot, save, share_axis
+from .plots import REPORT, HBars, Sink, empty, fmt, hbars, pct, pyplot, save, share_axis
 NO_CATEGORY = "(none)"
 JOB_PLOTS = ("by_category.png", "acceptance.png", "lengths.png")
 _COLUMNS = ["error", CATEGORY, "finish_reason", "method", "num_prompt_tokens", "num_generated_tokens",
@@ -175,12 +175,12 @@ def job_plots(sink: Sink, stats: JobStats, summary: dict[str, Any]) -> list[str]
     height = max(3.0, 0.45 * len(cats) + 1.6)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, height))
     labels = [c for c, _ in cats]
-    hbars(a1, labels, [g.tau for _, g in cats], "tau (tokens committed per decode pass)",
-          "tau by category", digits=3, overall=stats.all.tau if len(cats) > 1 else None,
-          note=[f"{g.rows} rows" for _, g in cats], start=1.0)
-    hbars(a2, labels, [g.request_tokens_per_s for _, g in cats], "generated tokens / s of request time",
-          "tokens/s per request by category", digits=1,
-          overall=stats.all.request_tokens_per_s if len(cats) > 1 else None)
+    hbars(a1, HBars(labels, [g.tau for _, g in cats], "tau (tokens committed per decode pass)", "tau by category",
+                    digits=3, overall=stats.all.tau if len(cats) > 1 else None,
+                    note=[f"{g.rows} rows" for _, g in cats], start=1.0))
+    hbars(a2, HBars(labels, [g.request_tokens_per_s for _, g in cats], "generated tokens / s of request time",
+                    "tokens/s per request by category", digits=1,
+                    overall=stats.all.request_tokens_per_s if len(cats) > 1 else None))
     names.append(save(fig, sink, JOB_PLOTS[0]))
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -90,18 +91,32 @@ def grouped_bars(ax: Any, groups: list[str], series: dict[str, list[float]], yla
         ax.legend(ncol=3)
 
 
-def hbars(ax: Any, labels: list[str], values: list[Optional[float]], xlabel: str, title: str, digits: int = 2,
-          overall: Optional[float] = None, note: Optional[list[str]] = None, start: float = 0.0) -> None:
-    """Horizontal bars from `start`, first label on top, each bar labelled with its value (and `note`); a
+@dataclass
+class HBars:
+    """Horizontal bars from `start`, first label on top, each bar labelled with its value (and its `note`); a
     dashed line at `overall`."""
-    ys = list(range(len(labels)))[::-1]
-    vals = [v or start for v in values]
+    labels: list[str]
+    values: list[Optional[float]]
+    xlabel: str
+    title: str
+    digits: int = 2
+    overall: Optional[float] = None
+    note: Optional[list[str]] = None
+    start: float = 0.0
+
+
+def hbars(ax: Any, spec: HBars) -> None:
+    """Draw `spec` on `ax`."""
+    start, digits, overall = spec.start, spec.digits, spec.overall
+    ys = list(range(len(spec.labels)))[::-1]
+    vals = [v or start for v in spec.values]
     bars = ax.barh(ys, [v - start for v in vals], left=start, color="#4C72B0", height=0.6)
-    texts = [fmt(v, digits) + (f"  ({n})" if note else "") for v, n in zip(values, note or [""] * len(values))]
+    notes = spec.note or [""] * len(spec.values)
+    texts = [fmt(v, digits) + (f"  ({n})" if spec.note else "") for v, n in zip(spec.values, notes)]
     ax.bar_label(bars, texts, fontsize=8, padding=3, bbox=dict(fc="white", ec="none", pad=0.6))  # readable over lines
-    ax.set_yticks(ys, labels)
-    ax.set_xlabel(xlabel)
-    ax.set_title(title)
+    ax.set_yticks(ys, spec.labels)
+    ax.set_xlabel(spec.xlabel)
+    ax.set_title(spec.title)
     ax.grid(axis="y", visible=False)
     hi = max(vals + [overall or 0, start + 1e-9])
     ax.set_xlim(start, start + (hi - start) * 1.35 or 1)  # room for the labels

@@ -88,10 +88,15 @@ class TrainError(RuntimeError):
     """Training failed; one-line message."""
 
 
-def common_checks(cfg: DictConfig) -> list[tuple[bool, str]]:
-    """(ok, message) of the keys every trainer shares (its loader raises ConfigError on the first failure)."""
+def load_checked(schema: type, path: Optional[str], overrides: Sequence[str],
+                 checks: Callable[[DictConfig], list[tuple[bool, str]]]) -> DictConfig:
+    """A trainer's config (`schema` merged with the YAML at `path` and the overrides), checked: the keys every
+    trainer shares, then `checks(cfg)`, its own (ok, message) pairs. Raises ConfigError on the first failure."""
+    from ..config import ConfigError, merge_config
+
+    cfg = merge_config(schema, path, overrides)
     d, t = cfg.data, cfg.train
-    return [
+    shared = [
         (bool(d.path or d.text_dir or d.file_list), "give training text: data.path, data.text_dir and/or data.file_list"),
         (t.steps >= 1 and t.batch_windows >= 1, "train.steps and train.batch_windows must be >= 1"),
         (t.lr > 0, "train.lr must be > 0"),
@@ -99,6 +104,10 @@ def common_checks(cfg: DictConfig) -> list[tuple[bool, str]]:
         (cfg.ray.num_workers >= 1, "ray.num_workers must be >= 1"),
         (bool(cfg.output.dir), "output.dir must be set"),
     ]
+    for ok, msg in shared + checks(cfg):
+        if not ok:
+            raise ConfigError(msg)
+    return cfg
 
 
 # ---- documents ---------------------------------------------------------------------------------------

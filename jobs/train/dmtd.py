@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from esp_worker.config import ModelConfig
 
 from .common import (FaultSection, OutputSection, RaySection, TextData, TrainLoop, TrainSection, cli_main,
-                     common_checks, fit, load_tokens, tokenize_corpus, worker_model, write_loss_curve)
+                     fit, load_checked, load_tokens, tokenize_corpus, worker_model, write_loss_curve)
 
 log = logging.getLogger("esp_batch.train_dmtd")
 
@@ -72,20 +72,16 @@ class TrainDmtdConfig:
 
 
 def load_train_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> DictConfig:
-    from ..config import ConfigError, merge_config
+    def checks(cfg: DictConfig) -> list[tuple[bool, str]]:
+        d, t = cfg.dmtd, cfg.train
+        return [
+            (d.tau >= 2, "dmtd.tau must be >= 2 (tau 1 is the model itself)"),
+            (d.num_decoding_layers >= 1 and d.num_encoding_layers >= 0,
+             "dmtd.num_decoding_layers must be >= 1 and dmtd.num_encoding_layers >= 0"),
+            (t.seq_len > d.tau, "train.seq_len must exceed dmtd.tau"),
+        ]
 
-    cfg = merge_config(TrainDmtdConfig, path, overrides)
-    d, t = cfg.dmtd, cfg.train
-    checks = common_checks(cfg) + [
-        (d.tau >= 2, "dmtd.tau must be >= 2 (tau 1 is the model itself)"),
-        (d.num_decoding_layers >= 1 and d.num_encoding_layers >= 0,
-         "dmtd.num_decoding_layers must be >= 1 and dmtd.num_encoding_layers >= 0"),
-        (t.seq_len > d.tau, "train.seq_len must exceed dmtd.tau"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(msg)
-    return cfg
+    return load_checked(TrainDmtdConfig, path, overrides, checks)
 
 
 # ---- the training loop (runs in every Ray Train worker) -----------------------------------------------

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from esp_worker.config import ModelConfig
 
 from .common import (FaultSection, OutputSection, RaySection, TextData, TrainError, TrainLoop, TrainSection,
-                     cli_main, common_checks, fit, iter_documents, load_tokens, resolve_root, tokenize_corpus, worker_model,
+                     cli_main, fit, iter_documents, load_checked, load_tokens, resolve_root, tokenize_corpus, worker_model,
                      write_loss_curve)
 
 log = logging.getLogger("esp_batch.train_heads")
@@ -70,24 +70,20 @@ class TrainHeadsConfig:
 
 
 def load_train_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> DictConfig:
-    from ..config import ConfigError, merge_config
+    def checks(cfg: DictConfig) -> list[tuple[bool, str]]:
+        h, t = cfg.heads, cfg.train
+        return [
+            (h.num_positions >= 2, "heads.num_positions must be >= 2 (position 1 is the token the model itself verifies)"),
+            (h.rank >= 1 and h.head_hidden >= 1, "heads.rank and heads.head_hidden must be >= 1"),
+            (t.micro_tokens >= 1, "train.micro_tokens must be >= 1"),
+            (t.seq_len > h.num_positions + 1, "train.seq_len must exceed heads.num_positions + 1"),
+            (t.balance_coef >= 0, "train.balance_coef must be >= 0"),
+            (h.init_noise >= 0, "heads.init_noise must be >= 0"),
+            (not h.init_from or (Path(h.init_from) / "heads.json").is_file(),
+             f"heads.init_from={h.init_from!r} holds no heads.json: give a directory written by jobs.train_heads"),
+        ]
 
-    cfg = merge_config(TrainHeadsConfig, path, overrides)
-    h, t = cfg.heads, cfg.train
-    checks = common_checks(cfg) + [
-        (h.num_positions >= 2, "heads.num_positions must be >= 2 (position 1 is the token the model itself verifies)"),
-        (h.rank >= 1 and h.head_hidden >= 1, "heads.rank and heads.head_hidden must be >= 1"),
-        (t.micro_tokens >= 1, "train.micro_tokens must be >= 1"),
-        (t.seq_len > h.num_positions + 1, "train.seq_len must exceed heads.num_positions + 1"),
-        (t.balance_coef >= 0, "train.balance_coef must be >= 0"),
-        (h.init_noise >= 0, "heads.init_noise must be >= 0"),
-        (not h.init_from or (Path(h.init_from) / "heads.json").is_file(),
-         f"heads.init_from={h.init_from!r} holds no heads.json: give a directory written by jobs.train_heads"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(msg)
-    return cfg
+    return load_checked(TrainHeadsConfig, path, overrides, checks)
 
 
 # ---- the training loop (runs in every Ray Train worker) -----------------------------------------------

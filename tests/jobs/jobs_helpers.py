@@ -5,6 +5,7 @@ folder on sys.path).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -112,6 +113,20 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 900)
         [sys.executable, "-m", "jobs.generate", *args], cwd=REPO, capture_output=True, text=True,
         env={**os.environ, **(env or {})}, timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def local_ray() -> Iterator[None]:
+    """A local Ray instance for the training runs inside (`fit` uses the instance it finds, as runs on a cluster
+    do): a run that starts its own takes ~13 s more on a 2-core machine. The DMTD training test keeps one run that
+    starts its own instance, which covers that path."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=True, log_to_driver=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def killed_then_resumed(main, args, weights, logger: str, caplog) -> None:

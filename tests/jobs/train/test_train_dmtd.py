@@ -13,7 +13,7 @@ from engine_helpers import PROMPTS, run, tiny
 from esp_worker import EngineConfig, GenerationParams, ModelConfig, load_model
 from esp_worker.model.dmtd import DmtdConfig, DmtdConfigError, cyclic_forward, load_draft, resolve
 from jobs.config import ConfigError
-from jobs_helpers import killed_then_resumed
+from jobs_helpers import killed_then_resumed, local_ray
 from jobs.train.dmtd import load_train_config, main
 
 TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
@@ -41,10 +41,11 @@ def _history(out):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_then_writes_a_dmtd_model_that_decodes(corpus, tmp_path, caplog):
+def test_killed_run_resumes_then_writes_a_dmtd_model_that_decodes(corpus, tmp_path, caplog, capfd):
     out = tmp_path / "dmtd"
-    killed_then_resumed(main, lambda *extra: _args(corpus, out, 4, *extra), out / "model.safetensors",
-                        "esp_batch.train_dmtd", caplog)
+    with local_ray():
+        killed_then_resumed(main, lambda *extra: _args(corpus, out, 4, *extra), out / "model.safetensors",
+                            "esp_batch.train_dmtd", caplog)
     raw = json.loads((out / "config.json").read_text())
     assert {k: raw[k] for k in ("num_encoding_layers", "num_thinking_layers", "num_decoding_layers", "mtp_horizon")} \
         == {"num_encoding_layers": 0, "num_thinking_layers": 1, "num_decoding_layers": 1, "mtp_horizon": 2}
@@ -68,9 +69,15 @@ def test_killed_run_resumes_then_writes_a_dmtd_model_that_decodes(corpus, tmp_pa
         with torch.no_grad():
             h = cyclic_forward(lm.model.get_decoder(), cfg, torch.tensor([ids + o.token_ids]))
         assert o.token_ids == lm.model.lm_head(h).argmax(-1)[0, len(ids) - 1: -1].tolist()
-    # dmtd.verified=true: the model frozen, a copy of its last layer trained; it loads for that model only
+    # dmtd.verified=true: the model frozen, a copy of its last layer trained; it loads for that model only. This
+    # run starts its own local Ray instance, as the command does on a machine without a cluster: that instance
+    # serves the state API that Ray Train's placement-group cleaner polls (without it: a warning a second, and no
+    # clean-up after a killed controller)
     copy = tmp_path / "copy"
+    capfd.readouterr()
     assert main(_args(corpus, copy, 2, "dmtd.verified=true")) == 0
+    logged = capfd.readouterr()
+    assert "Failed to query Ray Train Controller" not in logged.out + logged.err
     layers, split = load_draft(copy, tiny("llama").model)
     assert split == DmtdConfig(0, 1, 1, 2) and len(layers) == 1
     assert json.loads((copy / "dmtd_draft.json").read_text())["training"]["steps"] == 2
