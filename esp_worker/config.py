@@ -15,7 +15,7 @@ EXPANSIONS = ("top1", "frontier")
 MASK_INITS = ("mean", "last_k", "sample", "offset")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTN_IMPLS = ("sdpa", "eager")
-ATTENTION_BACKENDS = ("torch", "cudnn", "efficient", "math")  # engine.attention_backend
+ATTENTION_BACKENDS = ("torch", "cudnn", "efficient", "math", "flex")  # engine.attention_backend
 TINY_PREFIX = "tiny-random-"  # model names built in code, never read from a directory
 RANDOM_PREFIX = "random:"
 
@@ -88,7 +88,8 @@ class EngineConfig:
     # the SDPA kernel of decode passes' attention (the direct forward with sdpa attention; a prefill keeps torch's
     # choice): torch = PyTorch's own priority (cuDNN's on an H100/H200 in bfloat16, the fastest there at every
     # decode shape measured: docs/design/cuda-graphs.md), or cudnn | efficient | math (math where the one named
-    # refuses the inputs)
+    # refuses the inputs), or flex: FlexAttention over a block mask of the rows' lengths in the compiled replayed
+    # passes (needs cuda_graphs_compile; eager passes keep torch's choice; esp_worker/model/flex.py)
     attention_backend: str = "torch"
     # Batching
     max_batch_size: int = 8
@@ -213,6 +214,9 @@ class EngineConfig:
                 "engine.cuda_graphs_compile use the default mode or max-autotune-no-cudagraphs")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad(f"engine.attention_backend={self.attention_backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.attention_backend == "flex" and not self.cuda_graphs_compile:
+            bad("engine.attention_backend=flex runs FlexAttention's compiled kernels in the replayed passes; it needs "
+                "engine.cuda_graphs_compile=true")
         if self.cuda_graph_max_len < 1:
             bad(f"engine.cuda_graph_max_len={self.cuda_graph_max_len} must be >= 1")
         if any(b < 1 for b in self.branches):

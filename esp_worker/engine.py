@@ -154,8 +154,9 @@ class Engine:
         cache = kv_cache.new_cache(self.num_layers)
         cache.pin(cfg.max_batch_size, slots, text.num_key_value_heads, attn.head_dim, runner.dtype, self.device)
         capture = CAPTURE_GRAPHS if CAPTURE_GRAPHS is not None else self.device.type == "cuda"
-        compiled = compiled_step(cfg.compile_mode, MAX_GRAPHS) if cfg.cuda_graphs_compile else None
-        graphs = GraphRunner(StepModel.of(runner, slots), dims, cache, cfg.max_batch_size, capture, compiled)
+        model = StepModel.of(runner, slots)
+        compiled = compiled_step(model, cfg.compile_mode, MAX_GRAPHS) if cfg.cuda_graphs_compile else None
+        graphs = GraphRunner(model, dims, cache, cfg.max_batch_size, capture, compiled)
         self.stats.graphs = graphs.stats
         graphs.capture_plain()
         return graphs

@@ -158,6 +158,8 @@ class GraphRunner:
             return f"engine.cuda_graphs_compile={compiled} against {self.compiled is not None}"
         if decoder.base is not self.model.decoder.base:
             return "another model"
+        if decoder.attention_backend != self.model.decoder.attention_backend:
+            return f"engine.attention_backend={decoder.attention_backend} against {self.model.decoder.attention_backend}"
         if dims != self.dims:
             return f"model dimensions {dims} against {self.dims}"
         if max_batch != self.batches[-1]:
@@ -174,9 +176,9 @@ class GraphRunner:
 
     def _new_entry(self, shape: ShapeClass) -> _Entry:
         """A class's buffers, registered; under engine.cuda_graphs_compile its batch and capacity are marked dynamic
-        (`StepInputs.mark_dynamic`)."""
+        (`StepInputs.mark_dynamic`) where the step holds them symbolic (`StepModel.dynamic_shapes`)."""
         inp = StepInputs.allocate(shape, self.dims)
-        if self.compiled is not None:
+        if self.compiled is not None and self.model.dynamic_shapes:
             inp.mark_dynamic()
         entry = self._entries[shape] = _Entry(inp)
         return entry

@@ -32,6 +32,7 @@ from ..consts import steps
 from ..kv_cache import move_slots
 from ..model.attention import attention_bias
 from ..model.decoder import DirectDecoder, RopeTable
+from ..model.flex import flex_mask
 from ..model.runner import ModelRunner
 from ..sampling import choose_tokens
 from ..stops import apply_stops
@@ -52,6 +53,19 @@ class StepModel:
     max_position: int  # the model's last position: later ones are clamped to it, as the eager pass does
     window: Optional[int]  # sliding attention window (None = full attention)
     dtype: torch.dtype
+
+    @property
+    def flex(self) -> bool:
+        """Attention through FlexAttention's block mask (engine.attention_backend=flex; not with a sliding window,
+        whose models keep SDPA's bias)."""
+        return self.decoder.attention_backend == "flex" and self.window is None
+
+    @property
+    def dynamic_shapes(self) -> bool:
+        """A compiled step holds the batch and the capacity symbolic (`compiled_step`). Not under flex: Inductor's
+        FlexAttention template for the CPU, which the suite compiles, emits C++ that does not build once a size is
+        symbolic (torch 2.13), so there each class compiles with its own sizes, the form the suite checks."""
+        return not self.flex
 
     @classmethod
     def of(cls, runner: ModelRunner, positions: int) -> "StepModel":
@@ -94,19 +108,21 @@ def graph_support(runner: ModelRunner) -> Optional[str]:
 StepFn = Callable[["StepModel", torch.Tensor, StepInputs, ShapeClass], StepOutput]  # decode_step's signature
 
 
-def compiled_step(mode: str = "", recompile_limit: int = 512) -> StepFn:
+def compiled_step(model: StepModel, mode: str = "", recompile_limit: int = 512) -> StepFn:
     """`decode_step` under Inductor (engine.cuda_graphs_compile): the step is one graph with no break (tested), so
     what a CUDA graph then captures is Inductor's fused kernels instead of one kernel per operation. The batch and
     the capacity are dynamic from the first compile (`StepInputs.mark_dynamic`), so one compile of a block serves
     every batch bucket of two or more rows at every capacity bucket; a batch of one row, and a capacity of the
-    slab's whole row, compile apart (torch specialises sizes of one, and that view is contiguous).
+    slab's whole row, compile apart (torch specialises sizes of one, and that view is contiguous). Under
+    engine.attention_backend=flex every class compiles apart (`StepModel.dynamic_shapes`).
     Each shape class still gets its own CUDA graph. recompile_limit: compiles kept before torch falls back to
     eager for new shapes (torch's default, 8, is fewer than the classes a drafting job meets)."""
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, recompile_limit)
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, recompile_limit)
-    return torch.compile(decode_step, fullgraph=True, dynamic=None, mode=mode or None)
+    return torch.compile(decode_step, fullgraph=True, dynamic=None if model.dynamic_shapes else False,
+                         mode=mode or None)
 
 
 class StaticCache:
@@ -159,8 +175,11 @@ def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: Shap
         embeds = torch.cat([embeds, inp.aux], 1)  # [B, Q, D]
     cache_len = inp.hist_len - 1  # [B] cached slots per row (the root is not cached yet)
     pos = (cache_len.unsqueeze(1) + inp.rel_pos).clamp(max=model.max_position)  # [B, Q]
-    bias = attention_bias(inp.visible, cache_len, pos, capacity, model.dtype, model.window,  # [B, 1, Q, C]
-                          slots=inp.key_slots)
+    if model.flex:  # the same visibility as a block mask (model/flex.py)
+        bias = flex_mask(inp.hist_len, inp.visible, q, capacity)
+    else:
+        bias = attention_bias(inp.visible, cache_len, pos, capacity, model.dtype, model.window,  # [B, 1, Q, C]
+                              slots=inp.key_slots)
     dec = model.decoder
     rope = dec.rope_at(model.rope, pos)
     layers = dec.run(embeds, 0, len(dec.base.layers), rope, bias, StaticCache(kv, cache_len, q, capacity))

@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..grad import inference
 from ..tree import gather_slots
+from .flex import FlexMask
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
@@ -80,6 +81,7 @@ class DirectDecoder:
         modeling = sys.modules[type(attn).__module__]  # the architecture's own rotary and eager attention
         self.rotate: Callable = modeling.apply_rotary_pos_emb
         self.sdpa = base.config._attn_implementation == "sdpa"  # bias None with Q > 1 = causal (is_causal)
+        self.attention_backend = "torch"  # engine.attention_backend (`use_attention`)
         if not self.sdpa:
             self.attend: Callable = modeling.eager_attention_forward
         else:
@@ -105,7 +107,9 @@ class DirectDecoder:
         self.rows_invariant = self._rows_invariant()  # `keep` may skip rows of the last layer's products
 
     def use_attention(self, backend: str) -> None:
-        """Decode passes' SDPA kernels (engine.attention_backend), under sdpa attention."""
+        """Decode passes' SDPA kernels (engine.attention_backend), under sdpa attention. `flex` is the compiled
+        replayed passes' (graphs/step.py builds their `FlexMask`); eager passes keep torch's choice there."""
+        self.attention_backend = backend
         if self.sdpa:
             self.attend = functools.partial(sdpa_packed_gqa, backends=attention_backends(backend))
 
@@ -186,9 +190,10 @@ class DirectDecoder:
         return self.norm(h) if keep is None else self.norm(h)[:, : keep.shape[1]]
 
     @inference
-    def run(self, h: torch.Tensor, start: int, stop: int, rope: tuple, bias: Optional[torch.Tensor], cache: Any,
-            keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Layers start .. stop-1 on h [B, Q, D] (no final norm): [B, Q, D]. `keep` [B, K] (only with the model's
+    def run(self, h: torch.Tensor, start: int, stop: int, rope: tuple, bias: Optional[torch.Tensor | FlexMask],
+            cache: Any, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Layers start .. stop-1 on h [B, Q, D] (no final norm): [B, Q, D]. `bias`: the additive bias [B, 1, Q, S]
+        (None = causal or every key visible), or a compiled replayed pass's `FlexMask`. `keep` [B, K] (only with the model's
         last layer in the range): that layer's projection and MLP at the kept positions only, [B, K', D] with
         K' >= K (padded to a product of >= MIN_ROWS rows; the first K are the kept positions). DMTD runs its
         layer groups through here (model/dmtd.py)."""
@@ -244,7 +249,10 @@ class DirectDecoder:
         if self.fast_rope:
             qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [B, H(kv), Q, hd]
         ks, vs = cache.update(ks, vs.transpose(1, 2), i)  # [B, Hkv, S, hd]
-        out, _ = self.attend(attn, qs, ks, vs, bias, dropout=0.0, scaling=attn.scaling)  # [B, Q, H, hd]
+        if isinstance(bias, FlexMask):  # a compiled replayed pass under engine.attention_backend=flex
+            out = bias.attend(qs, ks, vs, attn.scaling)  # [B, Q, H, hd]
+        else:
+            out, _ = self.attend(attn, qs, ks, vs, bias, dropout=0.0, scaling=attn.scaling)  # [B, Q, H, hd]
         out = out.reshape(b, q, -1)
         if keep is not None:
             out = gather_slots(out, keep)  # [B, K, H * hd]
@@ -262,8 +270,9 @@ _BACKENDS = {"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH],
 
 
 def attention_backends(backend: str) -> Optional[list]:
-    """The SDPA kernels for decode passes (engine.attention_backend; None = torch's own choice)."""
-    return None if backend == "torch" else _BACKENDS[backend]
+    """The SDPA kernels for decode passes (engine.attention_backend; None = torch's own choice, which eager passes
+    also keep under flex)."""
+    return _BACKENDS.get(backend)
 
 
 def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

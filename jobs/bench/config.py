@@ -130,13 +130,15 @@ def validate_bench(cfg: DictConfig) -> None:
         opts = options_of(opt)
         need(all(o in OPTIONS for o in opts), f"bench.settings: {spec!r}: the options after METHOD:BC are "
              ":compile_host, :eager, :compiled_graphs, :autotune (with compiled_graphs), :run_ahead or :no_run_ahead "
-             "(ar only) and :attention_cudnn, :attention_efficient or "
-             ":attention_math (engine.attention_backend), or several joined by +")
+             "(ar only) and :attention_cudnn, :attention_efficient, :attention_math or :attention_flex (with "
+             "compiled_graphs) (engine.attention_backend), or several joined by +")
         need(sum(o.startswith("attention_") for o in opts) <= 1,
              f"bench.settings: {spec!r}: one attention_ option at most")
         need(not {"run_ahead", "no_run_ahead"} <= set(opts), f"bench.settings: {spec!r}: run_ahead or no_run_ahead")
         need("autotune" not in opts or "compiled_graphs" in opts,
              f"bench.settings: {spec!r}: autotune tunes the compiled graphs' kernels: compiled_graphs+autotune")
+        need("attention_flex" not in opts or "compiled_graphs" in opts,
+             f"bench.settings: {spec!r}: FlexAttention runs in the compiled graphs: compiled_graphs+attention_flex")
         need(not ("eager" in opts and ({"compiled_graphs", "run_ahead", "no_run_ahead"} & set(opts))),
              f"bench.settings: {spec!r}: compiled_graphs and run_ahead apply to replayed passes, not :eager")
         if method == "ar":  # ar itself always runs first; an entry can only add it under an option

@@ -32,10 +32,11 @@ class Setting:
     autotune: bool = False
     run_ahead: bool = False  # engine.cuda_graphs_run_ahead=true ("ar:1:run_ahead")
     no_run_ahead: bool = False  # engine.cuda_graphs_run_ahead=false ("ar:1:no_run_ahead": every pass read at once)
-    # engine.attention_backend=cudnn / efficient / math ("METHOD:BC:attention_math")
+    # engine.attention_backend=cudnn / efficient / math / flex ("METHOD:BC:attention_math"; flex with compiled_graphs)
     attention_cudnn: bool = False
     attention_efficient: bool = False
     attention_math: bool = False
+    attention_flex: bool = False
     dmtd_tau: int = 0  # dmtd / dmtd_verified: tokens per cycle
     # dmtd: the DMTD model directory ("" = the bench's own model, split by engine.dmtd_decoding_layers);
     # dmtd_verified: the trained copy's directory

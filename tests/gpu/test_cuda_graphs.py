@@ -146,16 +146,18 @@ def test_bfloat16_replayed_1b_shape_finishes_with_consistent_statistics(tmp_path
         assert eng.stats.graphs.graph_passes > 0
 
 
+@pytest.mark.parametrize("attention", ["torch", "flex"])
 @pytest.mark.parametrize("setting", [0, 3])
-def test_compiled_replayed_passes_float32_1b_shape(few_layer_1b, setting):
-    """engine.cuda_graphs_compile: Inductor's kernels captured and replayed. Float32 on the 1B shape: the tokens
-    of the eager engine (Inductor rounds differently, so this is the check that it does not flip a choice here)
-    and no graph break."""
+def test_compiled_replayed_passes_float32_1b_shape(few_layer_1b, setting, attention):
+    """engine.cuda_graphs_compile: Inductor's kernels captured and replayed, with SDPA's kernel or FlexAttention's
+    (engine.attention_backend=flex). Float32 on the 1B shape: the tokens of the eager engine (Inductor and Flex
+    round differently, so this is the check that they do not flip a choice here) and no graph break."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     params = GenerationParams(max_new_tokens=40, ignore_eos=True)
     eager = _generate(few_layer_1b, False, params, 2, **METHODS[setting])[1]
-    eng, compiled = _generate(few_layer_1b, True, params, 2, cuda_graphs_compile=True, **METHODS[setting])
+    eng, compiled = _generate(few_layer_1b, True, params, 2, cuda_graphs_compile=True, attention_backend=attention,
+                              **METHODS[setting])
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager], METHODS[setting]
     assert not torch._dynamo.utils.counters["graph_break"]
     g = eng.stats.graphs

@@ -223,6 +223,34 @@ def test_compiled_steps_are_captured_and_match_generate(capturing, setting):
         Engine(tiny("llama"), EngineConfig(max_batch_size=2, cuda_graphs=True), graphs=eng.graphs)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,batch,setting", [("llama", 4, dict(method="esp", num_masks=2, block_complexity=30)),
+                                                ("qwen3", 1, dict(method="pld", block_complexity=10))])
+def test_flex_attention_steps_match_generate(capturing, arch, batch, setting):
+    """engine.attention_backend=flex: the compiled replayed passes attend through FlexAttention's block mask (its
+    visibility is tested against the bias in tests/engine/model/test_flex.py), each class compiled with its own
+    sizes; the tokens are generate's, for a tree method with masks and for grouped-query Qwen3 with n-gram chains."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    lm = tiny(arch)
+    eng = Engine(lm, EngineConfig(max_batch_size=batch, cuda_graphs=True, cuda_graphs_compile=True,
+                                  attention_backend="flex", **setting))
+    assert eng.graphs.model.flex and not eng.graphs.model.dynamic_shapes
+    outs = eng.generate([Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)])
+    for o, r in zip(outs, reference(arch, "sdpa")):
+        assert o.error is None and tuple(o.token_ids) == r, setting
+    g = eng.stats.graphs
+    assert g.captured == len(eng.graphs._entries) >= 1 and g.graph_passes > 0
+    assert not torch._dynamo.utils.counters["graph_break"]
+    with pytest.raises(ValueError, match="attention_backend=torch against flex"):  # its graphs hold flex kernels
+        Engine(lm, EngineConfig(max_batch_size=batch, cuda_graphs=True, cuda_graphs_compile=True), graphs=eng.graphs)
+
+
+def test_flex_attention_needs_compiled_graphs():
+    with pytest.raises(ValueError, match="attention_backend=flex .* needs engine.cuda_graphs_compile=true"):
+        EngineConfig(attention_backend="flex").validate()
+
+
 def test_compiled_steps_need_graphs():
     with pytest.raises(ValueError, match="needs engine.cuda_graphs=auto or true"):
         EngineConfig(cuda_graphs=False, cuda_graphs_compile=True).validate()

@@ -139,20 +139,22 @@ def test_eager_option_and_the_compiled_hf_baseline_in_the_grid():
 
 def test_run_ahead_and_attention_options_in_the_grid():
     """ar:1:no_run_ahead reads each pass (engine.cuda_graphs_run_ahead=false); METHOD:BC:attention_NAME names the
-    decode passes' attention kernel, one at most; autotune goes with compiled_graphs only."""
+    decode passes' attention kernel, one at most; autotune and attention_flex go with compiled_graphs only."""
     from jobs.bench.config import load_bench_config
     from jobs.bench.settings import grid
 
     cfg = load_bench_config(None, ["bench.settings=[ar:1:no_run_ahead,ar:1:attention_math,esp:30:attention_efficient,"
-                                   "ar:1:compiled_graphs+autotune]", "bench.hf_baseline=false"])
+                                   "ar:1:compiled_graphs+autotune,ar:1:compiled_graphs+attention_flex]",
+                                   "bench.hf_baseline=false"])
     settings = grid(cfg.bench)
     assert [s.label for s in settings] == ["ar", "ar no run ahead", "ar math attention",
-                                           "esp k1 static BC30 efficient attention", "ar compiled graphs autotuned"]
-    assert [s.attention for s in settings] == ["", "", "math", "efficient", ""]
-    assert [s.no_run_ahead for s in settings] == [False, True, False, False, False]
-    assert [s.autotune for s in settings] == [False, False, False, False, True]
+                                           "esp k1 static BC30 efficient attention", "ar compiled graphs autotuned",
+                                           "ar compiled graphs flex attention"]
+    assert [s.attention for s in settings] == ["", "", "math", "efficient", "", "flex"]
+    assert [s.no_run_ahead for s in settings] == [False, True, False, False, False, False]
+    assert [s.autotune for s in settings] == [False, False, False, False, True, False]
     for bad in ("ar:1:attention_math+attention_cudnn", "ar:1:run_ahead+no_run_ahead", "pld:10:no_run_ahead",
-                "ar:1:attention_flash", "ar:1:autotune", "esp:30:eager+autotune"):
+                "ar:1:attention_flash", "ar:1:autotune", "esp:30:eager+autotune", "ar:1:attention_flex"):
         with pytest.raises(ConfigError):
             load_bench_config(None, [f"bench.settings=[{bad}]"])
 
