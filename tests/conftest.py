@@ -48,7 +48,7 @@ LONGEST_FIRST = ("engine/kernels/test_settle.py", "jobs/run/test_jobs_cluster.py
                  "engine/graphs/test_step_compile.py", "jobs/bench/test_bench.py", "jobs/run/test_jobs_dmtd.py",
                  "jobs/run/test_jobs_graphs.py", "engine/model/test_compile.py", "engine/graphs/test_capture_path.py",
                  "jobs/run/test_jobs_local_ray.py", "engine/drafters/test_cp_heads.py",
-                 "engine/graphs/test_static_engine.py", "jobs/run/test_jobs_default.py")
+                 "engine/graphs/test_static_engine.py", "jobs/run/test_jobs_default.py", "engine/model/test_flex.py")
 
 
 def pytest_collection_modifyitems(config, items):

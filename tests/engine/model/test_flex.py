@@ -46,10 +46,11 @@ def _tree_layouts(rows: int, q: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("lengths,q,capacity,per_row", [
-    ((1, 127, 128, 129, 300), 1, 512, False),  # plain passes: a row's block at, before and after a boundary
-    ((2, 126, 250), 5, 384, True),  # trees, one per row, blocks across a boundary; a capacity of 3 blocks
+    ((1, 127, 128, 129, 300), 1, 512, False),  # plain passes: a row's block at, before and after a block boundary
+    # trees, one per row, their blocks across boundaries; the slab's own size as the last capacity bucket (1000:
+    # a part block at the end)
+    ((2, 126, 250, 900), 5, 1000, True),
     ((1, 200), 130, 512, False),  # more inputs than a block: two query blocks
-    ((2, 900), 3, 1000, False),  # the slab's own size as the last capacity bucket: a part block at the end
 ])
 def test_flex_sees_the_bias_keys(lengths, q, capacity, per_row):
     gen = torch.Generator().manual_seed(0)
