@@ -17,7 +17,8 @@ from pathlib import Path
 
 
 # ar over replayed passes, as the default runs it and under the options `scripts/gpu_checks.sh` compares
-REPLAYED_AR = ("ar", "ar compiled graphs", "ar run ahead", "ar compiled graphs run ahead")
+REPLAYED_AR = ("ar", "ar compiled graphs", "ar run ahead", "ar compiled graphs run ahead",
+               "ar compiled graphs flex attention", "ar compiled graphs autotuned")
 
 
 def _fmt(x, digits: int = 2) -> str:
