@@ -6,10 +6,10 @@ dimension (esp_worker/model/decoder.py, `sdpa_packed_gqa`): query [B, Hkv, g * Q
 calls captured in one CUDA graph (what a replayed pass pays: no launch cost from Python), replayed 10 times;
 the table gives microseconds per call, the median of the replays. Defaults: Llama-3.2-1B's heads (32 query
 heads, 8 key/value heads, head dim 64) in bfloat16. Column `flex`: FlexAttention under torch.compile with the bias
-as its score_mod, over the unpacked query [B, H, Q, hd] (a candidate for compiled passes: its decoding kernel
-splits the keys across thread blocks; the engine does not use it). Column `flex_len`: the same visibility as a
-block mask built from the keys each query sees (`BlockMask.from_kv_blocks`), so that key blocks past a row's
-length are never read: what the engine would pass. Both are timed at Q = 1 with 512 and 2048 key slots at batch 1
+as its score_mod, over the unpacked query [B, H, Q, hd] (its decoding kernel splits the keys across thread blocks,
+but it reads every key the bias covers). Column `flex_len`: the same visibility as a
+block mask of the rows' lengths, so that key blocks past a row's block are never read: the engine's own path under
+engine.attention_backend=flex (esp_worker/model/flex.py). Both are timed at Q = 1 with 512 and 2048 key slots at batch 1
 and 64 only ('-' elsewhere: each shape is a compile).
 
     python scripts/attn_backends.py [--dtype bfloat16] [--out attn.txt]
@@ -60,34 +60,25 @@ def flex_call(g: int):
     return attend
 
 
-def flex_len_call(g: int, block: int = 128):
-    """`flex_call` with the bias's visibility (query i sees keys 0 .. C/2 + i, as `inputs` hides the rest) as a
-    block mask: key blocks past C/2 + Q are skipped, those before it read whole, the one it ends in masked per key.
-    What the mask reads (each query's last key, the rows' block counts) is an input of the compiled function, as
-    the engine's row lengths would be (Inductor's CPU template refuses a mask over a tensor made inside the graph),
-    and the block mask is built from block counts (`BlockMask.from_kv_blocks`), not `create_block_mask`, whose own
-    kernel fails to compile on a CPU (torch 2.13: Inductor's C++ code mixes two vector-mask types)."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+def flex_len_call(g: int):
+    """The engine's own FlexAttention path (engine.attention_backend=flex: esp_worker/model/flex.py) with the
+    bias's visibility: each row's cache holds C/2 slots and its Q inputs see each other causally, so query i sees
+    keys 0 .. C/2 + i. Key blocks past the block are skipped, those before it read whole, the one it ends in masked
+    per key. The rows' lengths and the visibility are inputs of the compiled function, as in a compiled pass."""
+    from esp_worker.model.flex import flex_mask
 
-    @torch.compile(fullgraph=True)
-    def core(query, key, value, last, kv_num, kv_idx):
+    @torch.compile(fullgraph=True, dynamic=False)
+    def core(query, key, value, hist_len, visible):
         b, hkv, gq, hd = query.shape
-        q, c = gq // g, key.shape[2]
-
-        def visible(bi, h, qi, kv):
-            return kv <= last[qi]
-
-        mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(block, block), mask_mod=visible,
-                                        seq_lengths=(q, c))
-        return flex_attention(query.reshape(b, hkv * g, q, hd), key, value, block_mask=mask, enable_gqa=True)
+        q = gq // g
+        mask = flex_mask(hist_len, visible, q, key.shape[2])
+        return mask.attend(query.reshape(b, hkv * g, q, hd), key, value, hd ** -0.5)
 
     def attend(query, key, value, bias):
         b, q, c, dev = query.shape[0], query.shape[2] // g, key.shape[2], query.device
-        last = c // 2 + torch.arange(q, device=dev)  # [Q] each query's last visible key
-        kv_num = torch.full((b, 1, 1), (c // 2 + q - 1) // block + 1, dtype=torch.int32, device=dev)
-        n = -(-c // block)
-        kv_idx = torch.arange(n, dtype=torch.int32, device=dev).expand(b, 1, 1, n).contiguous()
-        return core(query, key, value, last, kv_num, kv_idx)
+        hist_len = torch.full((b,), c // 2 + 1, device=dev)  # C/2 cached slots per row
+        visible = torch.ones(q, q, dtype=torch.bool, device=dev).tril()[None]
+        return core(query, key, value, hist_len, visible)
 
     return attend
 
