@@ -471,10 +471,13 @@ def cache_dir() -> Path:
 
 
 def _forward_kind(runner: ModelRunner) -> str:
-    """Which forward a pass runs (the cost curve is per forward): the model's, the direct one, or compiled."""
+    """Which forward a pass runs (the cost curve is per forward): the model's, the direct one, or compiled, and
+    the decode attention's kernel where it is not torch's own choice (engine.attention_backend)."""
     if runner.direct is None:
         return "model"
-    return "direct+compiled" if runner.direct.compiled is not None else "direct"
+    kind = "direct+compiled" if runner.direct.compiled is not None else "direct"
+    backend = runner.direct.attention_backend
+    return kind if backend == "torch" else f"{kind}+attention_{backend}"
 
 
 def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "",

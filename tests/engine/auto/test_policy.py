@@ -92,6 +92,9 @@ def test_calibration_is_cached(tmp_path, monkeypatch):
     assert len(files) == 1
     c2 = calibrate(runner, max_batch=2, max_block=8)
     assert c1.seconds == c2.seconds and c1.block_sizes == [1, 2, 4, 8] and c1.batch_sizes == [1, 2]
+    # another decode attention kernel (engine.attention_backend) is another machine: measured and cached apart
+    calibrate(ModelRunner(eng_lm, attention_backend="math"), max_batch=2, max_block=8)
+    assert len(list(tmp_path.glob("cost-*.json"))) == 2
 
 
 class _Drafter(_Sizer):
