@@ -15,7 +15,7 @@ On a GPU, `mode` may name a torch.compile mode (e.g. "max-autotune-no-cudagraphs
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +44,26 @@ def _pre_fn(eps: float, qk_eps: Optional[float], nq: int, nk: int, hd: int) -> C
     return pre
 
 
+class PostWeights(NamedTuple):
+    """One layer's weights after its attention, as `post` takes them (a NamedTuple: torch.compile reads its fields
+    as graph inputs, so every layer's tuple runs the same graph). Biases are None where the model has none."""
+
+    o: torch.Tensor  # [D, H * hd] output projection
+    o_bias: Optional[torch.Tensor]
+    norm: torch.Tensor  # [D] post-attention RMSNorm
+    gate_up: torch.Tensor  # [2 I, D] the fused gate and up projections
+    gate_up_bias: Optional[torch.Tensor]
+    down: torch.Tensor  # [D, I]
+    down_bias: Optional[torch.Tensor]
+
+
 def _post_fn(eps: float, act: Callable) -> Callable:
-    def post(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b):
+    def post(h, attn, w: PostWeights):
         # h, attn [B, Q, D] -> h [B, Q, D]
-        h = h + F.linear(attn, o_w, o_b)
-        x = F.rms_norm(h, (h.shape[-1],), norm_w, eps)
-        gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
-        return h + F.linear(act(gate) * up, down_w, down_b)
+        h = h + F.linear(attn, w.o, w.o_bias)
+        x = F.rms_norm(h, (h.shape[-1],), w.norm, eps)
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return h + F.linear(act(gate) * up, w.down, w.down_bias)
 
     return post
 
@@ -82,20 +95,24 @@ class CompiledLayers:
         self.pre = torch.compile(_pre_fn(e, qk_eps.pop(), nq, nk, hd), **opts)
         self.post = torch.compile(_post_fn(e, layers[0].mlp.act_fn), **opts)
         self.dec = dec
+        self.post_weights = [
+            PostWeights(layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                        gu.weight, gu.bias, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
+            for layer, gu in zip(layers, dec.gate_up)
+        ]
         self.compile_s = 0.0  # wall seconds of the calls that compiled a graph
         self.graphs = 0
 
     def layer(self, i: int, h: torch.Tensor, rope: tuple, bias: Optional[torch.Tensor], cache: Any, b: int, q: int) -> torch.Tensor:
         dec, layer = self.dec, self.dec.base.layers[i]
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         qn = attn.q_norm.weight if dec.qk_norm else None
         kn = attn.k_norm.weight if dec.qk_norm else None
-        qkv, gu = dec.qkv[i], dec.gate_up[i]
+        qkv = dec.qkv[i]
         qs, ks, vs = self.pre(h, layer.input_layernorm.weight, qkv.weight, qkv.bias, qn, kn, *rope)
         ks, vs = cache.update(ks, vs, i)  # [B, Hkv, S, hd]
         out, _ = dec.attend(attn, qs, ks, vs, bias, dropout=0.0, scaling=attn.scaling)
-        return self.post(h, out.reshape(b, q, -1), attn.o_proj.weight, attn.o_proj.bias,
-                         layer.post_attention_layernorm.weight, gu.weight, gu.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+        return self.post(h, out.reshape(b, q, -1), self.post_weights[i])
 
     def run(self, h: torch.Tensor, rope: tuple, bias: Optional[torch.Tensor], cache: Any, start: int = 0,
             stop: Optional[int] = None) -> torch.Tensor:
