@@ -14,7 +14,7 @@
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
 # (own limits: env 60, gpu_tests 120, ar 270, ar64 230, attn 60, ar_flex 200, ar_flex64 200, ar_tune 240, ar_attn 200,
-# gpu_compiled 150, profile 120,
+# gpu_compiled 200, profile 120,
 # profile64 120, tiny 100, methods64 150, methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
 # The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
@@ -31,7 +31,7 @@
 #   ar64       the same ar settings and hf generate at batch 64 (prompts128: 64 per category, as the bench runs
 #              categories one at a time)
 #   gpu_compiled  pytest -m gpu tests/gpu -k compiled: engine.cuda_graphs_compile gives the eager engine's tokens
-#              in float32 on the two-layer 1B shape (into gpu_tests.txt)
+#              in float32 on the two-layer 1B shape, with SDPA's and with FlexAttention's kernel (into gpu_tests.txt)
 #   attn       scripts/attn_backends.py: the decode attention kernels (cudnn, efficient, math) at batch 1, 16, 64,
 #              Q = 1, 8, 32 and 128 .. 2048 key slots, microseconds per call in a replayed graph
 #   ar_flex    the ar step's model at batch 1: compiled graphs with engine.attention_backend=flex (FlexAttention over
@@ -185,7 +185,7 @@ step ar_attn ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV 
   big ar-b1-attention data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,\
 ar:1:attention_efficient,ar:1:attention_math,ar:1:compiled_graphs,ar:1:compiled_graphs+attention_math]' \
     bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
-step gpu_compiled gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
+step gpu_compiled gpu_tests.txt 200 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   -k compiled
 step profile ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-profile data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:compiled_graphs]' bench.repeats=1 \
