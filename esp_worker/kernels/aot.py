@@ -35,7 +35,7 @@ _COMPILED: dict[str, Any] = {}  # the exported program's fingerprint -> its pack
 _PACKAGES: Optional[tempfile.TemporaryDirectory] = None  # the packages' files, removed at exit (`_packages`)
 # How the packages are built: the wrapper (C++ glue that calls the kernels) unoptimised, about a quarter less compile
 # time for the same time per call (the kernels themselves are built at -O3 either way); and without line tables
-# (-g1, for a debugger: no instruction changes), a fifth less compiler time again.
+# (-g1, for a debugger: no instruction changes), a fifth less compiler time for the wrapper.
 _BUILD = {"aot_inductor.compile_wrapper_opt_level": "O0", "aot_inductor.enable_line_tables": False}
 
 
