@@ -69,7 +69,8 @@ class EngineConfig:
     compile: bool = False
     compile_mode: str = ""  # torch.compile mode ("" = its default), e.g. max-autotune-no-cudagraphs
     # CPU: a greedy pass's verification, stops, commit and counters as one AOTInductor kernel per block shape
-    # that recurs (esp_worker/kernels/settle.py); ~6-10 s to compile each, needs a C++ compiler
+    # that recurs (esp_worker/kernels/settle.py); ~6-10 s to compile each (once per machine: kept in Inductor's
+    # cache directory), needs a C++ compiler
     compile_host: bool = False
     # Decode passes replayed as CUDA graphs, one per shape class (batch bucket, block, capacity bucket): auto = on
     # for CUDA. true on a CPU runs the same static-buffer path eagerly (tests). esp_worker/graphs/

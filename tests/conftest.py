@@ -21,17 +21,16 @@ address (the supervisor resolves RAY_ADDRESS=auto), which was the other worker's
 looked there for the uploaded working directory ("Failed to download runtime_env file package"); a job looking
 for a running local instance would find the other worker's in the same way.
 
-Each worker compiles into an Inductor cache of its own: in one shared cache, two workers compiling the same
-graph at once can read the other's half-written entry (an AOTInductor package failed that way, its kernel
-then missing from a test that counts on it)."""
+The workers share one Inductor cache, as the processes of a machine do: Inductor writes its entries whole or under
+file locks, and `engine.compile_host` builds its packages under a lock (esp_worker/kernels/aot.py), so what one
+worker compiled (a graph, a kernel, the compiler's precompiled headers and instruction-set checks, ~15 s
+the first time) the other loads."""
 import os
 import tempfile
 
 os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if _WORKER and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{_WORKER}")
 if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths live under it
     os.environ["RAY_TMPDIR"] = os.path.join(tempfile.gettempdir(), f"ray-{os.getuid()}-{_WORKER}")
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
@@ -48,7 +47,7 @@ LONGEST_FIRST = ("engine/kernels/test_settle.py", "jobs/run/test_jobs_cluster.py
                  "engine/graphs/test_step_compile.py", "jobs/bench/test_bench.py", "jobs/run/test_jobs_dmtd.py",
                  "jobs/run/test_jobs_graphs.py", "engine/model/test_compile.py", "engine/graphs/test_capture_path.py",
                  "jobs/run/test_jobs_local_ray.py", "engine/drafters/test_cp_heads.py",
-                 "engine/graphs/test_static_engine.py", "jobs/run/test_jobs_default.py", "engine/model/test_flex.py")
+                 "engine/graphs/test_static_engine.py", "engine/kernels/test_aot.py", "jobs/run/test_jobs_default.py", "engine/model/test_flex.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,9 +9,13 @@ times (~7 s each on this CPU): a fixed block size compiles after a few passes, w
 `block_complexity=auto` job tries once or twice never cost a compile. A function that fails to compile gets no
 kernel (logged once). Without a kernel the caller runs the function eagerly.
 
-Compiled packages are kept for the process by the exported program's fingerprint (its graph, its inputs' specs
-and its constants' values): a later engine in the same process (a benchmark's next setting, an actor's next
-engine) that exports the same program loads that kernel instead of compiling it again.
+Packages are kept by the exported program's fingerprint (its graph, its inputs' specs and its constants' values)
+for the process (a benchmark's next setting, an actor's next engine) and on disk, in the machine's Inductor cache
+directory ($TORCHINDUCTOR_CACHE_DIR, else /tmp/torchinductor_$USER): the actors of one machine build each kernel
+once between them, and a restarted actor or the next job loads it (AOTInductor itself caches nothing across
+processes). A package is built under a file lock, so processes that reach one kernel at once build it once (two
+AOTInductor builds of one program in one cache directory overwrite each other's files) and then load it.
+TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 turns the disk copy off, as it does Inductor's caches.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -32,6 +37,7 @@ log = logging.getLogger(__name__)
 
 COMPILE_AFTER = 32  # calls of a key before it is compiled
 _COMPILED: dict[str, Any] = {}  # the exported program's fingerprint -> its package loader, for the process
+_LOCK_TIMEOUT_S = 600  # longest wait for another process building the same package
 _PACKAGES: Optional[tempfile.TemporaryDirectory] = None  # the packages' files, removed at exit (`_packages`)
 # How the packages are built: the wrapper (C++ glue that calls the kernels) unoptimised, about a quarter less compile
 # time for the same time per call (the kernels themselves are built at -O3 either way); and without line tables
@@ -71,10 +77,11 @@ class AotKernels:
         self._kernels: dict[tuple, Any] = {}  # key -> the package loader (None: compiling it failed)
         self._asked: dict[tuple, int] = {}  # key -> calls so far, until it is compiled
         self.compile_s = 0.0
+        self.built = 0  # packages built here (the other kernels came from the process or the disk cache)
 
     @property
     def compiled(self) -> int:
-        """Kernels compiled (or loaded from the process's packages) so far."""
+        """Kernels compiled (or loaded from the process's or the disk's packages) so far."""
         return sum(k is not None for k in self._kernels.values())
 
     def get(self, key: tuple, make: Callable[[], torch.nn.Module], args: list[torch.Tensor],
@@ -105,18 +112,50 @@ class AotKernels:
                 fp = fingerprint(program)
                 kernel = _COMPILED.get(fp)
                 if kernel is None:
-                    packages = _packages()
-                    with torch._inductor.config.patch(_BUILD):
-                        path = torch._inductor.aoti_compile_and_package(
-                            program, package_path=f"{packages}/{self.what}-{len(_COMPILED)}.pt2")
-                    with _extracting_into(packages):
-                        kernel = _COMPILED[fp] = torch._inductor.aoti_load_package(path).loader
+                    kernel = _COMPILED[fp] = self._load_or_build(program, fp)
         except Exception as e:  # noqa: BLE001 - an optimisation: the work runs eagerly instead
             log.warning("engine.compile_host: no %s kernel for %s (%s: %s); it runs eagerly", self.what, key,
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             kernel = None
         self.compile_s += time.perf_counter() - t0
         return kernel
+
+    def _load_or_build(self, program: Any, fp: str) -> Any:
+        """The loader of `program`'s package: the disk cache's copy, else one built here and published there."""
+        if torch._inductor.config.force_disable_caches:
+            return _load(self._build(program))
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        from torch.utils._filelock import FileLock
+
+        directory = os.path.join(cache_dir(), "esp-aot")
+        os.makedirs(directory, exist_ok=True)
+        isa = torch.backends.cpu.get_cpu_capability()  # the vector instructions the kernels were built for
+        key = hashlib.sha256(f"{fp} {torch.__version__} {isa} {sorted(_BUILD.items())}".encode()).hexdigest()
+        cached = os.path.join(directory, f"{key}.pt2")
+        with FileLock(os.path.join(directory, f"{key}.lock"), timeout=_LOCK_TIMEOUT_S):
+            if os.path.exists(cached):
+                try:
+                    return _load(cached)
+                except Exception as e:  # noqa: BLE001 - a damaged copy (a full disk, say) is built again
+                    log.info("engine.compile_host: the cached %s package did not load (%s); building it", self.what, e)
+            built = self._build(program)
+            shutil.copyfile(built, f"{cached}.{os.getpid()}")
+            os.replace(f"{cached}.{os.getpid()}", cached)  # whole or absent, for a process that does not lock
+        return _load(built)
+
+    def _build(self, program: Any) -> str:
+        """Build `program`'s package in the process's directory; its path."""
+        with torch._inductor.config.patch(_BUILD):
+            path = torch._inductor.aoti_compile_and_package(
+                program, package_path=f"{_packages()}/{self.what}-{len(_COMPILED)}.pt2")
+        self.built += 1
+        return path
+
+
+def _load(path: str) -> Any:
+    """The loader of the package at `path` (its `boxed_run` runs the kernel)."""
+    with _extracting_into(_packages()):
+        return torch._inductor.aoti_load_package(path).loader
 
 
 def _packages() -> str:
