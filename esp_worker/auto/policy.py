@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import logging
 import math
 import os
 import statistics
@@ -26,6 +27,8 @@ from ..passes import PassPlan
 from .cost_model import CostCurve, PassFactory, measure_cost_curve, powers_of_two
 from .sizer import DraftSizer
 from ..model.runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 EXCESS_TOLERANCE = 1.25  # a drafting pass's model time beyond the curve counts once it is this far above plain's
 EXCESS_REFRESH = 8  # while an excess counts, a plain pass at least every this many passes re-measures plain's
@@ -497,12 +500,16 @@ def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "
          _forward_kind(runner) + (f"+{passes_kind}" if passes is not None else ""), batches, cache_lens, blocks]
     )
     file = cache_dir() / f"cost-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
-    if file.exists():
+    try:
         return CostCurve.from_dict(json.loads(file.read_text()))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged file (a full disk, say): measured again
+        log.warning("the cached cost curve %s did not load (%s: %s); measuring it again", file, type(e).__name__, e)
     curve = measure_cost_curve(runner, batches, cache_lens, blocks, repeats=3, warmup=1, passes=passes)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".tmp")
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")  # the actors of one machine calibrate at once: one file each
         tmp.write_text(json.dumps(curve.to_dict()))
         tmp.replace(file)
     except OSError:

@@ -95,6 +95,11 @@ def test_calibration_is_cached(tmp_path, monkeypatch):
     # another decode attention kernel (engine.attention_backend) is another machine: measured and cached apart
     calibrate(ModelRunner(eng_lm, attention_backend="math"), max_batch=2, max_block=8)
     assert len(list(tmp_path.glob("cost-*.json"))) == 2
+    # a damaged file (a full disk, a machine that went down mid-write) is measured again and replaced
+    files[0].write_text('{"block_sizes": [1, 2')
+    c3 = calibrate(runner, max_batch=2, max_block=8)
+    assert c3.block_sizes == [1, 2, 4, 8] and calibrate(runner, max_batch=2, max_block=8).seconds == c3.seconds
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".json"]  # no temporary file left
 
 
 class _Drafter(_Sizer):
