@@ -23,8 +23,8 @@ for a running local instance would find the other worker's in the same way.
 
 The workers share one Inductor cache, as the processes of a machine do: Inductor writes its entries whole or under
 file locks, and `engine.compile_host` builds its packages under a lock (esp_worker/kernels/aot.py), so what one
-worker compiled (a graph, a kernel, the compiler's precompiled headers and instruction-set checks, ~15 s
-the first time) the other loads."""
+worker compiled (a graph, a kernel, the compiler's precompiled headers and instruction-set checks: ~15 s before
+a cache's first torch.compile graph, ~30 s before its first AOTInductor package) the other loads."""
 import os
 import tempfile
 
