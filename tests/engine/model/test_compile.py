@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine_helpers import reference, run, tiny
+from engine_helpers import PROMPTS, reference, run, tiny
 from esp_worker import EngineConfig, GenerationParams
 from esp_worker.model.compiled import CompileUnsupported
 from esp_worker.model.errors import ModelLoadError
@@ -44,6 +44,22 @@ def test_compiled_layers_compute_the_direct_forward():
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert comp.direct.compiled.graphs >= 2 and comp.direct.compiled.compile_s > 0
+
+
+@pytest.mark.slow
+def test_one_graph_each_serves_every_batch_block_and_length():
+    """Prefills, tree passes, plain passes of several rows and of one row (a size of 1, which torch otherwise
+    compiles apart) all run the same two graphs: one `pre`, one `post`."""
+    from esp_worker import Engine, Request
+
+    torch._dynamo.reset()  # count the graphs compiled here, not reuse an earlier test's
+    lm = tiny("llama")
+    eng = Engine(lm, EngineConfig(method="hybrid", block_complexity=30, compile=True, max_batch_size=4))
+    ref = reference("llama", "sdpa")
+    for prompts in ([0, 1, 2, 3], [1]):  # four rows, then a single row's plain passes
+        outs = eng.generate([Request(id=str(i), prompt=PROMPTS[i], params=GREEDY) for i in prompts])
+        assert [tuple(o.token_ids) for o in outs] == [ref[i] for i in prompts]
+    assert eng.runner.direct.compiled.graphs == 2
 
 
 def test_compile_needs_the_direct_forward():
