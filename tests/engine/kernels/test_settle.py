@@ -47,9 +47,7 @@ SETTINGS = [  # (method, block complexity, masks, tree, batch): one kernel each
     ("esp", 30, 1, "static", 1),  # one level of 14 nodes (the fan path)
     ("esp", 30, 2, "static", 2),  # a static tree two deep [7, 2]: the probe's kernel prepares its blocks
     ("esp", 24, 2, "dynamic", 3),  # per-row trees two deep (per-row layouts)
-    ("pld", 10, 1, "static", 2),  # chains
-    ("hybrid", 30, 1, "static", 2),  # per-row trees from several proposers, counted per proposer
-]
+]  # (pld's chains and the hybrid's trees are checked on the trained model, where their drafts are accepted)
 
 
 @pytest.mark.slow
@@ -65,7 +63,7 @@ def test_compiled_settle_matches_eager_and_generate(arch, compile_at_once):
         what = f"{method} BC {bc} k {k} {tree} batch {batch} {arch}"
         assert eng.settler.passes == eng.stats.decode_passes > 0, f"{what}: not every pass ran the kernel"
         assert eng.compile_s > 0
-        if tree == "dynamic" or method == "hybrid":  # per-row layouts: the batch's last row keeps the batch's kernel
+        if tree == "dynamic":  # per-row layouts: the batch's last row keeps the batch's kernel
             assert eng.settler.kernels.compiled == 1, what
         if method == "esp" and tree == "static":  # the pass after each prefill proposes eagerly, then prepared blocks
             assert eng.drafter.prepared_blocks > eng.stats.decode_passes // 2, what
@@ -149,6 +147,8 @@ def test_compiled_settle_on_the_trained_model(compile_at_once):
         what = f"trained {cfg.method} BC {cfg.block_complexity}"
         if cfg.block_complexity != "auto":  # (auto's block sizes vary: most recur, its first passes do not)
             assert eng.settler.passes == eng.stats.decode_passes
+        if cfg.method == "hybrid":  # per-row trees: the batch's last row keeps the batch's kernel
+            assert eng.settler.kernels.compiled == 1, what
         if cfg.method != "pld" and cfg.block_complexity != "auto":  # ESP's mask EMA was computed by the kernel
             assert eng.settler.ema_passes > eng.settler.passes // 2, (eng.settler.ema_passes, eng.settler.passes)
         if cfg.method == "esp" and cfg.max_batch_size == 1:  # and ESP's blocks were prepared by the probe's kernel
