@@ -42,12 +42,12 @@ if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths
 # (`--no-loadscope-reorder` keeps this order: by default xdist hands out the modules with the most tests first,
 # which started the two training modules last on one worker).
 LONGEST_FIRST = ("engine/kernels/test_settle.py", "jobs/run/test_jobs_cluster.py", "jobs/run/test_jobs_integrity.py",
-                 "jobs/run/test_jobs_ray.py", "jobs/train/test_train_heads.py", "jobs/train/test_train_dmtd.py",
-                 "engine/test_lossless.py", "jobs/io/test_jobs_s3.py", "jobs/export/test_spec_bench_export.py",
-                 "engine/graphs/test_step_compile.py", "jobs/bench/test_bench.py", "jobs/run/test_jobs_dmtd.py",
-                 "jobs/run/test_jobs_graphs.py", "engine/model/test_compile.py", "engine/graphs/test_capture_path.py",
-                 "jobs/run/test_jobs_local_ray.py", "engine/drafters/test_cp_heads.py",
-                 "engine/graphs/test_static_engine.py", "engine/kernels/test_aot.py", "jobs/run/test_jobs_default.py", "engine/model/test_flex.py")
+                 "jobs/run/test_jobs_ray.py", "jobs/train/test_train_dmtd.py", "jobs/train/test_train_heads.py",
+                 "engine/graphs/test_capture_path.py", "engine/test_lossless.py", "engine/graphs/test_step_compile.py",
+                 "jobs/io/test_jobs_s3.py", "jobs/bench/test_bench.py", "engine/kernels/test_aot.py",
+                 "jobs/export/test_spec_bench_export.py", "engine/graphs/test_static_engine.py",
+                 "jobs/run/test_jobs_graphs.py", "jobs/run/test_jobs_default.py", "engine/drafters/test_cp_heads.py",
+                 "engine/model/test_flex.py", "jobs/run/test_jobs_dmtd.py", "jobs/run/test_jobs_local_ray.py")
 
 
 def pytest_collection_modifyitems(config, items):
