@@ -473,14 +473,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ESP_BATCH_CACHE", Path.home() / ".cache" / "esp-batch"))
 
 
-def _forward_kind(runner: ModelRunner) -> str:
+def _forward_kind(runner: ModelRunner, replayed: bool) -> str:
     """Which forward a pass runs (the cost curve is per forward): the model's, the direct one, or compiled, and
-    the decode attention's kernel where it is not torch's own choice (engine.attention_backend)."""
+    the decode attention's kernel where it is not torch's own choice (engine.attention_backend; `flex` is only
+    replayed passes' kernel, eager ones keep torch's)."""
     if runner.direct is None:
         return "model"
     kind = "direct+compiled" if runner.direct.compiled is not None else "direct"
     backend = runner.direct.attention_backend
-    return kind if backend == "torch" else f"{kind}+attention_{backend}"
+    if backend == "torch" or (backend == "flex" and not replayed):
+        return kind
+    return f"{kind}+attention_{backend}"
 
 
 def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "",
@@ -497,7 +500,8 @@ def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "
     blocks = sorted(set(powers_of_two(max_block)) | {max_block})
     key = json.dumps(
         [CURVE_VERSION, runner.loaded.name, str(runner.device), str(runner.dtype), torch.get_num_threads(),
-         _forward_kind(runner) + (f"+{passes_kind}" if passes is not None else ""), batches, cache_lens, blocks]
+         _forward_kind(runner, passes is not None) + (f"+{passes_kind}" if passes is not None else ""), batches,
+         cache_lens, blocks]
     )
     file = cache_dir() / f"cost-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
     try:

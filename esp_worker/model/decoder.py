@@ -113,6 +113,16 @@ class DirectDecoder:
         if self.sdpa:
             self.attend = functools.partial(sdpa_packed_gqa, backends=attention_backends(backend))
 
+    def pack(self, bias: Any, q: int) -> Any:
+        """The layers' bias for a block of q inputs: under sdpa attention with grouped-query heads, a tensor bias as
+        the `PackedBias` every layer's `_sdpa_packed_gqa` takes (one tiling per forward; per layer it is one more
+        kernel, of a replayed pass's few hundred); anything else (None, a `FlexMask`, packed already) as given."""
+        if not (self.sdpa and isinstance(bias, torch.Tensor)):
+            return bias
+        nq, nk = self.heads
+        hd = self.base.layers[0].self_attn.head_dim
+        return PackedBias(pack_bias(bias, nq // nk)) if packs(nq, nk, q, hd) else bias
+
     def few_rows(self) -> "DirectDecoder":
         """This decoder with its products computed as `weight_major_linear` (CPU, eager loop): for DMTD's
         refill, a product over tau rows of a lossy method. Not bitwise `F.linear`, so never for a pass whose
@@ -202,10 +212,11 @@ class DirectDecoder:
         if keep is not None:
             assert stop - 1 == last, "keep applies to the model's last layer"
         if self.compiled is not None:
-            h = self.compiled.run(h, rope, bias, cache, start, stop)
+            h = self.compiled.run(h, rope, self.pack(bias, h.shape[1]), cache, start, stop)
             return h if keep is None else gather_slots(h, keep)
         if keep is not None and not self.rows_invariant:
             return gather_slots(self.run(h, start, stop, rope, bias, cache), keep)
+        bias = self.pack(bias, h.shape[1])  # tiled once here, not in every layer
         k = 0 if keep is None else keep.shape[1]
         if keep is not None and b * k < MIN_ROWS:  # pad to a product of >= MIN_ROWS rows (extra rows: position 0)
             keep = torch.cat([keep, keep.new_zeros(b, -(-MIN_ROWS // b) - k)], 1)
@@ -286,8 +297,28 @@ def sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
         return _sdpa_packed_gqa(module, query, key, value, bias, dropout, scaling)
 
 
+@dataclass(frozen=True)
+class PackedBias:
+    """An additive bias tiled for grouped-query heads packed into the query dimension (`_sdpa_packed_gqa`)."""
+
+    packed: torch.Tensor  # [B, 1, g * Q, S]: bias [B, 1, Q, S] repeated for the g query heads of a key/value head
+
+
+def packs(heads: int, kv_heads: int, q: int, head_dim: int) -> bool:
+    """Whether `_sdpa_packed_gqa` packs a biased block of q inputs: grouped-query heads, and the bias's g copies
+    smaller than the keys and values transformers' way would repeat (g * Q <= 2 * H * hd)."""
+    g = heads // kv_heads
+    return g > 1 and g * q <= 2 * heads * head_dim
+
+
+def pack_bias(bias: torch.Tensor, g: int) -> torch.Tensor:
+    """bias [B, 1, Q, S] -> [B, 1, g * Q, S], row j * Q + i = row i (the packed query order)."""
+    b, _, q, s = bias.shape
+    return bias[:, :, None].expand(b, 1, g, q, s).reshape(b, 1, g * q, s)
+
+
 def _sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     bias: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None):
+                     bias: Optional[torch.Tensor | PackedBias], dropout: float = 0.0, scaling: Optional[float] = None):
     """transformers' sdpa attention, except that with a bias and grouped-query heads the g query heads of each
     key/value head are packed into the query dimension: query [B, H, Q, hd] -> [B, Hkv, g * Q, hd], bias
     [B, 1, Q, S] tiled g times. transformers repeats the keys and values per query head there instead
@@ -295,17 +326,19 @@ def _sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     of Q = 2 spent 5.6 ms per layer copying against 0.3 ms packed (esp-tiny-llama, one CPU thread). Each query
     row sees the same keys in the same order either way; the tests check the result is bitwise equal.
     Packing copies the bias g times, so it is used while that is smaller than the keys and values
-    (g * Q <= 2 * H * hd; a long masked prefill keeps transformers' way). Returns ([B, Q, H, hd], None)."""
+    (`packs`: g * Q <= 2 * H * hd; a long masked prefill keeps transformers' way); the decoder's layers take it
+    tiled once per forward (a `PackedBias`). Returns ([B, Q, H, hd], None)."""
     b, h, q, hd = query.shape
     hkv = key.shape[1]
-    g = h // hkv
-    if bias is None or g == 1 or g * q > 2 * h * hd:
+    if isinstance(bias, PackedBias):
+        packed_bias = bias.packed  # tiled once for every layer (`DirectDecoder.pack`)
+    elif bias is not None and packs(h, hkv, q, hd):
+        packed_bias = pack_bias(bias, h // hkv)
+    else:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, bias, dropout=dropout, scaling=scaling)
-    s = key.shape[2]
-    packed_q = query.reshape(b, hkv, g * q, hd)  # heads j * g .. j * g + g - 1 share key/value head j
-    packed_bias = bias[:, :, None].expand(bias.shape[0], 1, g, q, s).reshape(bias.shape[0], 1, g * q, s)
+    packed_q = query.reshape(b, hkv, h // hkv * q, hd)  # heads j * g .. j * g + g - 1 share key/value head j
     out = F.scaled_dot_product_attention(packed_q, key, value, attn_mask=packed_bias, dropout_p=dropout, scale=scaling)
     # reshape, not view: a CUDA kernel may return the packed output in another memory layout
     return out.reshape(b, h, q, hd).transpose(1, 2), None

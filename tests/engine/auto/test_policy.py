@@ -95,6 +95,9 @@ def test_calibration_is_cached(tmp_path, monkeypatch):
     # another decode attention kernel (engine.attention_backend) is another machine: measured and cached apart
     calibrate(ModelRunner(eng_lm, attention_backend="math"), max_batch=2, max_block=8)
     assert len(list(tmp_path.glob("cost-*.json"))) == 2
+    # flex is the kernel of compiled replayed passes only: eager passes under it are torch's, so is their curve
+    assert calibrate(ModelRunner(eng_lm, attention_backend="flex"), max_batch=2, max_block=8).seconds == c1.seconds
+    assert len(list(tmp_path.glob("cost-*.json"))) == 2
     # a damaged file (a full disk, a machine that went down mid-write) is measured again and replaced
     files[0].write_text('{"block_sizes": [1, 2')
     c3 = calibrate(runner, max_batch=2, max_block=8)

@@ -292,3 +292,30 @@ def test_engine_with_math_attention_is_generate(arch):
     cfg = EngineConfig(method="esp", num_masks=1, block_complexity=10, max_batch_size=2, attention_backend="math")
     outs = run(tiny(arch), cfg, GenerationParams(max_new_tokens=24))
     assert [tuple(o.token_ids) for o in outs] == list(reference(arch, "sdpa", 24))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_grouped_query_bias_is_tiled_once_per_forward(arch):
+    """A biased decode block tiles its bias for the packed grouped-query heads once for all layers, not per layer
+    (one kernel fewer per layer in a replayed pass), and the hidden states stay the model's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    direct, hf = _runners(arch, "sdpa")
+    cfg = direct.model.config
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert g > 1 and cfg.num_hidden_layers > 1
+    b, s, q = 3, 9, 4
+    tiled = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (b, 1, g * q, s + q):
+                tiled.append(func.overloadpacket.__name__)
+            return out
+
+    with torch.inference_mode(), Shapes():
+        _passes(direct, 0)
+    assert len(tiled) == 1  # expand().reshape(): one copy for all the tree block's layers
+    for a, want in zip(_passes(direct, 0), _passes(hf, 0)):
+        assert torch.equal(a, want)
