@@ -84,6 +84,31 @@ def hybrid_nodes(block_complexity: int, num_masks: int, mask_every: int, mask_mi
     return n
 
 
+@dataclass(frozen=True)
+class MergedPool:
+    """Every proposer's candidates in one pool of P nodes, topological (a parent before its children), for one state
+    of the rows (`version`, and whether the corpus was consulted): the policy's look and the pass's propose read
+    the same pool."""
+
+    version: int
+    corpus: bool
+    rank: torch.Tensor  # [B, P] calibrated probability the node is accepted (its path's product), -1 where not valid
+    valid: torch.Tensor  # [B, P] bool: a live candidate (merged duplicates and orphans are not)
+    tokens: torch.Tensor  # [B, P]
+    parents: torch.Tensor  # [B, P] pool index of the parent, -1 under the root
+    source: torch.Tensor  # [B, P] proposer (NGRAM, STORE, ESP, CORPUS or the heads')
+    cell: torch.Tensor  # [B, P] the calibration's (proposer, depth) index
+    q: torch.Tensor  # [B, P] the proposer's own P(accepted | parent accepted)
+
+
+@dataclass(frozen=True)
+class Proposed:
+    """What calibration learns from about the tree a pass fed, per tree slot."""
+
+    cell: torch.Tensor  # [B, T] the calibration's (proposer, depth) index of each slot
+    q: torch.Tensor  # [B, T] its proposer's own P(accepted | parent accepted)
+
+
 @dataclass
 class HybridState(ESPState, StandState, CPHeadsState):
     """ESP's probe and mask vector, STAND's logit store and (with heads) the heads' hidden state."""
@@ -141,8 +166,8 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         priors["heads"] = settings.heads_prior
         self.calibration = AcceptanceCalibration(torch.tensor([priors[p] for p in self.proposers]).repeat_interleave(d),
                                                  settings.decay)
-        self._pool_key: Optional[tuple] = None  # (RowsView.version, corpus consulted, the merged pool)
-        self._last = None
+        self._pool: Optional[MergedPool] = None  # the last merged pool
+        self._last: Optional[Proposed] = None  # the tree last proposed, until its pass is observed
 
     # ---- sizes -------------------------------------------------------------------------------------
     @property
@@ -167,7 +192,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
 
     # ---- state -------------------------------------------------------------------------------------
     def start_job(self) -> None:
-        self._pool_key = None
+        self._pool = None
         if self.corpus is not None:
             self.corpus.reset()
 
@@ -191,7 +216,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         return self.probe.start_rows(view)
 
     def observe(self, view: RowsView, result: PassRecord) -> None:
-        self._pool_key = None  # the probe, the store and the calibration change
+        self._pool = None  # the probe, the store and the calibration change
         if self.heads is not None:  # every pass: the last accepted slot's hidden state (a gather)
             self.heads.observe(view, result)
         if self.variant == "ngram" and not result.prefill:  # no masks fed, store not consulted
@@ -212,17 +237,17 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
             self.probe.candidates(view, logits)
 
     def _calibrate(self, result: PassRecord) -> None:
-        cell, q = self._last  # [B, T] flat (proposer, depth) index, proposer probability
-        self.calibration.update(result.block.tree, result.path_slots, result.num_committed, cell, q)
+        self.calibration.update(result.block.tree, result.path_slots, result.num_committed, self._last.cell,
+                                self._last.q)
 
     # ---- candidates --------------------------------------------------------------------------------
-    def _merged_pool(self, view: RowsView):
-        """(rank, valid, tok, par, src, cell, q) [B, P] of the merged pool; cached for one history and probe (and
-        whether the corpus is consulted: the policy's look may have built it with the previous read's hints)."""
+    def _merged_pool(self, view: RowsView) -> MergedPool:
+        """The merged pool of this state of the rows, kept until the probe, the store or the calibration change (and
+        built again when whether the corpus is consulted differs: the policy's look may have built it with the
+        previous read's hints)."""
         corpus = self.corpus is not None and self.chain.corpus_needed(view)
-        key = (view.version, corpus)
-        if self._pool_key is not None and self._pool_key[:2] == key:
-            return self._pool_key[2]
+        if self._pool is not None and (self._pool.version, self._pool.corpus) == (view.version, corpus):
+            return self._pool
         st = view.state
         root = view.root
         b, dev = root.shape[0], root.device
@@ -230,15 +255,15 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         alpha = self.alpha(dev)
         # n-gram pool, depth-major [chain_1, alt_1.., chain_2, ...] (STAND's layout)
         c = self.store.candidates(view, self.chain.own_start(view))  # the chain's match (same n-gram lengths)
-        chain, ok = c["chain"], c["ok"]
+        chain, ok = c.chain, c.ok
         if corpus:  # rows with no match of their own:
             # the job's n-grams (no stored branches)
             chain, ok, from_corpus = self.corpus.fill(view.hist, view.hist_len, chain, ok)
         dep, kk = chain.shape[1], self.store.topk
         p1 = dep * kk
-        ng_tok = torch.cat([chain[..., None], c["alt_ids"]], 2).reshape(b, p1)
-        ng_q = torch.cat([ok.float()[..., None], c["alt_lp"].exp()], 2).reshape(b, p1)
-        ng_valid = torch.cat([ok[..., None], c["alt_lp"] > NEG], 2).reshape(b, p1)
+        ng_tok = torch.cat([chain[..., None], c.alt_ids], 2).reshape(b, p1)
+        ng_q = torch.cat([ok.float()[..., None], c.alt_lp.exp()], 2).reshape(b, p1)
+        ng_valid = torch.cat([ok[..., None], c.alt_lp > NEG], 2).reshape(b, p1)
         ng_par = self.store.pool_parents(dev).expand(b, -1)
         d = torch.arange(dep, device=dev)[:, None].expand(dep, kk).reshape(-1)  # depth - 1
         kind = torch.where(torch.arange(kk, device=dev) == 0, NGRAM, STORE).repeat(dep).expand(b, -1)  # [B, P1]
@@ -300,16 +325,14 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
             up = par.clamp(min=0)
             cum = torch.where(par < 0, cond, cond * cum.gather(1, up))
             valid = valid & ((par < 0) | valid.gather(1, up))
-        rank = torch.where(valid, cum, -1.0)
-        out = (rank, valid, tok, par, src, cell, q)
-        self._pool_key = key + (out,)
-        return out
+        self._pool = MergedPool(view.version, corpus, torch.where(valid, cum, -1.0), valid, tok, par, src, cell, q)
+        return self._pool
 
     def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """[B, max_nodes] calibrated acceptance estimate of each node of the largest tree, best first."""
         if (variant or self.variant) == "ngram":
             return self.chain.draft_mass(view)
-        rank = self._merged_pool(view)[0]
+        rank = self._merged_pool(view).rank
         n = min(self.num_nodes, rank.shape[1])
         top = rank.topk(n, dim=1).values.clamp(min=0.0)
         return torch.nn.functional.pad(top, (0, self.num_nodes - n))
@@ -331,15 +354,15 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         if n == 0:
             return self.blocks.build(DraftTree.root_only(view.root), self.probe.mask_inputs(view, self.num_masks),
                                      self.num_masks, max_depth=0)
-        rank, valid, tok, par, src, cell, q = self._merged_pool(view)
-        tree, keep = best_nodes(view.root, rank, valid, tok, par, n)
+        pool = self._merged_pool(view)
+        tree, keep = best_nodes(view.root, pool.rank, pool.valid, pool.tokens, pool.parents, n)
         b, t, dev = tree.tokens.shape[0], tree.num_slots, tree.tokens.device
         n_kept = keep.shape[1]
         pad = lambda x, fill: torch.nn.functional.pad(x, (1, t - 1 - n_kept), value=fill)  # noqa: E731 root + padding
-        source = pad(src.gather(1, keep), -1)
-        self._last = (pad(cell.gather(1, keep), 0), pad(q.gather(1, keep), 0.0))
+        source = pad(pool.source.gather(1, keep), -1)
+        self._last = Proposed(pad(pool.cell.gather(1, keep), 0), pad(pool.q.gather(1, keep), 0.0))
         # mask owners: the root and the nodes most likely to end the accepted path
-        reach = pad(rank.gather(1, keep).clamp(min=0.0), 1.0) * tree.valid
+        reach = pad(pool.rank.gather(1, keep).clamp(min=0.0), 1.0) * tree.valid
         below = torch.zeros_like(reach).scatter_add_(1, tree.parents[:, 1:].clamp(min=0), reach[:, 1:])
         end = torch.where(tree.valid, reach - below, -1.0)
         m = mask_owners(n, self.mask_every, self.mask_min_nodes)

@@ -1,17 +1,48 @@
 """Prompt lookup decoding: copy what followed the latest earlier occurrence of the context's suffix."""
 from __future__ import annotations
 
-import torch
-
-from ..consts import constant, ones, steps
-from ..tree import DraftTree
+from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from ..auto.sizer import DraftSizer
+from ..consts import constant, ones, steps
 from ..passes import Block, PassPlan, PassRecord, RowsView
+from ..tree import DraftTree
 from .base import FULL, Drafter
 from .common import find_continuation
 from .corpus import CorpusNgrams
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """The chains found for one state of the rows (`RowsView.version`): reused within a pass and by the next pass
+    after the policy's look (draft_mass, then propose)."""
+
+    version: int
+    corpus: bool  # the corpus was consulted
+    chain: torch.Tensor  # [B, depth] tokens following each row's best match
+    valid: torch.Tensor  # [B, depth]
+    from_corpus: torch.Tensor  # [B] bool: the row's chain is the corpus's continuation
+
+
+@dataclass(frozen=True)
+class _OwnMatch:
+    """The best match in the rows' own histories for one state of the rows (with a corpus: found after the commit,
+    `row_hints`, and reused by the next pass's lookup)."""
+
+    version: int
+    start: torch.Tensor  # [B] index of the first token after the match, -1 = none
+
+
+@dataclass(frozen=True)
+class _ChainRates:
+    """cumprod of `rates()` as of the counters' `updates`-th change, on `device`."""
+
+    updates: int
+    device: torch.device
+    cum: torch.Tensor  # [2, depth]
 
 
 class PromptLookupDrafter(Drafter, DraftSizer):
@@ -31,19 +62,35 @@ class PromptLookupDrafter(Drafter, DraftSizer):
         self.max_nodes = depth
         self.corpus = corpus  # hybrid's ngram variant: the job's n-grams where a row's own history has none
         self._parents: dict[tuple, torch.Tensor] = {}
-        # (hist_len tensor, (chain [B, depth], valid [B, depth], from_corpus [B]), corpus consulted) of the last
-        # lookup, reused within a pass and by the next pass after the policy's look (draft_mass then propose)
-        self._match = None
-        # (hist_len tensor, start [B]) of the last match in the rows' own histories: with a corpus, found
-        # after the commit (`row_hints`) and reused by the next pass's lookup
-        self._own = None
+        self._match: Optional[_Lookup] = None  # the last lookup
+        self._own: Optional[_OwnMatch] = None  # the last match in the rows' own histories
+        self._rates: Optional[_ChainRates] = None  # draft_mass's rates, until the counters change
+        self._updates = 0  # changes of the counters so far (in place by observe, or replaced)
         # per source (0: the row's own history, 1: the corpus) and depth d (decayed counts): rows that were
         # offered node d with node d-1 accepted, and those accepting node d (`rates`). The corpus's
         # continuations are accepted less often than a row's own: one shared rate overrated them and
         # underrated the row's own chains.
-        self.reached = torch.zeros(2, depth)
-        self.accepted = torch.zeros(2, depth)
+        self._reached = torch.zeros(2, depth)
+        self._accepted = torch.zeros(2, depth)
         self._used: Optional[torch.Tensor] = None  # [B] the last proposed chains' rows that came from the corpus
+
+    @property
+    def reached(self) -> torch.Tensor:
+        """[2, depth] decayed counts of rows offered node d with node d-1 accepted, per source."""
+        return self._reached
+
+    @reached.setter
+    def reached(self, value: torch.Tensor) -> None:
+        self._reached, self._updates = value, self._updates + 1
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        """[2, depth] decayed counts of rows that accepted node d, per source."""
+        return self._accepted
+
+    @accepted.setter
+    def accepted(self, value: torch.Tensor) -> None:
+        self._accepted, self._updates = value, self._updates + 1
 
     def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
         """The acceptance counters go where the rows live, here at the prefill: inside a pass a copy from host
@@ -73,7 +120,8 @@ class PromptLookupDrafter(Drafter, DraftSizer):
         per pass at the full depth)."""
         hist, length = view.hist, view.hist_len  # [B, C], [B]
         corpus = self.corpus is not None and self.corpus_needed(view)
-        if self._match is None or self._match[0] is not length or self._match[2] != corpus:
+        m = self._match
+        if m is None or m.version != view.version or m.corpus != corpus:
             c = hist.shape[1]
             start = self.own_start(view).unsqueeze(1)  # [B, 1], -1 = no match
             idx = start + steps(self.depth, hist.device)  # [B, depth]
@@ -84,8 +132,8 @@ class PromptLookupDrafter(Drafter, DraftSizer):
             else:
                 used = constant(("no_rows", len(length), hist.device),
                                 lambda: torch.zeros(len(length), dtype=torch.bool, device=hist.device))
-            self._match = (length, (chain, valid, used), corpus)
-        chain, valid, used = self._match[1]
+            m = self._match = _Lookup(view.version, corpus, chain, valid, used)
+        chain, valid, used = m.chain, m.valid, m.from_corpus
         if depth < self.depth:
             chain, valid = chain.narrow(1, 0, depth), valid.narrow(1, 0, depth)
         return chain, valid, used
@@ -93,9 +141,9 @@ class PromptLookupDrafter(Drafter, DraftSizer):
     def own_start(self, view: RowsView) -> torch.Tensor:
         """[B] index of the first token after the best match in each row's own history, -1 = none (once per
         history: `row_hints` finds it after a commit, the next pass's lookup reuses it)."""
-        if self._own is None or self._own[0] is not view.hist_len:
-            self._own = (view.hist_len, self.find_continuation(view.hist, view.hist_len))
-        return self._own[1]
+        if self._own is None or self._own.version != view.version:
+            self._own = _OwnMatch(view.version, self.find_continuation(view.hist, view.hist_len))
+        return self._own.start
 
     def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
         """With a corpus: each row's own match (`own_start`), so that the next pass knows on the host whether
@@ -116,17 +164,12 @@ class PromptLookupDrafter(Drafter, DraftSizer):
         """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i) of the chain's
         source (the row's own history or the corpus)."""
         _, valid, used = self._chain(view, self.depth)
-        # the rates change only when the counters do (observe counts its updates; tensors made under inference
-        # mode, as the counters are once moved to a GPU, have no version counter to ask)
-        key = (self._updates, valid.device)
-        c = self._chain_rates
-        if c is None or c[0] is not self.reached or c[1] is not self.accepted or c[2] != key:
-            c = self._chain_rates = (self.reached, self.accepted, key, self.rates().to(valid.device).cumprod(1))
-        return valid.float() * c[3].index_select(0, used.long())  # [B, depth]
-
-    # (reached, accepted (held: a new tensor cannot pass for them), (updates, device), cumprod of `rates()`)
-    _chain_rates: Optional[tuple] = None
-    _updates = 0  # observe's updates of the counters so far
+        # the rates change only when the counters do (every change is counted: tensors made under inference mode,
+        # as the counters are once moved to a GPU, have no version counter to ask)
+        r = self._rates
+        if r is None or r.updates != self._updates or r.device != valid.device:
+            r = self._rates = _ChainRates(self._updates, valid.device, self.rates().to(valid.device).cumprod(1))
+        return valid.float() * r.cum.index_select(0, used.long())  # [B, depth]
 
     def rates(self) -> torch.Tensor:
         """[2, depth] P(node d accepted | node d-1 accepted) per source: decayed counts with a prior of one
@@ -158,10 +201,10 @@ class PromptLookupDrafter(Drafter, DraftSizer):
         took = valid * (steps < accepted[:, None])  # [B, d] node accepted
         used = self._used if self._used is not None and len(self._used) == len(valid) else torch.zeros_like(accepted)
         src = used.long()  # [B] 0 own history, 1 corpus
-        self.reached *= 0.99  # every depth, offered or not: misses at a depth not offered since fade (`rates`)
-        self.accepted *= 0.99
-        self.reached[:, :d].index_add_(0, src, reached)
-        self.accepted[:, :d].index_add_(0, src, took)
+        self._reached.mul_(0.99)  # every depth, offered or not: misses at a depth not offered since fade (`rates`)
+        self._accepted.mul_(0.99)
+        self._reached[:, :d].index_add_(0, src, reached)
+        self._accepted[:, :d].index_add_(0, src, took)
         self._updates += 1
 
     def find_continuation(self, hist: torch.Tensor, length: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,17 @@ class StandState(RowState):
     store_lp: Optional[torch.Tensor] = row_field(NEG)  # [B, C, K] their log-probs (NEG = none)
 
 
+@dataclass(frozen=True)
+class StoreCandidates:
+    """The n-gram continuation of each row and the logit store's alternatives at each of its depths (`candidates`)."""
+
+    chain: torch.Tensor  # [B, D] tokens following the best suffix match
+    ok: torch.Tensor  # [B, D] bool, prefix-closed: False past the history or without a match
+    chain_lp: torch.Tensor  # [B, D] the chain token's stored log-prob (-1e4 missing from the store, NEG where not ok)
+    alt_ids: torch.Tensor  # [B, D, K-1] the other stored candidates at each depth (under chain node d - 1), best first
+    alt_lp: torch.Tensor  # [B, D, K-1] their log-probs, NEG where absent
+
+
 class StandDrafter(Drafter, DraftSizer):
     name = "stand"
     state_type = StandState
@@ -126,15 +137,11 @@ class StandDrafter(Drafter, DraftSizer):
             getattr(st, key).scatter_(1, idx, torch.where(keep[..., None], new, cur))
 
     # ---- draft tree --------------------------------------------------------------------------------
-    def candidates(self, view: RowsView, start: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
-        """The n-gram continuation and the stored alternatives at each of its depths (also used by hybrid).
-
-        chain [B, D] tokens following the best suffix match; ok [B, D] (prefix-closed: False past the history
-        or without a match); chain_lp [B, D] the chain token's stored log-prob (-1e4 when missing from the
-        store, NEG where not ok); alt_ids / alt_lp [B, D, K-1] the other stored candidates at each depth
-        (they hang under chain node d - 1), best first, NEG where absent. start: [B] the match already found
-        with this drafter's n-gram lengths (hybrid's chain), or None to find it here.
-        """
+    def candidates(self, view: RowsView, start: Optional[torch.Tensor] = None) -> StoreCandidates:
+        """The n-gram continuation and the stored alternatives at each of its depths (also used by hybrid). A chain
+        token missing from the store stays draftable at a low score, so the tree degrades to PLD, never below it.
+        start: [B] the match already found with this drafter's n-gram lengths (hybrid's chain), or None to find it
+        here."""
         self._fit_store(view)
         st = view.state
         hist, length = view.hist, view.hist_len  # [B, C], [B]
@@ -152,12 +159,11 @@ class StandDrafter(Drafter, DraftSizer):
         # the chain token's log-prob (NEG if it is not among the stored candidates)
         hit = cand_ids == chain[..., None]
         chain_lp = torch.where(hit, cand_lp, NEG).max(-1).values  # [B, D]
-        chain_lp = torch.where(ok, chain_lp.clamp(min=-1e4), NEG)  # a chain token missing from the store
-        # stays draftable (low score) so that the tree degrades to PLD, never below it
+        chain_lp = torch.where(ok, chain_lp.clamp(min=-1e4), NEG)  # missing from the store: -1e4
         alt_lp, alt_ids = topk_excluding(cand_lp.reshape(b * dep, k), cand_ids.reshape(b * dep, k), chain.reshape(-1), k - 1)
         alt_lp = torch.where(ok[..., None], alt_lp.reshape(b, dep, k - 1), NEG)  # [B, D, K-1]
         alt_ids = alt_ids.reshape(b, dep, k - 1)
-        return dict(chain=chain, ok=ok, chain_lp=chain_lp, alt_ids=alt_ids, alt_lp=alt_lp)
+        return StoreCandidates(chain, ok, chain_lp, alt_ids, alt_lp)
 
     def pool_parents(self, device) -> torch.Tensor:
         """[D*K] parent pool index of each entry of the depth-major pool [chain_1, alt_1.., chain_2, ...]."""
@@ -167,13 +173,13 @@ class StandDrafter(Drafter, DraftSizer):
 
     def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
         c = self.candidates(view)
-        b, dep = c["chain"].shape
-        k, dev = self.topk, c["chain"].device
-        cum = c["chain_lp"].cumsum(1)  # [B, D] cumulative log-prob of chain node d
+        b, dep = c.chain.shape
+        k, dev = self.topk, c.chain.device
+        cum = c.chain_lp.cumsum(1)  # [B, D] cumulative log-prob of chain node d
         above = torch.cat([torch.zeros((b, 1), device=dev), cum[:, :-1]], 1)  # of its parent
         # pool in depth-major order: [chain_1, alt_1.., chain_2, alt_2.., ...]; parent pool index per entry
-        score = torch.cat([cum[..., None], above[..., None] + c["alt_lp"]], 2).reshape(b, dep * k)
-        tok = torch.cat([c["chain"][..., None], c["alt_ids"]], 2).reshape(b, dep * k)
+        score = torch.cat([cum[..., None], above[..., None] + c.alt_lp], 2).reshape(b, dep * k)
+        tok = torch.cat([c.chain[..., None], c.alt_ids], 2).reshape(b, dep * k)
         par = self.pool_parents(dev)
         is_chain = (torch.arange(dep * k, device=dev) % k == 0)[None]  # [1, D*K]
         rank = torch.where(is_chain & (score > NEG), 1.0, score)  # chain first, then branches by score
