@@ -5,16 +5,37 @@
 - `find_continuation`: the longest, latest n-gram match of the context's suffix (PLD, STAND, hybrid).
 - `pool_depth`: depth of each entry of a candidate pool from its parent indices.
 - `ema_apply`: ESP's mask-embedding EMA over a row's next tokens (eager, and in the compiled settle).
+- `Memo`: a value computed once per state of the rows (`RowsView.version`), e.g. a pool the policy's look and
+  the pass's propose both read.
 The tree-selection helper (`best_nodes`) lives in esp_worker.tree next to the tree types.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Generic, Hashable, Optional, TypeVar
 
 import torch
 
 NEG = float("-inf")
+T = TypeVar("T")
+
+
+class Memo(Generic[T]):
+    """The value last computed and the key it was computed for (a state of the rows, `RowsView.version`, with
+    whatever else it depends on): the same key gives the same value, another key computes it anew. One value at a
+    time; `clear` when what it was computed from changes under the same key (a drafter's observe)."""
+
+    def __init__(self) -> None:
+        self._key: Optional[Hashable] = None
+        self._value: Optional[T] = None
+
+    def get(self, key: Hashable, make: Callable[[], T]) -> T:
+        if self._key is None or self._key != key:
+            self._value, self._key = make(), key
+        return self._value
+
+    def clear(self) -> None:
+        self._key, self._value = None, None
 
 
 def ema_apply(m: torch.Tensor, emb: torch.Tensor, cols: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:

@@ -25,15 +25,14 @@ from typing import Optional
 
 import torch
 
-from ..model.heads import CPHeads
-from ..grad import inference
-from ..tree import DraftTree, best_nodes
 from ..auto.sizer import DraftSizer
+from ..grad import inference
+from ..model.heads import CPHeads
 from ..passes import Block, PassPlan, PassRecord, RowsView
-from .base import FULL, Drafter
 from ..row_state import RowState, row_field
-
-NEG = float("-inf")
+from ..tree import DraftTree, best_nodes
+from .base import FULL, Drafter
+from .common import NEG, Memo
 
 
 @dataclass
@@ -56,7 +55,7 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         self.heads, self.unembed = heads, unembed
         self.num_nodes = num_nodes
         self.depth = heads.cfg.num_positions - 1
-        self._pool_cache: Optional[tuple] = None  # (RowsView.version, the pool): draft_mass, then propose
+        self._pools: Memo[tuple] = Memo()  # the pool per state of the rows: draft_mass, then propose
 
     @property
     def max_nodes(self) -> int:
@@ -70,10 +69,10 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         return None
 
     def start_job(self) -> None:
-        self._pool_cache = None
+        self._pools.clear()
 
     def observe(self, view: RowsView, result: PassRecord) -> None:
-        self._pool_cache = None  # a new hidden state
+        self._pools.clear()  # a new hidden state
         st = view.state
         if result.prefill or result.hidden is None or result.last_slot is None:
             st.cp_ok = torch.zeros_like(st.cp_ok)
@@ -83,8 +82,12 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         st.cp_ok = torch.ones_like(st.cp_ok)
 
     # ---- the mixture and its candidate pool ---------------------------------------------------------
+    def _pool(self, view: RowsView) -> tuple:
+        """`_build_pool`, once per state of the rows."""
+        return self._pools.get(view.version, lambda: self._build_pool(view))
+
     @inference
-    def _pool(self, view: RowsView):
+    def _build_pool(self, view: RowsView) -> tuple:
         """(score [B, P] joint log-prob, token [B, P], parent pool index [B, P] (-1 = root), depth [B, P]),
         depth by depth.
 
@@ -92,8 +95,6 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         best 2 children (a tree of 3 nodes holds at most 2 nodes below depth 1); P = 3 + 2 * 2.
         """
         st = view.state
-        if self._pool_cache is not None and self._pool_cache[0] == view.version:
-            return self._pool_cache[1]
         h, root = st.cp_h, view.root  # [B, E], [B]
         b, dev, n = h.shape[0], h.device, self.num_nodes
         log_w, log_p = self.heads(h, self.unembed)  # [B, r], [B, r, n, V]
@@ -130,9 +131,7 @@ class CPHeadsDrafter(Drafter, DraftSizer):
             best = level.topk(nf, dim=-1).indices.sort(-1).values  # [B, nf] in pool order
             node_lw = child_lw.reshape(b, -1, r).gather(1, best[..., None].expand(-1, -1, r))
             node_idx = level_idx.gather(1, best)
-        out = (torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(deps, 1))
-        self._pool_cache = (view.version, out)
-        return out
+        return torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(deps, 1)
 
     def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """[B, max_nodes] joint probability of each node of the largest tree, best first (0 without a state)."""

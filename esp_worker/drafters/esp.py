@@ -25,7 +25,7 @@ from ..passes import Block, PassPlan, PassRecord, RowsView
 from ..sampling import upload
 from ..tree import DraftTree, best_nodes, static_branches, static_parents
 from .base import FULL, Drafter
-from .common import NEG, topk_excluding
+from .common import NEG, Memo, topk_excluding
 from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings, mask_inputs, probe_candidates
 
 __all__ = ["ESPDrafter", "ESPState", "MaskModel", "MaskSettings", "candidate_pool", "ProbeSpec", "probe_block", "static_tree_tokens"]
@@ -57,16 +57,17 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks):
         # the probe's top-k, so depth 1 needs budget - 1; a deeper level skips one parent token of budget - 1)
         self.probe = MaskProbe(model, mask, num_cand=max(1, self.budget - 1))
         self._parents: dict[tuple, torch.Tensor] = {}
-        self._pool_cache: Optional[tuple[int, tuple]] = None  # (RowsView.version, candidate_pool's output)
+        self._pools: Memo[tuple] = Memo()  # candidate_pool's output per state of the rows
 
     def start_job(self) -> None:
-        self._ready, self._pool_cache = None, None
+        self._ready = None
+        self._pools.clear()
 
     def start_rows(self, view: RowsView) -> Optional[torch.Tensor]:
         return self.probe.start_rows(view)
 
     def observe(self, view: RowsView, record: PassRecord) -> None:
-        self._pool_cache = None  # the probe changes the candidates
+        self._pools.clear()  # the probe changes the candidates
         logits = self.probe.observe(view, record)
         if logits is not None:  # the next pass can use a block prepared now when every row is probed
             self._candidates(view, logits, prepare=self.probe.all_probed and not record.prefill)
@@ -190,11 +191,9 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks):
     def pool(self, view: RowsView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Algorithm 1's candidate pool of the rows' probe for the full budget (`candidate_pool`); built once per
         state of the rows (draft_mass, then propose, in one pass: `RowsView.version`, and observe clears it)."""
-        if self._pool_cache is None or self._pool_cache[0] != view.version:
-            st = view.state
-            self._pool_cache = (view.version, candidate_pool(view.root, st.cand_lp, st.cand_ids, self.budget,
-                                                             self.expansion, self.prune))
-        return self._pool_cache[1]
+        st = view.state
+        return self._pools.get(view.version, lambda: candidate_pool(view.root, st.cand_lp, st.cand_ids, self.budget,
+                                                                    self.expansion, self.prune))
 
     def _dynamic_tree(self, view: RowsView, num_nodes: int) -> DraftTree:
         """Algorithm 1 under a budget of num_nodes + 1 slots: the best num_nodes pool candidates by cumulative

@@ -48,7 +48,7 @@ from ..tree import DraftTree, best_nodes, block_layout
 from ..passes import Block, PassPlan, PassRecord, RowsView
 from .base import FULL
 from .calibration import AcceptanceCalibration
-from .common import NEG, pool_depth
+from .common import NEG, Memo, pool_depth
 from .corpus import CorpusNgrams
 from ..auto.sizer import DraftSizer
 from ..kernels.hooks import KernelHooks
@@ -86,12 +86,8 @@ def hybrid_nodes(block_complexity: int, num_masks: int, mask_every: int, mask_mi
 
 @dataclass(frozen=True)
 class MergedPool:
-    """Every proposer's candidates in one pool of P nodes, topological (a parent before its children), for one state
-    of the rows (`version`, and whether the corpus was consulted): the policy's look and the pass's propose read
-    the same pool."""
+    """Every proposer's candidates in one pool of P nodes, topological (a parent before its children)."""
 
-    version: int
-    corpus: bool
     rank: torch.Tensor  # [B, P] calibrated probability the node is accepted (its path's product), -1 where not valid
     valid: torch.Tensor  # [B, P] bool: a live candidate (merged duplicates and orphans are not)
     tokens: torch.Tensor  # [B, P]
@@ -166,7 +162,9 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         priors["heads"] = settings.heads_prior
         self.calibration = AcceptanceCalibration(torch.tensor([priors[p] for p in self.proposers]).repeat_interleave(d),
                                                  settings.decay)
-        self._pool: Optional[MergedPool] = None  # the last merged pool
+        # per state of the rows and whether the corpus was consulted (the policy's look may have built it with the
+        # previous read's hints): the look and the pass's propose read one pool
+        self._pools: Memo[MergedPool] = Memo()
         self._last: Optional[Proposed] = None  # the tree last proposed, until its pass is observed
 
     # ---- sizes -------------------------------------------------------------------------------------
@@ -192,7 +190,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
 
     # ---- state -------------------------------------------------------------------------------------
     def start_job(self) -> None:
-        self._pool = None
+        self._pools.clear()
         if self.corpus is not None:
             self.corpus.reset()
 
@@ -216,7 +214,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         return self.probe.start_rows(view)
 
     def observe(self, view: RowsView, result: PassRecord) -> None:
-        self._pool = None  # the probe, the store and the calibration change
+        self._pools.clear()  # the probe, the store and the calibration change
         if self.heads is not None:  # every pass: the last accepted slot's hidden state (a gather)
             self.heads.observe(view, result)
         if self.variant == "ngram" and not result.prefill:  # no masks fed, store not consulted
@@ -242,12 +240,11 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
 
     # ---- candidates --------------------------------------------------------------------------------
     def _merged_pool(self, view: RowsView) -> MergedPool:
-        """The merged pool of this state of the rows, kept until the probe, the store or the calibration change (and
-        built again when whether the corpus is consulted differs: the policy's look may have built it with the
-        previous read's hints)."""
+        """The merged pool of this state of the rows (until the probe, the store or the calibration change)."""
         corpus = self.corpus is not None and self.chain.corpus_needed(view)
-        if self._pool is not None and (self._pool.version, self._pool.corpus) == (view.version, corpus):
-            return self._pool
+        return self._pools.get((view.version, corpus), lambda: self._build_pool(view, corpus))
+
+    def _build_pool(self, view: RowsView, corpus: bool) -> MergedPool:
         st = view.state
         root = view.root
         b, dev = root.shape[0], root.device
@@ -325,8 +322,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
             up = par.clamp(min=0)
             cum = torch.where(par < 0, cond, cond * cum.gather(1, up))
             valid = valid & ((par < 0) | valid.gather(1, up))
-        self._pool = MergedPool(view.version, corpus, torch.where(valid, cum, -1.0), valid, tok, par, src, cell, q)
-        return self._pool
+        return MergedPool(torch.where(valid, cum, -1.0), valid, tok, par, src, cell, q)
 
     def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """[B, max_nodes] calibrated acceptance estimate of each node of the largest tree, best first."""

@@ -11,38 +11,17 @@ from ..consts import constant, ones, steps
 from ..passes import Block, PassPlan, PassRecord, RowsView
 from ..tree import DraftTree
 from .base import FULL, Drafter
-from .common import find_continuation
+from .common import Memo, find_continuation
 from .corpus import CorpusNgrams
 
 
 @dataclass(frozen=True)
-class _Lookup:
-    """The chains found for one state of the rows (`RowsView.version`): reused within a pass and by the next pass
-    after the policy's look (draft_mass, then propose)."""
+class Lookup:
+    """Each row's chain at the full depth."""
 
-    version: int
-    corpus: bool  # the corpus was consulted
-    chain: torch.Tensor  # [B, depth] tokens following each row's best match
+    chain: torch.Tensor  # [B, depth] tokens following the row's best match
     valid: torch.Tensor  # [B, depth]
     from_corpus: torch.Tensor  # [B] bool: the row's chain is the corpus's continuation
-
-
-@dataclass(frozen=True)
-class _OwnMatch:
-    """The best match in the rows' own histories for one state of the rows (with a corpus: found after the commit,
-    `row_hints`, and reused by the next pass's lookup)."""
-
-    version: int
-    start: torch.Tensor  # [B] index of the first token after the match, -1 = none
-
-
-@dataclass(frozen=True)
-class _ChainRates:
-    """cumprod of `rates()` as of the counters' `updates`-th change, on `device`."""
-
-    updates: int
-    device: torch.device
-    cum: torch.Tensor  # [2, depth]
 
 
 class PromptLookupDrafter(Drafter, DraftSizer):
@@ -62,9 +41,13 @@ class PromptLookupDrafter(Drafter, DraftSizer):
         self.max_nodes = depth
         self.corpus = corpus  # hybrid's ngram variant: the job's n-grams where a row's own history has none
         self._parents: dict[tuple, torch.Tensor] = {}
-        self._match: Optional[_Lookup] = None  # the last lookup
-        self._own: Optional[_OwnMatch] = None  # the last match in the rows' own histories
-        self._rates: Optional[_ChainRates] = None  # draft_mass's rates, until the counters change
+        # per state of the rows (and whether the corpus was consulted): reused within a pass and by the next pass
+        # after the policy's look (draft_mass, then propose)
+        self._lookups: Memo[Lookup] = Memo()
+        # [B] the best match in the rows' own histories per state of the rows: with a corpus, found after the commit
+        # (`row_hints`) and reused by the next pass's lookup
+        self._own: Memo[torch.Tensor] = Memo()
+        self._rates: Memo[torch.Tensor] = Memo()  # [2, depth] cumprod of `rates()` per change of the counters
         self._updates = 0  # changes of the counters so far (in place by observe, or replaced)
         # per source (0: the row's own history, 1: the corpus) and depth d (decayed counts): rows that were
         # offered node d with node d-1 accepted, and those accepting node d (`rates`). The corpus's
@@ -118,32 +101,29 @@ class PromptLookupDrafter(Drafter, DraftSizer):
     def _chain(self, view: RowsView, depth: int):
         """([B, depth] tokens, [B, depth] valid, [B] from the corpus) following the best match (computed once
         per pass at the full depth)."""
-        hist, length = view.hist, view.hist_len  # [B, C], [B]
         corpus = self.corpus is not None and self.corpus_needed(view)
-        m = self._match
-        if m is None or m.version != view.version or m.corpus != corpus:
-            c = hist.shape[1]
-            start = self.own_start(view).unsqueeze(1)  # [B, 1], -1 = no match
-            idx = start + steps(self.depth, hist.device)  # [B, depth]
-            valid = (start >= 0) & (idx < length.unsqueeze(1))
-            chain = hist.gather(1, idx.clamp(0, c - 1))
-            if corpus:
-                chain, valid, used = self.corpus.fill(hist, length, chain, valid)
-            else:
-                used = constant(("no_rows", len(length), hist.device),
-                                lambda: torch.zeros(len(length), dtype=torch.bool, device=hist.device))
-            m = self._match = _Lookup(view.version, corpus, chain, valid, used)
+        m = self._lookups.get((view.version, corpus), lambda: self._lookup(view, corpus))
         chain, valid, used = m.chain, m.valid, m.from_corpus
         if depth < self.depth:
             chain, valid = chain.narrow(1, 0, depth), valid.narrow(1, 0, depth)
         return chain, valid, used
 
+    def _lookup(self, view: RowsView, corpus: bool) -> Lookup:
+        hist, length = view.hist, view.hist_len  # [B, C], [B]
+        start = self.own_start(view).unsqueeze(1)  # [B, 1], -1 = no match
+        idx = start + steps(self.depth, hist.device)  # [B, depth]
+        valid = (start >= 0) & (idx < length.unsqueeze(1))
+        chain = hist.gather(1, idx.clamp(0, hist.shape[1] - 1))
+        if corpus:
+            return Lookup(*self.corpus.fill(hist, length, chain, valid))
+        used = constant(("no_rows", len(length), hist.device),
+                        lambda: torch.zeros(len(length), dtype=torch.bool, device=hist.device))
+        return Lookup(chain, valid, used)
+
     def own_start(self, view: RowsView) -> torch.Tensor:
         """[B] index of the first token after the best match in each row's own history, -1 = none (once per
         history: `row_hints` finds it after a commit, the next pass's lookup reuses it)."""
-        if self._own is None or self._own.version != view.version:
-            self._own = _OwnMatch(view.version, self.find_continuation(view.hist, view.hist_len))
-        return self._own.start
+        return self._own.get(view.version, lambda: self.find_continuation(view.hist, view.hist_len))
 
     def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
         """With a corpus: each row's own match (`own_start`), so that the next pass knows on the host whether
@@ -166,10 +146,9 @@ class PromptLookupDrafter(Drafter, DraftSizer):
         _, valid, used = self._chain(view, self.depth)
         # the rates change only when the counters do (every change is counted: tensors made under inference mode,
         # as the counters are once moved to a GPU, have no version counter to ask)
-        r = self._rates
-        if r is None or r.updates != self._updates or r.device != valid.device:
-            r = self._rates = _ChainRates(self._updates, valid.device, self.rates().to(valid.device).cumprod(1))
-        return valid.float() * r.cum.index_select(0, used.long())  # [B, depth]
+        dev = valid.device
+        cum = self._rates.get((self._updates, dev), lambda: self.rates().to(dev).cumprod(1))
+        return valid.float() * cum.index_select(0, used.long())  # [B, depth]
 
     def rates(self) -> torch.Tensor:
         """[2, depth] P(node d accepted | node d-1 accepted) per source: decayed counts with a prior of one

@@ -121,7 +121,6 @@ def test_row_hints_skip_the_corpus_only_when_every_row_has_its_own_match(monkeyp
         assert [h >= 0 for h in hints] == [r == 0 for r in rows]
         unhinted = d.propose(view, PassPlan(3)).tree.tokens
         calls.clear()
-        d._match = None
         hinted = d.propose(RowsView(view.hist, view.hist_len, view.prompt_len, view.seeds, hints=hints), PassPlan(3))
         assert torch.equal(hinted.tree.tokens, unhinted) and (not calls) == skipped
 

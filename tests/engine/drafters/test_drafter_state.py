@@ -38,3 +38,36 @@ def test_unknown_fields_and_one_sided_joins_raise():
         RowState().m = torch.zeros(1)
     with pytest.raises(ValueError, match="one side"):
         st.extend(HybridState(m=torch.zeros(1, 4)))
+
+
+def test_memo_computes_once_per_key_until_cleared():
+    from esp_worker.drafters.common import Memo
+
+    made = []
+    memo: Memo[int] = Memo()
+    make = lambda v: lambda: made.append(v) or v  # noqa: E731
+    assert memo.get((1, False), make(10)) == 10 and memo.get((1, False), make(11)) == 10
+    assert memo.get((1, True), make(12)) == 12  # another key: computed anew
+    memo.clear()
+    assert memo.get((1, True), make(13)) == 13 and made == [10, 12, 13]
+
+
+def test_a_lookup_serves_the_look_and_the_propose_of_one_state_of_the_rows(monkeypatch):
+    """Prompt lookup's match is found once per state of the rows (`RowsView.version`): the policy's look
+    (draft_mass) and the pass's propose share it; rows in another state (a commit) get their own."""
+    from esp_worker.drafters import pld
+    from esp_worker.drafters.base import RowsView
+    from esp_worker.passes import PassPlan
+
+    calls = []
+    found = pld.find_continuation
+    monkeypatch.setattr(pld, "find_continuation", lambda *a: calls.append(1) or found(*a))
+    d = pld.PromptLookupDrafter(max_ngram=2, min_ngram=1, depth=3)
+    d.mass_wanted = True
+    hist, length = torch.tensor([[5, 6, 7, 8, 5, 6, 0]]), torch.tensor([6])
+    view = RowsView(hist, length, torch.tensor([1]), [0])
+    d.draft_mass(view)
+    assert d.propose(view, PassPlan(3)).tree.tokens.tolist() == [[6, 7, 8, 5]] and len(calls) == 1
+    hist[0, 6] = 7  # committed: a new state of the rows (the engine makes a new version with every commit)
+    after = RowsView(hist, torch.tensor([7]), torch.tensor([1]), [0])
+    assert d.propose(after, PassPlan(3)).tree.tokens.tolist() == [[7, 8, 5, 6]] and len(calls) == 2

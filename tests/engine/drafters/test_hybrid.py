@@ -97,7 +97,7 @@ def test_calibration_learns_per_proposer_and_depth():
                          mask_hidden=None, path_slots=torch.tensor([[0, slot9]]), last_slot=torch.tensor([slot9]),
                          block=block, slot_logits=torch.zeros((1, 6, V)))
         d._calibrate(res)
-        d._pool = None
+        d._pools.clear()
     mass = d.draft_mass(view)[0]
     # esp's factor rose (0.3 -> 1), the chain's depth-1 rate fell towards 0
     assert mass[0] > 0.9 and d.alpha()[0] < 0.1
