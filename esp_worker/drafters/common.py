@@ -7,14 +7,19 @@
 - `ema_apply`: ESP's mask-embedding EMA over a row's next tokens (eager, and in the compiled settle).
 - `Memo`: a value computed once per state of the rows (`RowsView.version`), e.g. a pool the policy's look and
   the pass's propose both read.
+- `CandidatePool`: scored candidates a tree is chosen from (ESP's Algorithm 1, the CP heads), with the two
+  reads every such drafter makes of it: the best tree and the mass of its nodes.
 The tree-selection helper (`best_nodes`) lives in esp_worker.tree next to the tree types.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, Optional, TypeVar
 
 import torch
+
+from ..tree import DraftTree, best_nodes
 
 NEG = float("-inf")
 T = TypeVar("T")
@@ -36,6 +41,32 @@ class Memo(Generic[T]):
 
     def clear(self) -> None:
         self._key, self._value = None, None
+
+
+@dataclass
+class CandidatePool:
+    """Candidates scored by joint log-probability, in topological order (a parent before its children, and no
+    child above its parent): the tree of the n best is `best_tree(root, n)`."""
+
+    score: torch.Tensor  # [B, P] joint log-prob of the path root -> entry (NEG = no candidate)
+    tokens: torch.Tensor  # [B, P]
+    parents: torch.Tensor  # [B, P] parent pool index, -1 = the root
+    depth: Optional[torch.Tensor] = None  # [B, P] 1 = a child of the root (when the builder knows it)
+
+    @property
+    def valid(self) -> torch.Tensor:  # [B, P]
+        return self.score > NEG
+
+    def best_tree(self, root: torch.Tensor, num_nodes: int) -> DraftTree:
+        """The `num_nodes` most probable entries under the roots [B] as a tree (`tree.best_nodes`)."""
+        return best_nodes(root, self.score, self.valid, self.tokens, self.parents, num_nodes)[0]
+
+    def top_mass(self, num_nodes: int, usable: torch.Tensor) -> torch.Tensor:
+        """[B, num_nodes] probability of each node of the best tree of num_nodes, best first, 0 for rows not
+        usable [B] and past the pool's end: its prefix sums estimate the drafts such a tree gets accepted."""
+        n = min(num_nodes, self.score.shape[1])
+        top = self.score.topk(n, dim=1).values.exp() * usable[:, None]
+        return torch.nn.functional.pad(top, (0, num_nodes - n))
 
 
 def ema_apply(m: torch.Tensor, emb: torch.Tensor, cols: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,9 @@ from ..grad import inference
 from ..model.heads import CPHeads
 from ..passes import Block, PassPlan, PassRecord, RowsView
 from ..row_state import RowState, row_field
-from ..tree import DraftTree, best_nodes
+from ..tree import DraftTree
 from .base import FULL, Drafter
-from .common import NEG, Memo
+from .common import CandidatePool, Memo
 
 
 @dataclass
@@ -55,7 +55,7 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         self.heads, self.unembed = heads, unembed
         self.num_nodes = num_nodes
         self.depth = heads.cfg.num_positions - 1
-        self._pools: Memo[tuple] = Memo()  # the pool per state of the rows: draft_mass, then propose
+        self._pools: Memo[CandidatePool] = Memo()  # the pool per state of the rows: draft_mass, then propose
 
     @property
     def max_nodes(self) -> int:
@@ -82,14 +82,13 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         st.cp_ok = torch.ones_like(st.cp_ok)
 
     # ---- the mixture and its candidate pool ---------------------------------------------------------
-    def _pool(self, view: RowsView) -> tuple:
+    def pool(self, view: RowsView) -> CandidatePool:
         """`_build_pool`, once per state of the rows."""
         return self._pools.get(view.version, lambda: self._build_pool(view))
 
     @inference
-    def _build_pool(self, view: RowsView) -> tuple:
-        """(score [B, P] joint log-prob, token [B, P], parent pool index [B, P] (-1 = root), depth [B, P]),
-        depth by depth.
+    def _build_pool(self, view: RowsView) -> CandidatePool:
+        """The joint continuations under the roots, depth by depth (scores: joint log-probs; depths known).
 
         Example (N = 3, depth 2): depth 1 keeps the best 3 tokens; each of the best 2 depth-1 nodes gets its
         best 2 children (a tree of 3 nodes holds at most 2 nodes below depth 1); P = 3 + 2 * 2.
@@ -131,21 +130,17 @@ class CPHeadsDrafter(Drafter, DraftSizer):
             best = level.topk(nf, dim=-1).indices.sort(-1).values  # [B, nf] in pool order
             node_lw = child_lw.reshape(b, -1, r).gather(1, best[..., None].expand(-1, -1, r))
             node_idx = level_idx.gather(1, best)
-        return torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(deps, 1)
+        return CandidatePool(torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(deps, 1))
 
     def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """[B, max_nodes] joint probability of each node of the largest tree, best first (0 without a state)."""
-        score = self._pool(view)[0]
-        k = min(self.num_nodes, score.shape[1])
-        top = score.topk(k, dim=1).values.exp() * view.state.cp_ok[:, None]
-        return torch.nn.functional.pad(top, (0, self.num_nodes - k))
+        return self.pool(view).top_mass(self.num_nodes, view.state.cp_ok)
 
     def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
         """num_nodes None = the configured size; <= 0 = a plain pass (root only)."""
         n = self.num_nodes if plan.num_nodes is None else min(plan.num_nodes, self.num_nodes)
         if n <= 0:
             return self.blocks.build(DraftTree.root_only(view.root), max_depth=0)
-        score, tok, par, _ = self._pool(view)
-        tree, _ = best_nodes(view.root, score, score > NEG, tok, par, n)  # the shared tree selection
+        tree = self.pool(view).best_tree(view.root, n)  # the shared tree selection
         tree.valid[:, 1:] &= view.state.cp_ok[:, None]
         return self.blocks.build(tree, max_depth=self.depth)

@@ -23,9 +23,9 @@ from ..kernels.aot import AotKernels
 from ..kernels.hooks import KernelHooks
 from ..passes import Block, PassPlan, PassRecord, RowsView
 from ..sampling import upload
-from ..tree import DraftTree, best_nodes, static_branches, static_parents
+from ..tree import DraftTree, static_branches, static_parents
 from .base import FULL, Drafter
-from .common import NEG, Memo, topk_excluding
+from .common import NEG, CandidatePool, Memo, topk_excluding
 from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings, mask_inputs, probe_candidates
 
 __all__ = ["ESPDrafter", "ESPState", "MaskModel", "MaskSettings", "candidate_pool", "ProbeSpec", "probe_block", "static_tree_tokens"]
@@ -57,7 +57,7 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks):
         # the probe's top-k, so depth 1 needs budget - 1; a deeper level skips one parent token of budget - 1)
         self.probe = MaskProbe(model, mask, num_cand=max(1, self.budget - 1))
         self._parents: dict[tuple, torch.Tensor] = {}
-        self._pools: Memo[tuple] = Memo()  # candidate_pool's output per state of the rows
+        self._pools: Memo[CandidatePool] = Memo()  # candidate_pool per state of the rows
 
     def start_job(self) -> None:
         self._ready = None
@@ -171,11 +171,7 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks):
 
         Their prefix sums estimate the drafts a tree of n nodes gets accepted (before calibration).
         """
-        score = self.pool(view)[0]
-        n = min(self.num_nodes, score.shape[1])
-        top = score.topk(n, dim=1).values.exp()
-        top = top * view.state.has_probe[:, None]
-        return torch.nn.functional.pad(top, (0, self.num_nodes - n))
+        return self.pool(view).top_mass(self.num_nodes, view.state.has_probe)
 
     def _parents_for(self, b: int, dev, branches: list[int]) -> torch.Tensor:
         key = (b, dev, tuple(branches))
@@ -188,7 +184,7 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks):
         return DraftTree(tokens, self._parents_for(root.shape[0], root.device, branches), valid,
                          static_key=("esp", tuple(branches)))
 
-    def pool(self, view: RowsView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pool(self, view: RowsView) -> CandidatePool:
         """Algorithm 1's candidate pool of the rows' probe for the full budget (`candidate_pool`); built once per
         state of the rows (draft_mass, then propose, in one pass: `RowsView.version`, and observe clears it)."""
         st = view.state
@@ -200,8 +196,7 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks):
         probability. A stable sort keeps a parent ahead of an equal-scoring child, so the kept set is a tree.
         (The pool is built for the full budget; for a smaller budget Algorithm 1's pool is a subset of it
         and holds the same best candidates under top-1 expansion.)"""
-        score, tok, par = self.pool(view)
-        tree, _ = best_nodes(view.root, score, score > NEG, tok, par, num_nodes)
+        tree = self.pool(view).best_tree(view.root, num_nodes)
         # with one mask every node hangs under the root: the shape is fixed and its layout can be cached
         if self.num_masks == 1:
             tree.static_key = ("esp-k1", num_nodes)
@@ -209,10 +204,10 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks):
 
 
 def candidate_pool(root: torch.Tensor, cand_lp: torch.Tensor, cand_ids: torch.Tensor, budget: int, expansion: str,
-                   prune: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Algorithm 1's candidate pool for a budget of `budget` slots: (score [B, P] cumulative log-prob, token [B, P],
-    parent pool index [B, P], -1 = root), from the probe's candidates [B, k, C] under the roots [B]. Entries are
-    appended depth by depth (topological order); "top1" expands the best node of each depth, "all" every one."""
+                   prune: bool) -> CandidatePool:
+    """Algorithm 1's candidate pool for a budget of `budget` slots (scores: cumulative log-probs), from the probe's
+    candidates [B, k, C] under the roots [B]. Entries are appended depth by depth (topological order); "top1"
+    expands the best node of each depth, "all" every one."""
     b, k, _ = cand_lp.shape
     dev = root.device
     bud = budget
@@ -247,7 +242,7 @@ def candidate_pool(root: torch.Tensor, cand_lp: torch.Tensor, cand_ids: torch.Te
         level_off += level_score.shape[1]
         pool_score.append(score), pool_tok.append(tok), pool_par.append(par)
         level_score, level_tok = score, tok
-    return torch.cat(pool_score, 1), torch.cat(pool_tok, 1), torch.cat(pool_par, 1)
+    return CandidatePool(torch.cat(pool_score, 1), torch.cat(pool_tok, 1), torch.cat(pool_par, 1))
 
 
 def static_tree_tokens(root: torch.Tensor, cand_lp: torch.Tensor, cand_ids: torch.Tensor, branches: list[int],

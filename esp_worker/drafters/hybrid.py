@@ -268,7 +268,8 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
             kind = torch.where(from_corpus[:, None] & (kind == NGRAM), CORPUS, kind)
         ng_cell = kind * dmax + d
         # esp pool (Algorithm 1, top-1 expansion), parents offset behind the n-gram pool
-        score, e_tok, e_par = candidate_pool(root, st.cand_lp, st.cand_ids, self.num_nodes + 1, self.expansion, self.prune)
+        esp = candidate_pool(root, st.cand_lp, st.cand_ids, self.num_nodes + 1, self.expansion, self.prune)
+        score, e_tok, e_par = esp.score, esp.tokens, esp.parents
         p2 = score.shape[1]
         e_valid = (score > NEG) & st.has_probe[:, None]
         e_depth = pool_depth(e_par, k)
@@ -278,7 +279,8 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         e_par = torch.where(e_par < 0, -1, e_par + p1)
         e_src = torch.full((b, p2), ESP, device=dev)
         if self.heads is not None:  # the heads' pool behind esp's: joint log-probs -> conditional q
-            h_score, h_tok, h_par, h_depth = self.heads._pool(view)
+            heads = self.heads.pool(view)
+            h_score, h_tok, h_par, h_depth = heads.score, heads.tokens, heads.parents, heads.depth
             h_valid = (h_score > NEG) & st.cp_ok[:, None]
             h_parent = torch.where(h_par < 0, 0.0, h_score.gather(1, h_par.clamp(min=0)))
             h_q = torch.where(h_valid, (h_score - h_parent).exp(), 0.0)

@@ -7,6 +7,7 @@ import torch
 
 from esp_worker.passes import PassPlan
 from esp_worker.drafters.base import RowsView
+from esp_worker.drafters.common import CandidatePool
 from esp_worker.drafters.hybrid import HybridDrafter, HybridSettings, hybrid_nodes, hybrid_tokens
 from esp_worker.drafters.mask_probe import MaskModel, MaskSettings
 from esp_worker.drafters.pld import PromptLookupDrafter
@@ -123,9 +124,9 @@ class FakeHeads:
     def observe(self, view, result):
         pass
 
-    def _pool(self, view):
+    def pool(self, view):
         score = torch.tensor([[math.log(0.6), math.log(0.2), math.log(0.6 * 0.5)]])
-        return score, torch.tensor([[7, 9, 5]]), torch.tensor([[-1, -1, 0]]), torch.tensor([[1, 1, 2]])
+        return CandidatePool(score, torch.tensor([[7, 9, 5]]), torch.tensor([[-1, -1, 0]]), torch.tensor([[1, 1, 2]]))
 
 
 def test_heads_merge_into_the_probe_and_bring_their_children():
