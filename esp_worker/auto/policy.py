@@ -69,11 +69,22 @@ class _Planned:
     looked: bool  # a look chose it (its host time holds the look's work)
 
 
+@dataclass(frozen=True)
+class _Decision:
+    """What a pass does before any draft mass is known (`BlockPolicy._decide`)."""
+
+    kind: str  # "plain" | "probe" (root + masks: a mask drafter's look) | "look" (read the draft mass, then size)
+    trial: bool = False  # a look by a proposer set that is not the best (`_pick_arm`)
+
+
+_PLAIN, _PROBE = _Decision("plain"), _Decision("probe")
+
+
 @dataclass
 class _Prepared:
     """The next pass's decision, made at the end of this one (`prepare`)."""
 
-    decision: tuple  # ("plain",) | ("probe",) | ("look", trial)
+    decision: _Decision
     # [max_nodes + 1] the look's cumulative mass on the host (`receive`), _NO_MASS, or None: read it at `plan`
     host_mass: Optional[list[float]] = None
 
@@ -193,13 +204,12 @@ class BlockPolicy:
         cache_len = self._cache_len(view, lens)
         prepared, self._prepared = self._prepared, None
         decision = prepared.decision if prepared is not None else self._decide(view, batch, cache_len)
-        if decision[0] != "look":
-            return PassPlan(self._planned(-1 if decision[0] == "plain" else 0, batch, cache_len), self.variant)
-        trial = decision[1]
+        if decision.kind != "look":
+            return PassPlan(self._planned(-1 if decision.kind == "plain" else 0, batch, cache_len), self.variant)
         fresh = prepared is not None and prepared.host_mass is not None
         mass = prepared.host_mass if fresh else self.sizer.draft_mass(view, self.variant)
         n = self.choose(mass, batch, cache_len, measured=not self._exploring())
-        return PassPlan(self._after_look(n, trial, batch, cache_len), self.variant)
+        return PassPlan(self._after_look(n, decision.trial, batch, cache_len), self.variant)
 
     def rows_changed(self) -> None:
         """Rows joined or left the batch since `prepare`: its draft mass was the old rows' (the decision stands)."""
@@ -217,19 +227,19 @@ class BlockPolicy:
         batch = len(view.seeds)
         decision = self._decide(view, batch, self._cache_len(view, lens))
         cum = None
-        if decision[0] == "look":
+        if decision.kind == "look":
             mass = self.sizer.draft_mass(view, self.variant)
             if mass is not None:
                 total = mass.float().sum(0).cumsum(0)
                 cum = torch.cat([total.new_zeros(1), total])
-        self._prepared = _Prepared(decision, _NO_MASS if decision[0] == "look" and cum is None else None)
+        self._prepared = _Prepared(decision, _NO_MASS if decision.kind == "look" and cum is None else None)
         return cum
 
     def next_is_plain(self) -> bool:
         """Known now, at the end of a pass: the next pass decodes plainly (its decision was prepared, or a back-off
         wait is running), so it looks nothing up and the drafter's row hints for it would go unused."""
         if self._prepared is not None:
-            return self._prepared.decision[0] == "plain"
+            return self._prepared.decision.kind == "plain"
         return self._wait > 0
 
     def receive(self, cum: Optional[list[float]]) -> None:
@@ -244,9 +254,9 @@ class BlockPolicy:
     def _exploring(self) -> bool:
         return len(self.arm.over) < self.min_samples or self._since["draft"] >= self.explore_every
 
-    def _decide(self, view, batch: int, cache_len: int) -> tuple:
-        """("plain",) | ("probe",) | ("look", trial): what the next pass does before any draft mass is known
-        (waits, back-off, the bound on what drafting could pay, a probe first, the proposer set)."""
+    def _decide(self, view, batch: int, cache_len: int) -> _Decision:
+        """What the next pass does before any draft mass is known (waits, back-off, the bound on what drafting
+        could pay, a probe first, the proposer set)."""
         # a plain pass re-measures plain's model time while an excess counts, and measures it at all once drafting
         # passes could show one (without it the excess is unknown, and a job drafting on a free-looking curve would
         # otherwise run `explore_every` slow drafting passes before its first plain pass)
@@ -254,7 +264,7 @@ class BlockPolicy:
         refresh = self._since["plain"] >= EXCESS_REFRESH and (unmeasured or self.model_excess() > 1.0)
         if self._wait > 0 or self._since["plain"] >= self.explore_every or refresh:
             self._wait = max(self._wait - 1, 0)
-            return ("plain",)
+            return _PLAIN
         base = self.probe_interval if self.sizer.needs_probe_to_draft else 1
         if self._next_wait < 64 * base and not self._may_pay(batch, cache_len):
             # no size could beat plain decoding even with every depth's mass at its bound: skip the look (for a
@@ -262,10 +272,10 @@ class BlockPolicy:
             # back-off a real look still runs, so alpha and the overheads are measured again
             self._wait = self._next_wait or base
             self._next_wait = min(2 * self._wait, 64 * base)
-            return ("plain",)
+            return _PLAIN
         if self.sizer.needs_probe(view):  # a mask drafter after plain passes: look with a probe pass
-            return ("probe",)
-        return ("look", self._pick_arm())
+            return _PROBE
+        return _Decision("look", self._pick_arm())
 
     def _after_look(self, n: int, trial: bool, batch: int, cache_len: int) -> int:
         base = self.probe_interval if self.sizer.needs_probe_to_draft else 1

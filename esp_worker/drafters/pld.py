@@ -89,24 +89,24 @@ class PromptLookupDrafter(Drafter, DraftSizer):
             return self.blocks.build(DraftTree.root_only(view.root), max_depth=0)
         b = view.hist.shape[0]
         dev = view.hist.device
-        chain, valid, self._used = self._chain(view, depth)
-        tokens = torch.cat([view.root.unsqueeze(1), chain], 1)
-        valid = torch.cat([ones((b, 1), torch.bool, dev), valid], 1)
+        look = self._chain(view, depth)
+        self._used = look.from_corpus
+        tokens = torch.cat([view.root.unsqueeze(1), look.chain], 1)
+        valid = torch.cat([ones((b, 1), torch.bool, dev), look.valid], 1)
         key = (b, depth, dev)
         if key not in self._parents:
             self._parents[key] = torch.arange(-1, depth, device=dev).expand(b, -1).contiguous()
         tree = DraftTree(tokens=tokens, parents=self._parents[key], valid=valid, static_key=("chain", depth))
         return self.blocks.build(tree, max_depth=depth)
 
-    def _chain(self, view: RowsView, depth: int):
-        """([B, depth] tokens, [B, depth] valid, [B] from the corpus) following the best match (computed once
-        per pass at the full depth)."""
+    def _chain(self, view: RowsView, depth: int) -> Lookup:
+        """The chains following the best match, cut to `depth` (looked up once per state of the rows at the full
+        depth)."""
         corpus = self.corpus is not None and self.corpus_needed(view)
         m = self._lookups.get((view.version, corpus), lambda: self._lookup(view, corpus))
-        chain, valid, used = m.chain, m.valid, m.from_corpus
         if depth < self.depth:
-            chain, valid = chain.narrow(1, 0, depth), valid.narrow(1, 0, depth)
-        return chain, valid, used
+            return Lookup(m.chain.narrow(1, 0, depth), m.valid.narrow(1, 0, depth), m.from_corpus)
+        return m
 
     def _lookup(self, view: RowsView, corpus: bool) -> Lookup:
         hist, length = view.hist, view.hist_len  # [B, C], [B]
@@ -138,12 +138,13 @@ class PromptLookupDrafter(Drafter, DraftSizer):
 
     def from_corpus(self, view: RowsView) -> torch.Tensor:
         """[B] rows whose chain this pass comes from the job's n-grams (the corpus), not their own history."""
-        return self._chain(view, self.depth)[2]
+        return self._chain(view, self.depth).from_corpus
 
     def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """Chain node d is accepted with the running rate prod_{i<=d} P(accept i | reached i) of the chain's
         source (the row's own history or the corpus)."""
-        _, valid, used = self._chain(view, self.depth)
+        look = self._chain(view, self.depth)
+        valid, used = look.valid, look.from_corpus
         # the rates change only when the counters do (every change is counted: tensors made under inference mode,
         # as the counters are once moved to a GPU, have no version counter to ask)
         dev = valid.device

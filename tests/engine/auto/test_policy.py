@@ -10,7 +10,7 @@ from cost_curves import BLOCKS, FLAT, STEEP, curve
 from engine_helpers import ARCHS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams
 from esp_worker.auto.cost_model import CostCurve
-from esp_worker.auto.policy import BlockPolicy, _Prepared, calibrate
+from esp_worker.auto.policy import BlockPolicy, _Decision, _Prepared, calibrate
 from esp_worker.auto.sizer import DraftSizer
 from esp_worker.passes import PassPlan
 
@@ -430,11 +430,11 @@ def test_next_is_plain_during_a_back_off_and_after_a_prepared_plain_decision():
     p._wait = 2  # a back-off: the next pass decodes plainly whatever happens
     assert p.next_is_plain()
     p._wait = 0
-    p._prepared = _Prepared(("plain",))
+    p._prepared = _Prepared(_Decision("plain"))
     assert p.next_is_plain()
-    p._prepared = _Prepared(("look", False))
+    p._prepared = _Prepared(_Decision("look"))
     assert not p.next_is_plain()
-    p._prepared = _Prepared(("probe",))
+    p._prepared = _Prepared(_Decision("probe"))
     assert not p.next_is_plain()  # a probe pass is no lookup either, but only a plain one is promised
 
 
