@@ -39,7 +39,7 @@ nodes on). A fixed block complexity BC gets the largest n that fits; block_compl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
 import torch
@@ -48,7 +48,7 @@ from ..tree import DraftTree, best_nodes, block_layout
 from ..passes import Block, PassPlan, PassRecord, RowsView
 from .base import FULL
 from .calibration import AcceptanceCalibration
-from .common import NEG, Memo, pool_depth
+from .common import NEG, CandidatePool, Memo, pool_depth
 from .corpus import CorpusNgrams
 from ..auto.sizer import DraftSizer
 from ..kernels.hooks import KernelHooks
@@ -95,6 +95,22 @@ class MergedPool:
     source: torch.Tensor  # [B, P] proposer (NGRAM, STORE, ESP, CORPUS or the heads')
     cell: torch.Tensor  # [B, P] the calibration's (proposer, depth) index
     q: torch.Tensor  # [B, P] the proposer's own P(accepted | parent accepted)
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """One proposer's (or several's) candidates before the merge, parents already in the merged pool's numbering."""
+
+    tokens: torch.Tensor  # [B, P]
+    parents: torch.Tensor  # [B, P] merged pool index of the parent, -1 under the root
+    valid: torch.Tensor  # [B, P] bool
+    q: torch.Tensor  # [B, P] the proposer's own P(accepted | parent accepted)
+    cell: torch.Tensor  # [B, P] the calibration's (proposer, depth) index
+    source: torch.Tensor  # [B, P] proposer
+
+    @staticmethod
+    def cat(parts: list["_Candidates"]) -> "_Candidates":
+        return _Candidates(*(torch.cat([getattr(p, f.name) for p in parts], 1) for f in fields(_Candidates)))
 
 
 @dataclass(frozen=True)
@@ -245,82 +261,85 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         return self._pools.get((view.version, corpus), lambda: self._build_pool(view, corpus))
 
     def _build_pool(self, view: RowsView, corpus: bool) -> MergedPool:
+        """The n-gram proposers' candidates, then the model's (ESP's probe, the heads), merged (module docstring)."""
+        ngram = self._ngram_candidates(view, corpus)
+        offset = ngram.tokens.shape[1]
         st = view.state
-        root = view.root
-        b, dev = root.shape[0], root.device
-        dmax, k = self.depth_bound, self.num_masks
-        alpha = self.alpha(dev)
-        # n-gram pool, depth-major [chain_1, alt_1.., chain_2, ...] (STAND's layout)
+        esp = candidate_pool(view.root, st.cand_lp, st.cand_ids, self.num_nodes + 1, self.expansion, self.prune)
+        esp = replace(esp, depth=pool_depth(esp.parents, self.num_masks))
+        model = self._from_pool(esp, st.has_probe, ESP, offset)
+        if self.heads is not None:  # the heads' pool behind esp's
+            heads = self._from_pool(self.heads.pool(view), st.cp_ok, self.heads_source, offset + esp.tokens.shape[1])
+            model = _Candidates.cat([model, heads])
+        return self._merge(ngram, model)
+
+    def _ngram_candidates(self, view: RowsView, corpus: bool) -> "_Candidates":
+        """The chain of each row's match with the store's alternatives at each depth, depth-major [chain_1, alt_1..,
+        chain_2, ...] (STAND's layout); with `corpus`, the job's n-grams for rows with no match of their own."""
+        b, dev = view.root.shape[0], view.root.device
         c = self.store.candidates(view, self.chain.own_start(view))  # the chain's match (same n-gram lengths)
         chain, ok = c.chain, c.ok
-        if corpus:  # rows with no match of their own:
-            # the job's n-grams (no stored branches)
+        if corpus:  # rows with no match of their own: the job's n-grams (no stored branches)
             chain, ok, from_corpus = self.corpus.fill(view.hist, view.hist_len, chain, ok)
         dep, kk = chain.shape[1], self.store.topk
-        p1 = dep * kk
-        ng_tok = torch.cat([chain[..., None], c.alt_ids], 2).reshape(b, p1)
-        ng_q = torch.cat([ok.float()[..., None], c.alt_lp.exp()], 2).reshape(b, p1)
-        ng_valid = torch.cat([ok[..., None], c.alt_lp > NEG], 2).reshape(b, p1)
-        ng_par = self.store.pool_parents(dev).expand(b, -1)
+        p = dep * kk
+        tokens = torch.cat([chain[..., None], c.alt_ids], 2).reshape(b, p)
+        q = torch.cat([ok.float()[..., None], c.alt_lp.exp()], 2).reshape(b, p)
+        valid = torch.cat([ok[..., None], c.alt_lp > NEG], 2).reshape(b, p)
+        parents = self.store.pool_parents(dev).expand(b, -1)
         d = torch.arange(dep, device=dev)[:, None].expand(dep, kk).reshape(-1)  # depth - 1
-        kind = torch.where(torch.arange(kk, device=dev) == 0, NGRAM, STORE).repeat(dep).expand(b, -1)  # [B, P1]
+        kind = torch.where(torch.arange(kk, device=dev) == 0, NGRAM, STORE).repeat(dep).expand(b, -1)  # [B, P]
         if corpus:
             kind = torch.where(from_corpus[:, None] & (kind == NGRAM), CORPUS, kind)
-        ng_cell = kind * dmax + d
-        # esp pool (Algorithm 1, top-1 expansion), parents offset behind the n-gram pool
-        esp = candidate_pool(root, st.cand_lp, st.cand_ids, self.num_nodes + 1, self.expansion, self.prune)
-        score, e_tok, e_par = esp.score, esp.tokens, esp.parents
-        p2 = score.shape[1]
-        e_valid = (score > NEG) & st.has_probe[:, None]
-        e_depth = pool_depth(e_par, k)
-        parent_score = torch.where(e_par < 0, 0.0, score.gather(1, e_par.clamp(min=0)))
-        e_q = torch.where(e_valid, (score - parent_score).exp(), 0.0)
-        e_cell = ESP * dmax + e_depth - 1
-        e_par = torch.where(e_par < 0, -1, e_par + p1)
-        e_src = torch.full((b, p2), ESP, device=dev)
-        if self.heads is not None:  # the heads' pool behind esp's: joint log-probs -> conditional q
-            heads = self.heads.pool(view)
-            h_score, h_tok, h_par, h_depth = heads.score, heads.tokens, heads.parents, heads.depth
-            h_valid = (h_score > NEG) & st.cp_ok[:, None]
-            h_parent = torch.where(h_par < 0, 0.0, h_score.gather(1, h_par.clamp(min=0)))
-            h_q = torch.where(h_valid, (h_score - h_parent).exp(), 0.0)
-            h_par = torch.where(h_par < 0, -1, h_par + p1 + p2)
-            e_tok, e_par, e_valid, e_q = (torch.cat(x, 1) for x in ((e_tok, h_tok), (e_par, h_par), (e_valid, h_valid),
-                                                                     (e_q, h_q)))
-            e_cell = torch.cat([e_cell, self.heads_source * dmax + h_depth - 1], 1)
-            e_src = torch.cat([e_src, torch.full_like(h_tok, self.heads_source)], 1)
-            p2 = e_tok.shape[1]
-        tok = torch.cat([ng_tok, e_tok], 1)
-        valid = torch.cat([ng_valid, e_valid], 1)
-        # a later candidate equal to an earlier live one (n-gram, then esp) under the same parent merges into it
+        return _Candidates(tokens, parents, valid, q, kind * self.depth_bound + d, kind)
+
+    def _from_pool(self, pool: CandidatePool, usable: torch.Tensor, source: int, offset: int) -> "_Candidates":
+        """A model proposer's pool (joint log-probs) as candidates: each node's conditional probability given its
+        parent, its parents `offset` places on (behind the pools before it); rows not `usable` [B] offer nothing."""
+        score, par = pool.score, pool.parents
+        valid = pool.valid & usable[:, None]
+        parent_score = torch.where(par < 0, 0.0, score.gather(1, par.clamp(min=0)))
+        q = torch.where(valid, (score - parent_score).exp(), 0.0)
+        return _Candidates(pool.tokens, torch.where(par < 0, -1, par + offset), valid, q,
+                           source * self.depth_bound + pool.depth - 1, torch.full_like(pool.tokens, source))
+
+    def _merge(self, ngram: "_Candidates", model: "_Candidates") -> MergedPool:
+        """One pool: a model candidate equal to an earlier live one (n-gram, then the model's) under the same parent
+        merges into it, keeping the larger estimate; then calibrated estimates multiplied along each path."""
+        b, dev = ngram.tokens.shape[0], ngram.tokens.device
+        p1, p2 = ngram.tokens.shape[1], model.tokens.shape[1]
+        heads = self.heads is not None
+        e_tok, e_par, e_valid = model.tokens, model.parents, model.valid
+        tok = torch.cat([ngram.tokens, e_tok], 1)
+        valid = torch.cat([ngram.valid, e_valid], 1)
         # (esp's own candidates never repeat one another: without heads the n-gram pool is the only target)
-        tgt = p1 + p2 if self.heads is not None else p1
+        tgt = p1 + p2 if heads else p1
         pos = torch.arange(p1 + p2, device=dev)
-        earlier = pos[None, :] < pos[p1:, None] if self.heads is not None else None  # [P2, P] target below candidate
+        earlier = pos[None, :] < pos[p1:, None] if heads else None  # [P2, P] target below candidate
         alias = pos.expand(b, -1).clone()
         dup = torch.zeros((b, p2), dtype=torch.bool, device=dev)
-        for _ in range(max(k, self.heads.depth if self.heads is not None else 0)):  # the deepest merging pool
+        for _ in range(max(self.num_masks, self.heads.depth if heads else 0)):  # the deepest merging pool
             eff = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))  # [B, P2] effective parents
-            if self.heads is not None:  # live targets (not merged away themselves) below the candidate
-                t_par, live = torch.cat([ng_par, eff], 1), (valid & (alias == pos))[:, None, :] & earlier
+            if heads:  # live targets (not merged away themselves) below the candidate
+                t_par, live = torch.cat([ngram.parents, eff], 1), (valid & (alias == pos))[:, None, :] & earlier
             else:
-                t_par, live = ng_par, ng_valid[:, None, :]
+                t_par, live = ngram.parents, ngram.valid[:, None, :]
             same = (eff[:, :, None] == t_par[:, None, :]) & (e_tok[:, :, None] == tok[:, None, :tgt])
             same &= live & e_valid[:, :, None]
             dup = same.any(-1)
             alias[:, p1:] = torch.where(dup, same.long().argmax(-1), pos[p1:])
         e_par = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))
-        par = torch.cat([ng_par, e_par], 1)
-        q = torch.cat([ng_q, e_q], 1)
-        cell = torch.cat([ng_cell, e_cell], 1)
-        valid = torch.cat([ng_valid, e_valid & ~dup], 1)
-        src = torch.cat([kind, e_src], 1)
-        cond = (alpha[cell] * q).clamp(max=1.0)  # calibrated P(accepted | parent accepted)
+        par = torch.cat([ngram.parents, e_par], 1)
+        q = torch.cat([ngram.q, model.q], 1)
+        cell = torch.cat([ngram.cell, model.cell], 1)
+        valid = torch.cat([ngram.valid, e_valid & ~dup], 1)
+        src = torch.cat([ngram.source, model.source], 1)
+        cond = (self.alpha(dev)[cell] * q).clamp(max=1.0)  # calibrated P(accepted | parent accepted)
         merged = torch.where(dup, cond[:, p1:], 0.0)  # a merged node keeps the larger estimate
         into = torch.zeros_like(cond).scatter_reduce(1, alias[:, p1:], merged, reduce="amax", include_self=False)
         cond = torch.maximum(cond, into)
         cum = cond
-        for _ in range(dmax - 1):  # pool order is topological: a parent's score is final before its child's
+        for _ in range(self.depth_bound - 1):  # pool order is topological: a parent's score is final before its child's
             up = par.clamp(min=0)
             cum = torch.where(par < 0, cond, cond * cum.gather(1, up))
             valid = valid & ((par < 0) | valid.gather(1, up))
