@@ -71,3 +71,21 @@ def test_a_lookup_serves_the_look_and_the_propose_of_one_state_of_the_rows(monke
     hist[0, 6] = 7  # committed: a new state of the rows (the engine makes a new version with every commit)
     after = RowsView(hist, torch.tensor([7]), torch.tensor([1]), [0])
     assert d.propose(after, PassPlan(3)).tree.tokens.tolist() == [[7, 8, 5, 6]] and len(calls) == 2
+
+
+def test_candidate_pool_best_tree_and_mass():
+    """A pool's best tree keeps its most probable entries as a tree; its mass is their probabilities, best first,
+    0 for rows that cannot use the pool and past the pool's end."""
+    import math
+
+    from esp_worker.drafters.common import CandidatePool
+
+    lp = [math.log(x) for x in (0.6, 0.3, 0.5 * 0.6, 0.1)]  # entry 2 is entry 0's child
+    pool = CandidatePool(torch.tensor([lp, [NEG, NEG, NEG, NEG]]), torch.tensor([[4, 5, 6, 7]] * 2),
+                         torch.tensor([[-1, -1, 0, -1]] * 2))
+    tree = pool.best_tree(torch.tensor([9, 9]), 3)
+    assert tree.tokens[0].tolist() == [9, 4, 5, 6] and tree.parents[0].tolist() == [-1, 0, 0, 1]
+    assert tree.valid.tolist() == [[True] * 4, [True, False, False, False]]  # a row with no candidate: root only
+    mass = pool.top_mass(6, torch.tensor([True, True]))
+    assert [round(x, 4) for x in mass[0].tolist()] == [0.6, 0.3, 0.3, 0.1, 0.0, 0.0] and mass[1].sum() == 0
+    assert pool.top_mass(2, torch.tensor([False, True]))[0].tolist() == [0.0, 0.0]
