@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -38,25 +38,29 @@ def free_port() -> int:
 @dataclass
 class RayHead:
     address: str  # host:port of the GCS
-    dashboard: str  # http://host:port, for `ray job submit`
+    dashboard: Optional[str] = None  # http://host:port, for `ray job submit` (a head started with its dashboard)
 
 
-def start_head() -> tuple[subprocess.Popen, RayHead]:
+def start_head(dashboard: bool = False) -> tuple[subprocess.Popen, RayHead]:
     """`ray start --head --block` as our own child: stopping it stops the cluster it started. Its ports are free
     ones, the job agent's too (Ray's default 52365 is taken when another Ray instance runs on the machine, and
-    then `ray job submit` finds no agent)."""
+    then `ray job submit` finds no agent). The dashboard (the jobs API of `ray job submit`) only when asked:
+    a job's driver never needs it, and it is eleven more processes, ~10 s of CPU at each start on a 2-core
+    machine."""
     port, dash = free_port(), free_port()
+    ui = (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"] if dashboard
+          else ["--include-dashboard=false"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-         "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"],
+         "--num-cpus=2", "--num-gpus=0", *ui, f"--dashboard-agent-listen-port={free_port()}",
+         "--disable-usage-stats"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    head = RayHead(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
+    head = RayHead(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}" if dashboard else None)
     deadline = time.time() + 90
-    while time.time() < deadline:
+    while time.time() < deadline:  # up once the port it serves last (the dashboard's, else the GCS's) accepts
         try:
-            with socket.create_connection(("127.0.0.1", dash), timeout=1):
+            with socket.create_connection(("127.0.0.1", dash if dashboard else port), timeout=1):
                 return proc, head
         except OSError:
             if proc.poll() is not None:
@@ -74,18 +78,31 @@ def stop_head(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-@pytest.fixture(scope="module")
-def ray_head() -> Iterator[RayHead]:
-    """One local head per test module, with this process connected as a driver."""
+@contextlib.contextmanager
+def _connected_head(dashboard: bool) -> Iterator[RayHead]:
     import ray
 
-    proc, head = start_head()
+    proc, head = start_head(dashboard)
     ray.init(address=head.address, logging_level="WARNING")
     try:
         yield head
     finally:
         ray.shutdown()
         stop_head(proc)
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[RayHead]:
+    """One local head per test module, with this process connected as a driver."""
+    with _connected_head(dashboard=False) as head:
+        yield head
+
+
+@pytest.fixture(scope="module")
+def ray_job_head() -> Iterator[RayHead]:
+    """As `ray_head`, with the dashboard that `ray job submit --address` talks to."""
+    with _connected_head(dashboard=True) as head:
+        yield head
 
 
 def job_cfg(out_dir: Path, *overrides: str) -> Any:

@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from jobs_helpers import FAST, REPO, SPEC_BENCH, shared, job_cfg, ray_head, read_output, write_jsonl  # noqa: F401
+from jobs_helpers import FAST, REPO, SPEC_BENCH, shared, job_cfg, ray_job_head, read_output, write_jsonl  # noqa: F401
 from jobs.config import ConfigError
 from jobs.run.runner import run_job
 from jobs.run.schema import BASE_FIELDS
@@ -28,7 +28,7 @@ def _prompts(n: int, prefix: str = "p") -> list[dict]:
             for i in range(n)]
 
 
-def test_end_to_end_two_actors_then_resume(ray_head, tmp_path):
+def test_end_to_end_two_actors_then_resume(ray_job_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(44))
     out = tmp_path / "out"
     res = run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=2", "data.shard_size=8"))
@@ -70,7 +70,7 @@ def test_end_to_end_two_actors_then_resume(ray_head, tmp_path):
     assert res3.summary["rows"] == 8 and len(list(out.glob("part-*.parquet"))) == 1
 
 
-def test_actor_killed_mid_shard_is_retried(ray_head, tmp_path):
+def test_actor_killed_mid_shard_is_retried(ray_job_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(24))
     out = tmp_path / "out"
     res = run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=2", "data.shard_size=6", "fault.kill_shard=1",
@@ -100,7 +100,7 @@ BAD_ROWS = [
 ]
 
 
-def test_bad_rows_get_errors_and_the_job_goes_on(ray_head, tmp_path):
+def test_bad_rows_get_errors_and_the_job_goes_on(ray_job_head, tmp_path):
     data = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
     out = tmp_path / "out"
     res = run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=4"))
@@ -122,7 +122,7 @@ def test_bad_rows_get_errors_and_the_job_goes_on(ray_head, tmp_path):
     assert len(bad_json) == 1 and "not valid JSON" in bad_json[0]["error"]
 
 
-def test_spec_bench_turns(ray_head, tmp_path):
+def test_spec_bench_turns(ray_job_head, tmp_path):
     out = tmp_path / "out"
     res = run_job(job_cfg(out, f"data.path={shared(SPEC_BENCH)}", "data.id_column=question_id", "data.limit=6",
                           "ray.num_actors=1", "data.carry_columns=[question_id]", "generation.max_new_tokens=3"))
@@ -134,14 +134,14 @@ def test_spec_bench_turns(ray_head, tmp_path):
     assert set(res.summary["tau_per_category"]) == {r["category"] for r in rows}
 
 
-def test_driver_killed_then_restarted_resumes(ray_head, tmp_path):
+def test_driver_killed_then_restarted_resumes(ray_job_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(40))
     out = tmp_path / "out"
     # one shard at a time: the driver dies right after its third part (a kill at a known point, not a race)
     args = [*FAST, f"data.path={data}", f"output.dir={out}", "data.shard_size=4", "ray.num_actors=1",
             "generation.max_new_tokens=8", "engine.max_batch_size=2", "ray.shards_in_flight_per_actor=1"]
     proc = subprocess.run([sys.executable, "-m", "jobs.generate", *args, "fault.driver_exit_after_parts=3"], cwd=REPO,
-                          env={**os.environ, "RAY_ADDRESS": ray_head.address}, capture_output=True, text=True, timeout=900)
+                          env={**os.environ, "RAY_ADDRESS": ray_job_head.address}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1 and not (out / "_summary.json").exists(), proc.stderr[-2000:]
     assert len(list(out.glob("part-*.parquet"))) == 3
     res = run_job(job_cfg(out, *args[len(FAST):]))
@@ -150,12 +150,12 @@ def test_driver_killed_then_restarted_resumes(ray_head, tmp_path):
     assert sorted(ids) == [f"p{i:03d}" for i in range(40)]
 
 
-def test_ray_job_submit(ray_head, tmp_path):
+def test_ray_job_submit(ray_job_head, tmp_path):
     work = tmp_path / "work"
     for pkg in ("jobs", "esp_worker"):
         shutil.copytree(REPO / pkg, work / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "out"
-    cmd = ["ray", "job", "submit", "--address", ray_head.dashboard, "--working-dir", str(work), "--",
+    cmd = ["ray", "job", "submit", "--address", ray_job_head.dashboard, "--working-dir", str(work), "--",
            "python", "-m", "jobs.generate", *FAST, "data.limit=8", "ray.num_actors=1", f"output.dir={out}"]
     ray_bin = str(Path(sys.executable).parent / "ray")
     res = subprocess.run([ray_bin, *cmd[1:]], capture_output=True, text=True, timeout=900)
@@ -165,7 +165,7 @@ def test_ray_job_submit(ray_head, tmp_path):
 
 
 
-def test_ray_job_submit_without_an_absolute_output_dir_is_refused(ray_head, tmp_path):
+def test_ray_job_submit_without_an_absolute_output_dir_is_refused(ray_job_head, tmp_path):
     """The job would write into Ray's temporary copy of --working-dir (deleted with the cluster): one line, exit 2,
     before Ray or any actor starts."""
     work = tmp_path / "work"
@@ -173,7 +173,7 @@ def test_ray_job_submit_without_an_absolute_output_dir_is_refused(ray_head, tmp_
         shutil.copytree(REPO / pkg, work / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     ray_bin = str(Path(sys.executable).parent / "ray")
     for where in ([], ["output.dir=out/run1"]):
-        res = subprocess.run([ray_bin, "job", "submit", "--address", ray_head.dashboard, "--working-dir", str(work), "--",
+        res = subprocess.run([ray_bin, "job", "submit", "--address", ray_job_head.dashboard, "--working-dir", str(work), "--",
                               "python", "-m", "jobs.generate", *FAST, "data.limit=8", "ray.num_actors=1", *where],
                              capture_output=True, text=True, timeout=900)
         text = res.stdout + res.stderr
