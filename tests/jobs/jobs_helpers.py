@@ -45,7 +45,7 @@ def start_head(dashboard: bool = False) -> tuple[subprocess.Popen, RayHead]:
     """`ray start --head --block` as our own child: stopping it stops the cluster it started. Its ports are free
     ones, the job agent's too (Ray's default 52365 is taken when another Ray instance runs on the machine, and
     then `ray job submit` finds no agent). The dashboard (the jobs API of `ray job submit`) only when asked:
-    a job's driver never needs it, and it is eleven more processes, ~10 s of CPU at each start on a 2-core
+    a job's driver never needs it, and it is eleven more processes, ~7 s of CPU per module on a 2-core
     machine."""
     port, dash = free_port(), free_port()
     ui = (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"] if dashboard
