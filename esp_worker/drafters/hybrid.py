@@ -109,7 +109,7 @@ class _Candidates:
     source: torch.Tensor  # [B, P] proposer
 
     @staticmethod
-    def cat(parts: list["_Candidates"]) -> "_Candidates":
+    def cat(parts: list[_Candidates]) -> _Candidates:
         return _Candidates(*(torch.cat([getattr(p, f.name) for p in parts], 1) for f in fields(_Candidates)))
 
 
@@ -273,7 +273,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
             model = _Candidates.cat([model, heads])
         return self._merge(ngram, model)
 
-    def _ngram_candidates(self, view: RowsView, corpus: bool) -> "_Candidates":
+    def _ngram_candidates(self, view: RowsView, corpus: bool) -> _Candidates:
         """The chain of each row's match with the store's alternatives at each depth, depth-major [chain_1, alt_1..,
         chain_2, ...] (STAND's layout); with `corpus`, the job's n-grams for rows with no match of their own."""
         b, dev = view.root.shape[0], view.root.device
@@ -293,7 +293,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
             kind = torch.where(from_corpus[:, None] & (kind == NGRAM), CORPUS, kind)
         return _Candidates(tokens, parents, valid, q, kind * self.depth_bound + d, kind)
 
-    def _from_pool(self, pool: CandidatePool, usable: torch.Tensor, source: int, offset: int) -> "_Candidates":
+    def _from_pool(self, pool: CandidatePool, usable: torch.Tensor, source: int, offset: int) -> _Candidates:
         """A model proposer's pool (joint log-probs) as candidates: each node's conditional probability given its
         parent, its parents `offset` places on (behind the pools before it); rows not `usable` [B] offer nothing."""
         score, par = pool.score, pool.parents
@@ -303,7 +303,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         return _Candidates(pool.tokens, torch.where(par < 0, -1, par + offset), valid, q,
                            source * self.depth_bound + pool.depth - 1, torch.full_like(pool.tokens, source))
 
-    def _merge(self, ngram: "_Candidates", model: "_Candidates") -> MergedPool:
+    def _merge(self, ngram: _Candidates, model: _Candidates) -> MergedPool:
         """One pool: a model candidate equal to an earlier live one (n-gram, then the model's) under the same parent
         merges into it, keeping the larger estimate; then calibrated estimates multiplied along each path."""
         b, dev = ngram.tokens.shape[0], ngram.tokens.device
