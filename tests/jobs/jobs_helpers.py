@@ -134,12 +134,14 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 900)
 
 @contextlib.contextmanager
 def local_ray() -> Iterator[None]:
-    """A local Ray instance for the training runs inside (`fit` uses the instance it finds, as runs on a cluster
-    do): a run that starts its own takes ~13 s more on a 2-core machine. The DMTD training test keeps one run that
-    starts its own instance, which covers that path."""
+    """A local Ray instance, started as `fit` starts its own, for the training runs inside (`fit` uses the instance
+    it finds, as runs on a cluster do): a run that starts its own takes ~13 s more on a 2-core machine. The DMTD
+    training test keeps one run that starts its own instance, which covers that path."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=True, log_to_driver=True)
+    from jobs.train.common import start_local_ray
+
+    start_local_ray(num_cpus=2)
     try:
         yield
     finally:
