@@ -34,6 +34,14 @@ def ray_temp_dir() -> Path:
     return Path(base or "/tmp") / "ray"
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (another process could take it before the caller
+    binds it: rare)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def running_local_cluster() -> Optional[str]:
     """The address of the last `ray start --head` on this machine (Ray writes it to
     <ray temp dir>/ray_current_cluster), if it still listens: Ray leaves the file behind when the head is

@@ -398,13 +398,11 @@ def start_local_ray(num_cpus: Optional[int]) -> None:
     a traceback in its log. When it names another live cluster, the cleaner finds no controller there, takes the
     run for dead and exits (or removes the run's placement group). So the dashboard listens on a port chosen
     here, and the job's processes are told it (RAY_API_SERVER_ADDRESS, which the state API reads first)."""
-    import socket
-
     import ray
 
-    with socket.socket() as s:  # a free port (another process could take it before Ray binds it: rare)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ..run.cluster import free_port
+
+    port = free_port()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=port, log_to_driver=True,
              runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}})

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
+from jobs.run.cluster import free_port  # noqa: F401  (re-exported)
 from shared_data import REPO, SHARED_DATA, SPEC_BENCH, TINY_LLAMA, TINY_PROMPTS, shared  # noqa: F401  (re-exported)
 
 
@@ -27,12 +28,6 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 # Small, fast jobs: the tiny model, plain decoding unless a test says otherwise, 1 torch thread per actor.
 FAST = ["engine.method=ar", "generation.max_new_tokens=6", "ray.num_cpus_per_actor=0.5", "output.progress_interval_s=1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
