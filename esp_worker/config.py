@@ -1,6 +1,7 @@
 """Engine and model configuration (plain dataclasses: the engine knows nothing of OmegaConf)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -18,6 +19,25 @@ ATTN_IMPLS = ("sdpa", "eager")
 ATTENTION_BACKENDS = ("torch", "cudnn", "efficient", "math", "flex")  # engine.attention_backend
 TINY_PREFIX = "tiny-random-"  # model names built in code, never read from a directory
 RANDOM_PREFIX = "random:"
+# Lookahead decoding's sizes (N, W, G) for a block complexity, the paper's Appendix F: (N - 1)(W + G) = BC
+LADE_PAPER_SIZES = {10: (3, 4, 1), 30: (4, 5, 5), 60: (5, 8, 7)}
+
+
+def lade_sizes(block_complexity: int) -> tuple[int, int, int]:
+    """(N, W, G) for a block complexity: the paper's table, else a rule that fits (N - 1)(W + G) <= BC.
+
+    Rule: N = 3 below BC 30, 4 below 60, else 5; W + G = BC // (N - 1) split W = ceil(half), G = the rest.
+    Examples: 10 -> (3, 4, 1); 20 -> (3, 5, 5); 45 -> (4, 8, 7); 120 -> (5, 15, 15).
+    (Here, not beside the drafter, so that a job's driver checks a lade config without importing torch.)
+    """
+    if block_complexity in LADE_PAPER_SIZES:
+        return LADE_PAPER_SIZES[block_complexity]
+    n = 3 if block_complexity < 30 else 4 if block_complexity < 60 else 5
+    width = block_complexity // (n - 1)
+    if width < 2:
+        raise ValueError(f"engine.block_complexity={block_complexity} is too small for lade; use at least 4")
+    w = math.ceil(width / 2)
+    return n, w, width - w
 
 
 @dataclass
@@ -106,7 +126,7 @@ class EngineConfig:
     stand_depth: int = 10  # deepest draft node (the paper's depth 10)
     stand_topk: int = 8  # candidates kept per stored position (one chain token + stand_topk - 1 branches)
     # Lookahead decoding (lade): 0 = from block_complexity (paper Appendix F: BC 10 -> N=3,W=4,G=1;
-    # 30 -> 4,5,5; 60 -> 5,8,7; other BCs see drafters/lade.py:lade_sizes)
+    # 30 -> 4,5,5; 60 -> 5,8,7; other BCs see `lade_sizes` above)
     lade_ngram: int = 0  # N: n-gram size (N - 1 lookahead levels, drafts of N - 1 tokens)
     lade_window: int = 0  # W: lookahead window width
     lade_guess: int = 0  # G: n-grams verified per pass
@@ -128,6 +148,12 @@ class EngineConfig:
     dmtd_tau: int = 0  # tokens per cycle; 0 = the model's mtp_horizon (dmtd) or the copy's (dmtd_verified)
     dmtd_decoding_layers: int = 0  # dmtd: D; 0 = the model's; on a model without a split, an untrained one (speed only)
     dmtd_path: str = ""  # dmtd_verified: directory written by esp-batch train-dmtd dmtd.verified=true
+
+    def lade_shape(self) -> tuple[int, int, int]:
+        """lade's (N, W, G): the ones set, the others from the block complexity (`lade_sizes`)."""
+        explicit = (self.lade_ngram, self.lade_window, self.lade_guess)
+        n, w, g = explicit if all(explicit) else lade_sizes(self.block_complexity)
+        return self.lade_ngram or n, self.lade_window or w, self.lade_guess or g
 
     @property
     def lossless(self) -> bool:
@@ -192,6 +218,26 @@ class EngineConfig:
             bad("engine.pld_min_ngram must be >= 1 and <= engine.pld_max_ngram")
         if self.pld_depth < 1:
             bad(f"engine.pld_depth={self.pld_depth} must be >= 1")
+        if self.method in ("stand", "hybrid"):  # hybrid's store, chain and corpus take the stand_* keys
+            if self.stand_topk < 1 or self.stand_depth < 1:
+                bad("engine.stand_topk and engine.stand_depth must be >= 1")
+            if not 1 <= self.stand_min_ngram <= self.stand_max_ngram:
+                bad("engine.stand_min_ngram must be >= 1 and <= engine.stand_max_ngram")
+            if self.method == "hybrid" and self.hybrid_corpus_tokens > 0 and self.stand_max_ngram > 64:
+                bad(f"engine.stand_max_ngram={self.stand_max_ngram} must be <= 64 with the corpus on (hybrid looks up "
+                    "the job's finished requests by n-grams of at most 64 tokens)")
+        if self.method == "lade":
+            try:
+                n, w, g = self.lade_shape()
+            except ValueError as exc:
+                bad(str(exc))
+            if n < 3 or w < 1 or g < 1:
+                bad(f"lade needs engine.lade_ngram >= 3, engine.lade_window >= 1 and engine.lade_guess >= 1 (0 = from "
+                    f"engine.block_complexity); got N={n} W={w} G={g}")
+            if self.lade_pool_size < w:
+                bad(f"engine.lade_pool_size={self.lade_pool_size} must be >= the window ({w})")
+        if self.method == "esp" and self.tree == "static" and len(self.branches) > self.num_masks:
+            bad(f"engine.branches={list(self.branches)} is deeper than engine.num_masks={self.num_masks}")
         if self.hybrid_mask_every < 1:
             bad(f"engine.hybrid_mask_every={self.hybrid_mask_every} must be >= 1")
         if self.hybrid_mask_min_nodes < 0:

@@ -22,7 +22,6 @@ n-grams with the root as key, as LADE's per-key LRU of size G does.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -43,25 +42,6 @@ class LadeState(RowState):
     passes: Optional[torch.Tensor] = row_field()  # [B] passes seen (n-gram recency clock)
     pool: Optional[torch.Tensor] = row_field()  # [B, P, N] remembered n-grams
     seen: Optional[torch.Tensor] = row_field(-1)  # [B, P] when each was last seen (-1 = empty slot)
-
-# Paper Appendix F: block complexity -> (N, W, G) with (N - 1)(W + G) = BC
-PAPER_SIZES = {10: (3, 4, 1), 30: (4, 5, 5), 60: (5, 8, 7)}
-
-
-def lade_sizes(block_complexity: int) -> tuple[int, int, int]:
-    """(N, W, G) for a block complexity: the paper's table, else a rule that fits (N - 1)(W + G) <= BC.
-
-    Rule: N = 3 below BC 30, 4 below 60, else 5; W + G = BC // (N - 1) split W = ceil(half), G = the rest.
-    Examples: 10 -> (3, 4, 1); 20 -> (3, 5, 5); 45 -> (4, 8, 7); 120 -> (5, 15, 15).
-    """
-    if block_complexity in PAPER_SIZES:
-        return PAPER_SIZES[block_complexity]
-    n = 3 if block_complexity < 30 else 4 if block_complexity < 60 else 5
-    width = block_complexity // (n - 1)
-    if width < 2:
-        raise ValueError(f"engine.block_complexity={block_complexity} is too small for lade; use at least 4")
-    w = math.ceil(width / 2)
-    return n, w, width - w
 
 
 def window_layout(levels: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,16 +120,8 @@ class LookaheadDrafter(Drafter, DraftSizer):
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, runner: ModelRunner) -> "LookaheadDrafter":
-        explicit = (cfg.lade_ngram, cfg.lade_window, cfg.lade_guess)
-        n, w, g = explicit if all(explicit) else lade_sizes(cfg.block_complexity)
-        return cls(
-            runner.embed_ids,
-            runner.logits,
-            ngram=cfg.lade_ngram or n,
-            window=cfg.lade_window or w,
-            guess=cfg.lade_guess or g,
-            pool_size=cfg.lade_pool_size,
-        )
+        n, w, g = cfg.lade_shape()
+        return cls(runner.embed_ids, runner.logits, ngram=n, window=w, guess=g, pool_size=cfg.lade_pool_size)
 
     # ---- state -------------------------------------------------------------------------------------
     def start_rows(self, view: RowsView) -> None:

@@ -31,6 +31,14 @@ PRESETS = sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "defa
         (["ray.num_actors=0"], "ray.num_actors=0"),
         (["data.shard_size=0"], "data.shard_size=0"),
         (["engine.block_complexity=3", "engine.num_masks=2"], "engine.block_complexity=3"),
+        # the drafters' own limits, checked by the driver before Ray starts (an actor would find them after)
+        (["engine.method=lade", "engine.block_complexity=3"], "too small for lade"),
+        (["engine.method=lade", "engine.block_complexity=10", "engine.lade_ngram=2"], "engine.lade_ngram >= 3"),
+        (["engine.method=lade", "engine.block_complexity=10", "engine.lade_pool_size=2"], "engine.lade_pool_size=2"),
+        (["engine.method=stand", "engine.block_complexity=10", "engine.stand_min_ngram=4"], "engine.stand_min_ngram"),
+        (["engine.stand_topk=0"], "engine.stand_topk"),
+        (["engine.stand_max_ngram=65"], "engine.stand_max_ngram=65"),
+        (["engine.method=esp", "engine.tree=static", "engine.branches=[4,2]"], "deeper than engine.num_masks=1"),
         (["engine.method"], "not key=value"),
     ],
 )

@@ -8,7 +8,8 @@ from engine_helpers import ARCHS, PROMPTS, reference, run, tiny
 from esp_worker.passes import PassPlan
 from esp_worker import EngineConfig, GenerationParams
 from esp_worker.passes import PassRecord, RowsView
-from esp_worker.drafters.lade import LadeState, LookaheadDrafter, lade_sizes, ngram_trie, window_layout
+from esp_worker.config import lade_sizes
+from esp_worker.drafters.lade import LadeState, LookaheadDrafter, ngram_trie, window_layout
 from esp_worker.drafters.stand import StandDrafter, StandState
 
 GREEDY = GenerationParams(max_new_tokens=64)
