@@ -155,6 +155,11 @@ class EngineConfig:
         n, w, g = explicit if all(explicit) else lade_sizes(self.block_complexity)
         return self.lade_ngram or n, self.lade_window or w, self.lade_guess or g
 
+    def least_block(self) -> int:
+        """The smallest block that holds a draft node: ESP feeds k masks after the root and after each node, the
+        hybrid's masks follow the root only."""
+        return {"esp": 2 * (self.num_masks + 1), "hybrid": self.num_masks + 2}.get(self.method, 2)
+
     @property
     def lossless(self) -> bool:
         """Whether the output is exactly the model's own decoding (every method but dmtd)."""
@@ -190,21 +195,17 @@ class EngineConfig:
         if self.block_complexity == "auto":
             if self.method not in ("ar", "esp", "pld", "hybrid", "cp_heads"):
                 bad(f"engine.block_complexity=auto supports methods esp, pld, hybrid and cp_heads, not {self.method}; give a number")
-            if self.auto_max_block < 2:
-                bad(f"engine.auto_max_block={self.auto_max_block} must be >= 2")
+            if self.auto_max_block < self.least_block():  # the largest block auto may choose must hold a draft node
+                bad(f"engine.auto_max_block={self.auto_max_block} leaves no draft node for {self.method} with "
+                    f"num_masks={self.num_masks}; use at least {self.least_block()}")
             return self._validate_rest(bad)
         if not isinstance(self.block_complexity, int) or isinstance(self.block_complexity, bool):
             bad(f"engine.block_complexity={self.block_complexity!r} must be an integer or auto")
         if self.method != "ar" and self.block_complexity < 2:
             bad(f"engine.block_complexity={self.block_complexity} must be >= 2 for speculative methods")
-        if self.method == "esp" and self.block_complexity < 2 * (self.num_masks + 1):
-            bad(
-                f"engine.block_complexity={self.block_complexity} leaves no draft node with "
-                f"num_masks={self.num_masks}; use at least {2 * (self.num_masks + 1)}"
-            )
-        if self.method == "hybrid" and self.block_complexity < self.num_masks + 2:
-            bad(f"engine.block_complexity={self.block_complexity} leaves no draft node for hybrid with "
-                f"num_masks={self.num_masks}; use at least {self.num_masks + 2}")
+        if self.method in ("esp", "hybrid") and self.block_complexity < self.least_block():
+            bad(f"engine.block_complexity={self.block_complexity} leaves no draft node for {self.method} with "
+                f"num_masks={self.num_masks}; use at least {self.least_block()}")
         self._validate_rest(bad)
 
     def _validate_rest(self, bad) -> None:

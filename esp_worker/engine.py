@@ -93,6 +93,11 @@ class Engine:
         slots; engines that share one must run one at a time): what a process that builds several engines in
         turn over one model, as `jobs.bench` does, captures once, as one long-lived engine would."""
         cfg.validate()
+        if cfg.block_complexity == "auto" and cfg.auto_max_block > loaded.max_context // 2:
+            # auto's cost curve times blocks behind up to half the context of cached tokens: a larger block would
+            # not fit behind them, and no row has room for it in the first place
+            log.info("engine.auto_max_block=%d: %d, half the model's context", cfg.auto_max_block, loaded.max_context // 2)
+            cfg = dataclasses.replace(cfg, auto_max_block=loaded.max_context // 2)
         self.cfg = cfg
         self.loaded = loaded
         self.runner = ModelRunner(loaded, cfg.compile, cfg.compile_mode, cfg.attention_backend)

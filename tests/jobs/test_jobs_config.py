@@ -39,6 +39,7 @@ PRESETS = sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "defa
         (["engine.stand_topk=0"], "engine.stand_topk"),
         (["engine.stand_max_ngram=65"], "engine.stand_max_ngram=65"),
         (["engine.method=esp", "engine.tree=static", "engine.branches=[4,2]"], "deeper than engine.num_masks=1"),
+        (["engine.method=esp", "engine.num_masks=2", "engine.auto_max_block=5"], "engine.auto_max_block=5"),
         (["engine.method"], "not key=value"),
     ],
 )

@@ -105,6 +105,20 @@ def test_calibration_is_cached(tmp_path, monkeypatch):
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".json"]  # no temporary file left
 
 
+def test_a_largest_block_beyond_half_the_context_is_half_the_context(tmp_path, monkeypatch):
+    """auto's cost curve times blocks behind up to half the context of cache: a larger engine.auto_max_block is
+    taken as half the context (it stopped the engine's start before), and the tokens are still generate's."""
+    from engine_helpers import PROMPTS
+    from esp_worker import Request
+
+    monkeypatch.setenv("ESP_BATCH_CACHE", str(tmp_path))
+    lm = tiny("llama")
+    eng = Engine(lm, EngineConfig(method="pld", block_complexity="auto", auto_max_block=100_000, max_batch_size=2))
+    assert eng.cfg.auto_max_block == lm.max_context // 2 == 512
+    outs = eng.generate([Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=64)) for i, p in enumerate(PROMPTS)])
+    assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
+
+
 class _Drafter(_Sizer):
     """A drafter stand-in: fixed mass, drafts without a probe."""
 
