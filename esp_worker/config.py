@@ -235,8 +235,9 @@ class EngineConfig:
             if n < 3 or w < 1 or g < 1:
                 bad(f"lade needs engine.lade_ngram >= 3, engine.lade_window >= 1 and engine.lade_guess >= 1 (0 = from "
                     f"engine.block_complexity); got N={n} W={w} G={g}")
-            if self.lade_pool_size < w:
-                bad(f"engine.lade_pool_size={self.lade_pool_size} must be >= the window ({w})")
+            if self.lade_pool_size < max(w, g):
+                bad(f"engine.lade_pool_size={self.lade_pool_size} must be >= the window ({w}) and the n-grams "
+                    f"verified per pass ({g})")
         if self.method == "esp" and self.tree == "static" and len(self.branches) > self.num_masks:
             bad(f"engine.branches={list(self.branches)} is deeper than engine.num_masks={self.num_masks}")
         if self.hybrid_mask_every < 1:

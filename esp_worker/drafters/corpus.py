@@ -77,7 +77,7 @@ class CorpusNgrams:
     def add(self, ids: list[int]) -> None:
         """Append one finished request's tokens (prompt + output) and index its n-grams."""
         g = self.capacity
-        ids = ids[-(g - 1):] if len(ids) >= g else ids
+        ids = ids[len(ids) - (g - 1):] if len(ids) >= g else ids  # the latest g - 1 and a separator fit
         if len(ids) < 1:
             return
         start = self.written % g

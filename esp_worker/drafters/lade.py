@@ -109,8 +109,8 @@ class LookaheadDrafter(Drafter, DraftSizer):
         super().__init__()
         if ngram < 3 or window < 1 or guess < 1:
             raise ValueError(f"lade needs n-gram size >= 3, window >= 1, guess >= 1; got N={ngram} W={window} G={guess}")
-        if pool_size < window:
-            raise ValueError(f"engine.lade_pool_size={pool_size} must be >= the window ({window})")
+        if pool_size < max(window, guess):  # a pass takes the G latest n-grams of the pool
+            raise ValueError(f"engine.lade_pool_size={pool_size} must be >= the window ({window}) and guess ({guess})")
         self.embed, self.logits = embed, logits
         self.n, self.w, self.g, self.pool_size = ngram, window, guess, pool_size
         self.levels = ngram - 1

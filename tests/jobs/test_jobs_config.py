@@ -35,6 +35,7 @@ PRESETS = sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "defa
         (["engine.method=lade", "engine.block_complexity=3"], "too small for lade"),
         (["engine.method=lade", "engine.block_complexity=10", "engine.lade_ngram=2"], "engine.lade_ngram >= 3"),
         (["engine.method=lade", "engine.block_complexity=10", "engine.lade_pool_size=2"], "engine.lade_pool_size=2"),
+        (["engine.method=lade", "engine.block_complexity=10", "engine.lade_guess=2000"], "verified per pass (2000)"),
         (["engine.method=stand", "engine.block_complexity=10", "engine.stand_min_ngram=4"], "engine.stand_min_ngram"),
         (["engine.stand_topk=0"], "engine.stand_topk"),
         (["engine.stand_max_ngram=65"], "engine.stand_max_ngram=65"),

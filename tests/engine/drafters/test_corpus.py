@@ -31,6 +31,16 @@ def test_longest_match_wins_then_latest_and_a_request_end_stops_the_chain():
     assert lookup(c, [[0, 6], [5, 6]]) == [[11], [7, 8]]  # latest [6] is now the third request's
 
 
+def test_a_request_longer_than_a_small_store_keeps_its_last_tokens():
+    """A request keeps its latest capacity - 1 tokens (and a separator); a store of one token keeps none."""
+    c = CorpusNgrams(capacity=4, max_ngram=2, min_ngram=1)
+    c.add([1, 2, 3, 4, 5, 6])
+    assert lookup(c, [[4], [0, 5], [2]]) == [[5, 6], [6], []]
+    one = CorpusNgrams(capacity=1, max_ngram=2, min_ngram=1)
+    one.add([1, 2, 3])
+    assert one.empty and lookup(one, [[1], [2]]) == [[], []]
+
+
 def test_a_row_shorter_than_the_ngram_and_a_bucket_of_another_ngram_do_not_match():
     c = CorpusNgrams(capacity=64, max_ngram=3, min_ngram=2)
     c.add([1, 2, 3, 4])
