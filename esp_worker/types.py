@@ -36,8 +36,9 @@ class GenerationParams:
             return f"top_p={self.top_p!r} must be in (0, 1]"
         if not isinstance(self.top_k, int) or self.top_k < 0:
             return f"top_k={self.top_k!r} must be an integer >= 0"
-        if self.seed is not None and not isinstance(self.seed, int):
-            return f"seed={self.seed!r} must be an integer"
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(1 << 63) <= self.seed < 1 << 64):
+            return f"seed={self.seed!r} must be an integer of 64 bits (-2**63 <= seed < 2**64)"
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             return f"stop_token_ids={list(self.stop_token_ids)!r} must be non-negative integers"
         if any(not isinstance(s, str) or not s for s in self.stop_strings):

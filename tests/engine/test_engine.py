@@ -194,6 +194,7 @@ def test_context_limit_finishes_with_context():
         (Request(id="p2", prompt="hi", params=GenerationParams(top_p=1.5)), "top_p"),
         (Request(id="m", prompt="hi", params=GenerationParams(max_new_tokens=0)), "max_new_tokens"),
         (Request(id="k", prompt="hi", params=GenerationParams(top_k=-3)), "top_k"),
+        (Request(id="s", prompt="hi", params=GenerationParams(temperature=1.0, seed=1 << 70)), "64 bits"),
         (Request(id="u", prompt="bad \ud800 surrogate"), "tokenized"),
         (Request(id="v", prompt_ids=[0, 99999]), "token ids"),
     ],
