@@ -30,9 +30,11 @@ from omegaconf.errors import OmegaConfBaseException
 from esp_worker import EngineConfig, GenerationParams, ModelConfig
 
 from .io.storage import StorageConfig, looks_local, normalize
+from .run.cluster import ADDRESS_FORMS, host_port
 
 FORMATS = ("auto", "parquet", "jsonl", "json", "csv", "hf_disk", "hf_hub")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+PARQUET_CODECS = ("zstd", "snappy", "gzip", "lz4", "brotli", "none")  # output.compression (pyarrow's names)
 TURN_HISTORY_MODES = ("stripped", "raw")
 # Sections whose values change the generated rows: they make the config hash. ray/output/fault do not.
 HASHED_SECTIONS = ("model", "data", "engine", "generation")
@@ -238,6 +240,10 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.limit is None or cfg.data.limit >= 0, f"data.limit={cfg.data.limit} must be >= 0")
     need(cfg.data.shard_size >= 1, f"data.shard_size={cfg.data.shard_size} must be >= 1")
     need(cfg.data.id_column != "", "data.id_column must not be empty")
+    need(cfg.ray.address in ("", "auto", "local") or host_port(cfg.ray.address) is not None,
+         f"ray.address={cfg.ray.address!r} is {ADDRESS_FORMS}; empty = RAY_ADDRESS or a local instance")
+    need(cfg.output.compression.lower() in PARQUET_CODECS,
+         f"output.compression={cfg.output.compression!r} is unknown; choose one of {', '.join(PARQUET_CODECS)}")
     need(cfg.ray.num_actors >= 1, f"ray.num_actors={cfg.ray.num_actors} must be >= 1")
     need(cfg.ray.num_cpus_per_actor >= 0, f"ray.num_cpus_per_actor={cfg.ray.num_cpus_per_actor} must be >= 0")
     gpus = cfg.ray.num_gpus_per_actor

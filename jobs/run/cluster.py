@@ -55,6 +55,31 @@ def running_local_cluster() -> Optional[str]:
         return None
 
 
+ADDRESS_FORMS = "not an address of the form host:port (or ray://host:port, auto, local)"
+
+
+def host_port(address: str) -> Optional[tuple[str, int]]:
+    """(host, port) of host:port, ray://host:port and the like; None for anything else."""
+    host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def address_problem(address: str) -> Optional[str]:
+    """Why no Ray cluster can answer at `address` (host:port or ray://host:port), or None when a TCP connection to
+    it opens: ray.init itself retries an address where nothing listens for as long as it runs. `auto` is Ray's
+    to resolve (RAY_ADDRESS, or the address file of a head started with a temporary directory of its own)."""
+    if address == "auto":
+        return None
+    if host_port(address) is None:
+        return ADDRESS_FORMS
+    host, port = host_port(address)
+    try:
+        with socket.create_connection((host, int(port)), timeout=5.0):
+            return None
+    except OSError as exc:
+        return f"nothing answers at {host}:{port} ({exc.strerror or type(exc).__name__}); is the cluster up?"
+
+
 def connect(ray_cfg: Any) -> bool:
     """Initialise Ray per `ray.address`; returns True when this call started a local instance."""
     import ray
@@ -70,9 +95,12 @@ def connect(ray_cfg: Any) -> bool:
             log.info("connected to the running local Ray cluster at %s", address)
             return False
     if address and address != "local":
+        problem = address_problem(address)
+        if problem:
+            raise ClusterError(f"cannot connect to Ray at {address!r}: {problem}")
         try:
             ray.init(address=address, **common)
-        except ConnectionError as exc:
+        except (ConnectionError, ValueError) as exc:
             raise ClusterError(f"cannot connect to Ray at {address!r}: {str(exc).splitlines()[0]}") from None
         log.info("connected to Ray cluster at %s", address)
         return False

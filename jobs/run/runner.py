@@ -113,7 +113,7 @@ def _model_dir_problem(path: Path) -> Optional[str]:
 
 def _preflight(cfg: DictConfig) -> None:
     """Checks that need no Ray and no model load: a local model directory holds config.json and weights,
-    and the heads exist."""
+    and the heads, DMTD copy and cost curve named exist."""
     name = cfg.model.name_or_path
     if looks_local(name) and not name.startswith(RANDOM_PREFIX):
         path = Path(name).expanduser()
@@ -129,6 +129,10 @@ def _preflight(cfg: DictConfig) -> None:
     if heads and cfg.engine.method in ("cp_heads", "hybrid") and not (Path(heads).expanduser() / "heads.json").is_file():
         raise ConfigError(f"engine.heads_path={heads!r} holds no heads.json; give the output.dir of a jobs.train_heads "
                           "run (or a directory under heads/)")
+    curve = cfg.engine.cost_curve_path
+    if curve and cfg.engine.block_complexity == "auto" and not Path(curve).expanduser().is_file():
+        raise ConfigError(f"engine.cost_curve_path={curve!r} is not a file; give a cost curve jobs.bench wrote "
+                          "(cost_curve.json), or leave it empty to measure one at start-up")
     copy = cfg.engine.dmtd_path
     if cfg.engine.method == "dmtd_verified" and not (Path(copy).expanduser() / "dmtd_draft.json").is_file():
         raise ConfigError(f"engine.dmtd_path={copy!r} holds no dmtd_draft.json; give the output.dir of an "

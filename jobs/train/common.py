@@ -427,6 +427,11 @@ def fit(cfg: DictConfig, loop: Callable[[dict], None], extra: dict, tokens: Any,
         if address == "local":
             start_local_ray(cfg.ray.num_cpus)
         else:
+            from ..run.cluster import address_problem
+
+            problem = address_problem(address)
+            if problem:
+                raise TrainError(f"cannot connect to Ray at {address!r}: {problem}")
             ray.init(address=address, log_to_driver=True)
         started_ray = True
     try:

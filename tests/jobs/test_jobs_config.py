@@ -42,6 +42,8 @@ PRESETS = sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "defa
         (["engine.method=esp", "engine.tree=static", "engine.branches=[4,2]"], "deeper than engine.num_masks=1"),
         (["engine.method=esp", "engine.num_masks=2", "engine.auto_max_block=5"], "engine.auto_max_block=5"),
         (["engine.method"], "not key=value"),
+        (["output.compression=bogus"], "output.compression='bogus' is unknown"),
+        (["ray.address=bogus"], "ray.address='bogus' is not an address"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

@@ -268,12 +268,25 @@ def test_errors_before_ray_starts(tmp_path):
         (["model.name_or_path=./no-such-model", f"output.dir={tmp_path}/o2"], 2, "does not exist"),
         (["data.path=data/my_prompts.jsonl", f"output.dir={tmp_path}/o3"], 2, "does not exist"),
         (["engine.method=hybrid", f"engine.heads_path={tmp_path}", f"output.dir={tmp_path}/o4"], 2, "holds no heads.json"),
+        ([f"engine.cost_curve_path={tmp_path}/curve.json", f"output.dir={tmp_path}/o5"], 2, "is not a file"),
     ]
     for args, code, needle in cases:
         res = run_cli(*FAST, *args)
         line = res.stderr.strip().splitlines()[-1]
         assert res.returncode == code and needle in line and line.startswith("esp-batch: error:"), (args, res.stderr[-800:])
         assert "Traceback" not in res.stderr and "Ray" not in res.stderr, args  # failed before Ray started
+
+
+def test_an_address_where_no_cluster_answers_is_one_line_at_once(tmp_path):
+    """ray.address (or RAY_ADDRESS) naming a port where nothing listens: one line, exit 1, within seconds (ray.init
+    retried such an address for as long as it ran, printing a GCS timeout every 40 s)."""
+    from jobs_helpers import free_port
+
+    for args, env in (([f"ray.address=127.0.0.1:{free_port()}"], None), ([], {"RAY_ADDRESS": f"127.0.0.1:{free_port()}"})):
+        res = run_cli(*FAST, f"output.dir={tmp_path}/out", *args, env=env, timeout=120)
+        line = res.stderr.strip().splitlines()[-1]
+        assert res.returncode == 1 and "nothing answers at 127.0.0.1:" in line, res.stderr[-800:]
+        assert "Traceback" not in res.stderr and "GCS" not in res.stderr
 
 
 def test_an_empty_input_is_refused_before_ray(tmp_path):
