@@ -101,7 +101,12 @@ def load_checked(schema: type, path: Optional[str], overrides: Sequence[str],
         (t.steps >= 1 and t.batch_windows >= 1, "train.steps and train.batch_windows must be >= 1"),
         (t.lr > 0, "train.lr must be > 0"),
         (t.checkpoint_every >= 1 and t.log_every >= 1, "train.checkpoint_every and train.log_every must be >= 1"),
+        (t.weight_decay >= 0 and t.warmup_steps >= 0, "train.weight_decay and train.warmup_steps must be >= 0"),
+        (0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1] (the cosine's floor, a fraction of train.lr)"),
+        (t.time_limit_min >= 0, "train.time_limit_min must be >= 0 (0 = no limit)"),
         (cfg.ray.num_workers >= 1, "ray.num_workers must be >= 1"),
+        (cfg.ray.cpus_per_worker >= 0, "ray.cpus_per_worker must be >= 0"),
+        (cfg.ray.max_failures >= -1, "ray.max_failures must be >= 0, or -1 for no limit"),
         (bool(cfg.output.dir), "output.dir must be set"),
     ]
     for ok, msg in shared + checks(cfg):
