@@ -16,6 +16,7 @@ that error instead of stopping the job.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -213,7 +214,7 @@ class Source:
         if self.format == "jsonl":  # one row per non-blank line: count without parsing
             total = 0
             for f in self.files:
-                with self._open_binary(f) as stream:
+                with self._reading(f), self._open_binary(f) as stream:
                     total += sum(1 for line in io.BufferedReader(stream) if line.strip())
             return total
         return sum(1 for _ in self._rows())
@@ -230,6 +231,21 @@ class Source:
             yield from self._file_rows(f)
 
     def _file_rows(self, f: str) -> Iterator[dict[str, Any]]:
+        with self._reading(f):
+            yield from self._parse(f)
+
+    @contextlib.contextmanager
+    def _reading(self, f: str) -> Iterator[None]:
+        """A file that cannot be read to its end (a truncated or corrupt compressed stream, a damaged Parquet file,
+        a malformed CSV, an object store that fails mid-read) as one SourceError naming it."""
+        try:
+            yield
+        except (OSError, pa.ArrowException, csv.Error) as exc:
+            text = str(exc).strip()
+            raise SourceError(f"data.path={self.path!r}: cannot read {f}: "
+                              f"{text.splitlines()[0] if text else type(exc).__name__}") from None
+
+    def _parse(self, f: str) -> Iterator[dict[str, Any]]:
         if self.format == "parquet":
             import pyarrow.parquet as pq
 

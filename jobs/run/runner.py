@@ -297,6 +297,13 @@ def run_job(cfg: DictConfig) -> JobResult:
                 dispatcher.drain()
         except HeadLost as exc:
             lost, failure = True, str(exc)
+        except SourceError as exc:  # the input broke off mid-stream: the shards in flight still finish and are written
+            failure = f"{exc} (fix the input)"
+            try:
+                if dispatcher is not None:
+                    dispatcher.drain()
+            except HeadLost:
+                lost = True
         if pool is not None and not lost and not pool.head.answers_now():  # every shard back, the head silent
             lost = True
             log.warning("the cluster's head does not answer: the actors are left to the cluster")

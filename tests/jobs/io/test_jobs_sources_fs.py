@@ -120,3 +120,23 @@ def test_local_looking_paths_fail_without_a_hub_lookup(tmp_path, monkeypatch):
 ])
 def test_glob_regex(pattern, path, match):
     assert bool(glob_regex(pattern).match(path)) is match
+
+
+def test_a_file_that_breaks_off_is_one_error_naming_it(tmp_path):
+    """A truncated compressed file fails counting (before anything starts); a Parquet file whose footer reads but
+    whose data is damaged fails where its rows are read; either way a SourceError naming the file."""
+    with gzip.open(tmp_path / "rows.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"id": f"r{i}", "prompt": f"p {i}"}) + "\n" for i in range(200))
+    whole = (tmp_path / "rows.jsonl.gz").read_bytes()
+    (tmp_path / "rows.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(SourceError, match=r"cannot read .*rows.jsonl.gz: Truncated compressed stream"):
+        open_source(str(tmp_path / "rows.jsonl.gz"), "auto", "train", None).num_rows()
+    pq.write_table(pa.table({"id": [f"b{i}" for i in range(8)], "prompt": [f"beta {i} " * 200 for i in range(8)]}),
+                   tmp_path / "damaged.parquet", compression="zstd")
+    data = bytearray((tmp_path / "damaged.parquet").read_bytes())
+    data[30:400] = b"Z" * 370  # the first data page; the footer still reads
+    (tmp_path / "damaged.parquet").write_bytes(bytes(data))
+    source = open_source(str(tmp_path / "damaged.parquet"), "auto", "train", None)
+    assert source.num_rows() == 8
+    with pytest.raises(SourceError, match=r"cannot read .*damaged.parquet: "):
+        list(source.batches(4))

@@ -259,8 +259,12 @@ def test_cluster_too_small_fails_with_resources(ray_head, tmp_path):
 
 
 def test_errors_before_ray_starts(tmp_path):
+    import gzip
+
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    truncated = tmp_path / "rows.jsonl.gz"
+    truncated.write_bytes(gzip.compress(b"".join(b'{"prompt": "p %d"}\n' % i for i in range(100)))[:60])
     cases = [
         ([f"output.dir={a_file}"], 2, "is a file"),
         ([f"output.dir={a_file}/sub"], 2, "cannot create output.dir"),
@@ -269,6 +273,7 @@ def test_errors_before_ray_starts(tmp_path):
         (["data.path=data/my_prompts.jsonl", f"output.dir={tmp_path}/o3"], 2, "does not exist"),
         (["engine.method=hybrid", f"engine.heads_path={tmp_path}", f"output.dir={tmp_path}/o4"], 2, "holds no heads.json"),
         ([f"engine.cost_curve_path={tmp_path}/curve.json", f"output.dir={tmp_path}/o5"], 2, "is not a file"),
+        ([f"data.path={truncated}", f"output.dir={tmp_path}/o6"], 2, "Truncated compressed stream"),
     ]
     for args, code, needle in cases:
         res = run_cli(*FAST, *args)
@@ -287,6 +292,30 @@ def test_an_address_where_no_cluster_answers_is_one_line_at_once(tmp_path):
         line = res.stderr.strip().splitlines()[-1]
         assert res.returncode == 1 and "nothing answers at 127.0.0.1:" in line, res.stderr[-800:]
         assert "Traceback" not in res.stderr and "GCS" not in res.stderr
+
+
+@pytest.mark.slow
+def test_an_input_file_damaged_past_the_first_shards_fails_with_one_line_and_keeps_the_parts(tmp_path):
+    """The second of two Parquet files has a readable footer (so the rows count) and a damaged data page: the job
+    generates the first file's shards, then stops with one line naming the file (exit 1), its parts kept."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"id": [f"a{i}" for i in range(300)], "prompt": [f"alpha {i}" for i in range(300)]}),
+                   tmp_path / "in" / "part-0.parquet")
+    pq.write_table(pa.table({"id": [f"b{i}" for i in range(8)], "prompt": [f"beta {i} " * 200 for i in range(8)]}),
+                   tmp_path / "in" / "part-1.parquet", compression="zstd")
+    data = bytearray((tmp_path / "in" / "part-1.parquet").read_bytes())
+    data[30:400] = b"Z" * 370
+    (tmp_path / "in" / "part-1.parquet").write_bytes(bytes(data))
+    out = tmp_path / "out"
+    res = run_cli(*FAST, "generation.max_new_tokens=2", f"data.path={tmp_path / 'in'}", "data.shard_size=100",
+                  f"output.dir={out}", "ray.num_actors=1")
+    line = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and "cannot read" in line and "part-1.parquet" in line and "rerun" in line, res.stderr[-800:]
+    assert "Traceback" not in res.stderr
+    assert sorted(read_output(out).column("id").to_pylist()) == sorted(f"a{i}" for i in range(300))
 
 
 def test_an_empty_input_is_refused_before_ray(tmp_path):
