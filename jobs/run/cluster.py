@@ -42,19 +42,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def running_local_cluster() -> Optional[str]:
-    """The address of the last `ray start --head` on this machine (Ray writes it to
-    <ray temp dir>/ray_current_cluster), if it still listens: Ray leaves the file behind when the head is
-    killed, and connecting to a dead address waits for minutes."""
-    try:
-        address = (ray_temp_dir() / "ray_current_cluster").read_text().strip()
-        host, port = address.rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            return address
-    except (OSError, ValueError):
-        return None
-
-
 ADDRESS_FORMS = "not an address of the form host:port (or ray://host:port, auto, local)"
 
 
@@ -64,20 +51,38 @@ def host_port(address: str) -> Optional[tuple[str, int]]:
     return (host, int(port)) if host and port.isdigit() else None
 
 
+def running_local_cluster() -> Optional[str]:
+    """The address of the last `ray start --head` on this machine (Ray writes it to
+    <ray temp dir>/ray_current_cluster), if it still listens: Ray leaves the file behind when the head is
+    killed, and connecting to a dead address waits for minutes."""
+    try:
+        address = (ray_temp_dir() / "ray_current_cluster").read_text().strip()
+    except OSError:
+        return None
+    where = host_port(address)
+    return address if where is not None and _refused(*where, timeout=1.0) is None else None
+
+
 def address_problem(address: str) -> Optional[str]:
     """Why no Ray cluster can answer at `address` (host:port or ray://host:port), or None when a TCP connection to
     it opens: ray.init itself retries an address where nothing listens for as long as it runs. `auto` is Ray's
     to resolve (RAY_ADDRESS, or the address file of a head started with a temporary directory of its own)."""
     if address == "auto":
         return None
-    if host_port(address) is None:
+    where = host_port(address)
+    if where is None:
         return ADDRESS_FORMS
-    host, port = host_port(address)
+    refused = _refused(*where, timeout=5.0)
+    return None if refused is None else f"nothing answers at {where[0]}:{where[1]} ({refused}); is the cluster up?"
+
+
+def _refused(host: str, port: int, timeout: float) -> Optional[str]:
+    """Why a TCP connection to host:port does not open within `timeout` seconds (None: it opens)."""
     try:
-        with socket.create_connection((host, int(port)), timeout=5.0):
+        with socket.create_connection((host, port), timeout=timeout):
             return None
     except OSError as exc:
-        return f"nothing answers at {host}:{port} ({exc.strerror or type(exc).__name__}); is the cluster up?"
+        return exc.strerror or type(exc).__name__
 
 
 def connect(ray_cfg: Any) -> bool:
