@@ -8,6 +8,7 @@ import torch
 
 from cost_curves import BLOCKS, FLAT, STEEP, curve
 from engine_helpers import ARCHS, reference, tiny
+from model_time import model_time
 from esp_worker import Engine, EngineConfig, GenerationParams
 from esp_worker.auto.cost_model import CostCurve
 from esp_worker.auto.policy import BlockPolicy, _Decision, _Prepared, calibrate
@@ -69,7 +70,9 @@ def test_auto_is_lossless(arch, method, k, cost):
     from engine_helpers import PROMPTS
     from esp_worker import Request
 
-    outs = eng.generate([Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=64)) for i, p in enumerate(PROMPTS)])
+    with model_time(lambda batch, tokens, prefill: c.time(batch, tokens, 100)):  # passes cost what the curve says
+        outs = eng.generate([Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=64))
+                             for i, p in enumerate(PROMPTS)])
     for o, r in zip(outs, reference(arch, "sdpa")):
         assert tuple(o.token_ids) == r
     sizes = set()
@@ -384,48 +387,26 @@ def test_engine_stops_drafting_when_its_drafting_forwards_are_slow(monkeypatch):
     Why 20x: a drafting pass then costs more than a chain of at most 10 drafts can commit, so no pass may
     draft on the estimate."""
     import json
-    import types
 
     from shared_data import SHARED_DATA, TINY_PROMPTS, shared
-    from esp_worker import ModelConfig, Request, stats
-    from esp_worker.model import runner as runner_module
-    from esp_worker.model.runner import ModelClock, ModelRunner
+    from esp_worker import ModelConfig, Request
     from esp_worker.model.load import load_model
 
     model_dir = shared(SHARED_DATA.parent / "models" / "esp-tiny-llama")
     prompts = [json.loads(line)["prompt"] for line in shared(TINY_PROMPTS).read_text().splitlines()[:4]]
     torch.set_num_threads(1)
     lm = load_model(ModelConfig(name_or_path=str(model_dir)))
-    clock = [0.0]
-    fake_time = types.SimpleNamespace(perf_counter=lambda: clock[0])
-    monkeypatch.setattr(runner_module, "time", fake_time)
-    monkeypatch.setattr(stats, "time", fake_time)
 
     def drafting_share(slow: bool) -> float:
         cfg = EngineConfig(method="pld", block_complexity="auto", max_batch_size=1)
         eng = Engine(lm, cfg, cost_curve=FLAT)
-        forward, stop = ModelRunner.forward, ModelClock.stop
-        cost_now = [0.0]
 
-        def timed_forward(self, inputs_embeds, *a, **kw):
-            # a decode forward of more than one token per row (the prefill passes `keep`) drafts
-            drafting = inputs_embeds.shape[1] > 1 and kw.get("keep") is None
-            cost_now[0] = FLAT.time(1, 1, 100) * (20 if slow and drafting else 1)
-            return forward(self, inputs_embeds, *a, **kw)
+        def cost(batch: int, tokens: int, prefill: bool) -> float:  # a drafting forward: > 1 token per row
+            return FLAT.time(1, 1, 100) * (20 if slow and tokens > 1 and not prefill else 1)
 
-        def timed_stop(self, mark):  # the end of a model call's timed region: the model's time
-            clock[0] += cost_now[0]
-            cost_now[0] = 0.0
-            return stop(self, mark)
-
-        monkeypatch.setattr(ModelRunner, "forward", timed_forward)
-        monkeypatch.setattr(ModelClock, "stop", timed_stop)
-        try:
-            reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=96)) for i, p in enumerate(prompts)]
+        reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=96)) for i, p in enumerate(prompts)]
+        with model_time(cost):
             outs = eng.generate(reqs)
-        finally:
-            monkeypatch.setattr(ModelRunner, "forward", forward)
-            monkeypatch.setattr(ModelClock, "stop", stop)
         hist: dict = {}
         for o in outs:
             assert o.error is None
@@ -456,7 +437,9 @@ def test_next_is_plain_during_a_back_off_and_after_a_prepared_plain_decision():
 def test_hybrid_auto_skips_its_row_hints_before_plain_passes(monkeypatch, prepare):
     """On a model that accepts nothing auto decodes plainly and backs off; the hybrid's row hints (its
     own-match search over every row's history, needed only by the next lookup) are not computed before a
-    pass known to be plain, and the output is still plain decoding's."""
+    pass known to be plain, and the output is still plain decoding's. Passes cost what the steep curve says (a
+    fake clock): under the real one the policy measures this CPU's passes, on which a tiny model's drafting
+    passes cost about what plain ones do, and drafts."""
     from esp_worker import engine as engine_module
     from esp_worker.drafters.hybrid import HybridDrafter
 
@@ -475,7 +458,8 @@ def test_hybrid_auto_skips_its_row_hints_before_plain_passes(monkeypatch, prepar
     from esp_worker import Request
 
     params = GenerationParams(max_new_tokens=160)
-    outs = eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS[:2])])
+    with model_time(lambda batch, tokens, prefill: STEEP.time(batch, tokens, 100)):  # the curve's own costs
+        outs = eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS[:2])])
     passes = eng.stats.decode_passes
     assert passes > 150
     # the proposer sets take turns looking early on (~30 passes), then each plain look doubles the wait
