@@ -215,6 +215,10 @@ class EngineConfig:
             bad(f"engine.ema_lambda={self.ema_lambda} must be in [0, 1]")
         if self.max_batch_size < 1:
             bad(f"engine.max_batch_size={self.max_batch_size} must be >= 1")
+        if self.prefill_batch_tokens < 0:
+            bad(f"engine.prefill_batch_tokens={self.prefill_batch_tokens} must be >= 0 (0: one prompt per forward)")
+        if self.block_complexity == "auto" and self.auto_probe_interval < 1:
+            bad(f"engine.auto_probe_interval={self.auto_probe_interval} must be >= 1 (plain passes between probes)")
         if not 1 <= self.pld_min_ngram <= self.pld_max_ngram:
             bad("engine.pld_min_ngram must be >= 1 and <= engine.pld_max_ngram")
         if self.pld_depth < 1:

@@ -30,8 +30,8 @@ class GenerationParams:
         """One-line description of what is invalid, or None."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             return f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1"
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            return f"temperature={self.temperature!r} must be a number >= 0"
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            return f"temperature={self.temperature!r} must be a finite number >= 0"
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             return f"top_p={self.top_p!r} must be in (0, 1]"
         if not isinstance(self.top_k, int) or self.top_k < 0:

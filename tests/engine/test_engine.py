@@ -190,6 +190,7 @@ def test_context_limit_finishes_with_context():
         (Request(id="w", prompt=123), "must be a string"),
         (Request(id="l", prompt="a" * 2000), "context"),
         (Request(id="t", prompt="hi", params=GenerationParams(temperature=-1.0)), "temperature"),
+        (Request(id="ti", prompt="hi", params=GenerationParams(temperature=float("inf"))), "finite"),
         (Request(id="p", prompt="hi", params=GenerationParams(top_p=0.0)), "top_p"),
         (Request(id="p2", prompt="hi", params=GenerationParams(top_p=1.5)), "top_p"),
         (Request(id="m", prompt="hi", params=GenerationParams(max_new_tokens=0)), "max_new_tokens"),
