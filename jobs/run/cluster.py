@@ -51,6 +51,12 @@ def host_port(address: str) -> Optional[tuple[str, int]]:
     return (host, int(port)) if host and port.isdigit() else None
 
 
+def address_form_problem(address: str) -> Optional[str]:
+    """ADDRESS_FORMS when `ray.address` can name no cluster (checked with the config, before anything starts);
+    empty means RAY_ADDRESS or a local instance."""
+    return None if address in ("", "auto", "local") or host_port(address) is not None else ADDRESS_FORMS
+
+
 def running_local_cluster() -> Optional[str]:
     """The address of the last `ray start --head` on this machine (Ray writes it to
     <ray temp dir>/ray_current_cluster), if it still listens: Ray leaves the file behind when the head is

@@ -92,7 +92,8 @@ def test_config_errors(tmp_path):
         load_train_config(None, ["data.text_dir=x", "dmtd.tau=1"])
     for bad, key in (("train.min_lr_ratio=-1", "train.min_lr_ratio"), ("train.warmup_steps=-1", "train.warmup_steps"),
                      ("train.weight_decay=-0.1", "train.weight_decay"), ("train.time_limit_min=-1", "train.time_limit_min"),
-                     ("ray.cpus_per_worker=-1", "ray.cpus_per_worker"), ("ray.max_failures=-2", "ray.max_failures")):
+                     ("ray.cpus_per_worker=-1", "ray.cpus_per_worker"), ("ray.max_failures=-2", "ray.max_failures"),
+                     ("ray.address=bogus", "ray.address='bogus' is not an address")):
         with pytest.raises(ConfigError, match=key):  # the trainers' shared keys (train-heads checks them alike)
             load_train_config(None, ["data.text_dir=x", bad])
     # a split the model cannot have is one line (exit 2) before Ray starts
