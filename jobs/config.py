@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from esp_worker import EngineConfig, GenerationParams, ModelConfig
 
 from .io.storage import StorageConfig, looks_local, normalize
-from .run.cluster import ADDRESS_FORMS, address_form_problem
+from .run.cluster import ADDRESS_FORMS, well_formed_address
 
 FORMATS = ("auto", "parquet", "jsonl", "json", "csv", "hf_disk", "hf_hub")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
@@ -240,7 +240,7 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.limit is None or cfg.data.limit >= 0, f"data.limit={cfg.data.limit} must be >= 0")
     need(cfg.data.shard_size >= 1, f"data.shard_size={cfg.data.shard_size} must be >= 1")
     need(cfg.data.id_column != "", "data.id_column must not be empty")
-    need(address_form_problem(cfg.ray.address) is None,
+    need(well_formed_address(cfg.ray.address),
          f"ray.address={cfg.ray.address!r} is {ADDRESS_FORMS}; empty = RAY_ADDRESS or a local instance")
     need(cfg.output.compression.lower() in PARQUET_CODECS,
          f"output.compression={cfg.output.compression!r} is unknown; choose one of {', '.join(PARQUET_CODECS)}")

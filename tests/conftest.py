@@ -7,8 +7,7 @@ the jobs the tests start in subprocesses), so the suite's speed does not depend 
 
 The suite runs on three pytest-xdist workers (`-n 3` in pyproject.toml), one more than the 2-core development
 machine has cores: much of the jobs tests' time is spent waiting (Ray clusters coming up, Ray Train polling) while
-other tests compute. In back-to-back runs there the suite took 20 minutes on two workers, 13 on three and 14 on
-four (6.6 GiB of memory at most); that machine's speed varies by more than a third between hours.
+other tests compute, and there three workers finished the suite sooner than two or four (four peaked at 6.6 GiB).
 
 Ray Train's controller polls its workers every 2 s (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S): a training test's run of a
 few steps on a tiny model spent about a third of its time waiting for those polls, so the tests poll every 0.2 s.

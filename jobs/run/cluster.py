@@ -51,10 +51,10 @@ def host_port(address: str) -> Optional[tuple[str, int]]:
     return (host, int(port)) if host and port.isdigit() else None
 
 
-def address_form_problem(address: str) -> Optional[str]:
-    """ADDRESS_FORMS when `ray.address` can name no cluster (checked with the config, before anything starts);
-    empty means RAY_ADDRESS or a local instance."""
-    return None if address in ("", "auto", "local") or host_port(address) is not None else ADDRESS_FORMS
+def well_formed_address(address: str) -> bool:
+    """Whether `ray.address` can name a cluster (checked with the config, before anything starts); empty means
+    RAY_ADDRESS or a local instance."""
+    return address in ("", "auto", "local") or host_port(address) is not None
 
 
 def running_local_cluster() -> Optional[str]:

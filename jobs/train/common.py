@@ -93,7 +93,7 @@ def load_checked(schema: type, path: Optional[str], overrides: Sequence[str],
     """A trainer's config (`schema` merged with the YAML at `path` and the overrides), checked: the keys every
     trainer shares, then `checks(cfg)`, its own (ok, message) pairs. Raises ConfigError on the first failure."""
     from ..config import ConfigError, merge_config
-    from ..run.cluster import ADDRESS_FORMS, address_form_problem
+    from ..run.cluster import ADDRESS_FORMS, well_formed_address
 
     cfg = merge_config(schema, path, overrides)
     d, t = cfg.data, cfg.train
@@ -108,7 +108,7 @@ def load_checked(schema: type, path: Optional[str], overrides: Sequence[str],
         (cfg.ray.num_workers >= 1, "ray.num_workers must be >= 1"),
         (cfg.ray.cpus_per_worker >= 0, "ray.cpus_per_worker must be >= 0"),
         (cfg.ray.max_failures >= -1, "ray.max_failures must be >= 0, or -1 for no limit"),
-        (address_form_problem(cfg.ray.address) is None, f"ray.address={cfg.ray.address!r} is {ADDRESS_FORMS}"),
+        (well_formed_address(cfg.ray.address), f"ray.address={cfg.ray.address!r} is {ADDRESS_FORMS}"),
         (bool(cfg.output.dir), "output.dir must be set"),
     ]
     for ok, msg in shared + checks(cfg):
