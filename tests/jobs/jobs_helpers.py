@@ -73,12 +73,37 @@ def stop_head(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def _started_and_connected(dashboard: bool, tries: int = 3) -> tuple[subprocess.Popen, RayHead]:
+    """A head started and this process connected to it as a driver. While the other test workers start clusters
+    and compile on the same cores, a head has failed in ways a fresh one does not: its raylet missed the 60 s a
+    driver waits for it (`RAY_gcs_server_request_timeout_seconds`), or a port picked free was taken by another
+    process before the head bound it (the head then exits). A module's tests would all fail at set-up, so such a
+    head is replaced by a fresh one on fresh ports."""
+    import ray
+
+    for attempt in range(1, tries + 1):
+        try:
+            proc, head = start_head(dashboard)  # RuntimeError: it exited, or did not come up
+        except RuntimeError:
+            if attempt == tries:
+                raise
+            continue
+        try:
+            ray.init(address=head.address, logging_level="WARNING")
+            return proc, head
+        except ConnectionError:
+            ray.shutdown()
+            stop_head(proc)
+            if attempt == tries:
+                raise
+    raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
 def _connected_head(dashboard: bool) -> Iterator[RayHead]:
     import ray
 
-    proc, head = start_head(dashboard)
-    ray.init(address=head.address, logging_level="WARNING")
+    proc, head = _started_and_connected(dashboard)
     try:
         yield head
     finally:
