@@ -113,6 +113,8 @@ class EngineConfig:
     # passes (needs cuda_graphs_compile; eager passes keep torch's choice; esp_worker/model/flex.py)
     attention_backend: str = "torch"
     # Batching
+    # rows decoded together. The KV slab of engine.cuda_graphs and the auto policy's calibration are sized by it at
+    # start-up: a size past the device's free memory is refused there as one line (esp_worker/memory.py)
     max_batch_size: int = 8
     prefill_batch_tokens: int = 8192  # cap on padded tokens per prefill forward
     # what one more prefill forward costs, in padded prompt tokens: admitted prompts are grouped into the chunks

@@ -37,6 +37,7 @@ from .graphs.step import StepModel, compiled_step, graph_support
 from .kernels.aot import AotKernels
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
+from .memory import kv_bytes_per_slot, require
 from .model.attention import StaticBlockBias, attention_bias
 from .model.dmtd import CycleForward, CycleStarts, resolve as resolve_dmtd
 from .model.errors import ModelLoadError
@@ -156,6 +157,10 @@ class Engine:
                 raise ValueError(f"Engine(graphs=...): that runner does not fit this engine: {misfit}")
             self.stats.graphs = shared.restart_stats()
             return shared
+        require(f"engine.max_batch_size={cfg.max_batch_size}: the KV slab pinned for engine.cuda_graphs "
+                f"({cfg.max_batch_size} rows of {slots} positions)",
+                cfg.max_batch_size * slots * kv_bytes_per_slot(text, runner.dtype),
+                "lower engine.max_batch_size or engine.cuda_graph_max_len", self.device)
         cache = kv_cache.new_cache(self.num_layers)
         cache.pin(cfg.max_batch_size, slots, text.num_key_value_heads, attn.head_dim, runner.dtype, self.device)
         capture = CAPTURE_GRAPHS if CAPTURE_GRAPHS is not None else self.device.type == "cuda"

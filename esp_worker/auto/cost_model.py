@@ -24,6 +24,8 @@ from .. import kv_cache
 from ..model.attention import attention_bias
 from ..model.runner import ModelRunner
 
+FILL_ROWS = 16  # rows a calibration cache is prefilled at a time (its bias grows with rows x cache length squared)
+
 
 @dataclass
 class CostCurve:
@@ -170,11 +172,13 @@ def _eager_passes(runner: ModelRunner, b: int, s: int, max_block: int) -> Callab
             cache = kv_cache.new_cache(runner.model.config.get_text_config().num_hidden_layers)
             cache.reserve(b, s + max_block)
             cache.add_rows(b)
-            ids = torch.zeros((b, s), dtype=torch.long, device=dev)
-            pos = torch.arange(s, device=dev)[None].expand(b, -1)
             causal = torch.ones((s, s), dtype=torch.bool, device=dev).tril()[None]
-            cache.plan(0, b, s, 0)
-            runner.forward(runner.embed_ids(ids), attention_bias(causal, None, pos, s, runner.dtype), pos, cache)
+            for row0 in range(0, b, FILL_ROWS):  # a prefill's bias is [rows, s, s]: a full batch's can outgrow the cache
+                n = min(FILL_ROWS, b - row0)
+                ids = torch.zeros((n, s), dtype=torch.long, device=dev)
+                pos = torch.arange(s, device=dev)[None].expand(n, -1)
+                cache.plan(row0, n, s, 0)
+                runner.forward(runner.embed_ids(ids), attention_bias(causal, None, pos, s, runner.dtype), pos, cache)
         new = torch.zeros((b, q), dtype=torch.long, device=dev)
         qpos = (s + torch.arange(q, device=dev))[None].expand(b, -1)
         in_block = torch.ones((q, q), dtype=torch.bool, device=dev).tril()[None]

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..memory import kv_bytes_per_slot, pass_bytes, require
 from ..passes import PassPlan
 from .cost_model import CostCurve, PassFactory, measure_cost_curve, powers_of_two
 from .sizer import DraftSizer
@@ -520,6 +521,13 @@ def calibrate(runner: ModelRunner, max_batch: int, max_block: int, path: str = "
         pass
     except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged file (a full disk, say): measured again
         log.warning("the cached cost curve %s did not load (%s: %s); measuring it again", file, type(e).__name__, e)
+    text, slots = runner.loaded.model.config.get_text_config(), cache_lens[-1] + blocks[-1]
+    require(f"engine.max_batch_size={max_batch}: the auto policy's calibration ({max_batch} rows of {slots} "
+            f"positions, passes of up to {blocks[-1]} tokens a row)",
+            max_batch * slots * kv_bytes_per_slot(text, runner.dtype)
+            + pass_bytes(text, runner.dtype, max_batch, blocks[-1], slots),
+            "lower engine.max_batch_size (or engine.auto_max_block), or give engine.cost_curve_path a curve",
+            runner.device)
     curve = measure_cost_curve(runner, batches, cache_lens, blocks, repeats=3, warmup=1, passes=passes)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
