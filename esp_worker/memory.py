@@ -28,13 +28,13 @@ def kv_bytes_per_slot(text_config: Any, dtype: torch.dtype) -> int:
     """Bytes of one row's one cached position: every layer's key and value."""
     heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
     head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads)
-    return int(text_config.num_hidden_layers) * 2 * heads * head_dim * _itemsize(dtype)
+    return int(text_config.num_hidden_layers) * 2 * heads * head_dim * dtype.itemsize
 
 
 def pass_bytes(text_config: Any, dtype: torch.dtype, rows: int, q: int, view_len: int) -> int:
     """Bytes an eager pass of `q` new tokens a row over `view_len` positions allocates at least, beside the cache:
     its attention bias [rows, q, view_len] and its float32 logits [rows, q, vocab]."""
-    return rows * q * (view_len * _itemsize(dtype) + int(text_config.vocab_size) * 4)
+    return rows * q * (view_len * dtype.itemsize + int(text_config.vocab_size) * 4)
 
 
 def free_bytes(device: torch.device) -> Optional[int]:
@@ -82,7 +82,3 @@ def _cgroup_headroom() -> Optional[int]:
         return int(limit) - int((base / "memory.current").read_text().strip())
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
