@@ -134,12 +134,14 @@ class FaultConfig:
     finished request, on each of the first `kill_attempts` attempts; the actor that gets shard `hold_shard`
     writes `<output.dir>/_faults/hold-N.json` (its node id, IP and pid) and waits until `_faults/release`
     exists (a test removes its node, or the head, at a known point); the driver calls os._exit right after
-    writing its `driver_exit_after_parts`-th part (a driver killed mid-job, at a known point)."""
+    writing its `driver_exit_after_parts`-th part (a driver killed mid-job, at a known point); every decode pass
+    whose batch holds row `fail_row` raises (an engine error that one row causes; "*": every pass, a broken engine)."""
 
     kill_shard: int = -1  # -1 = off
     kill_attempts: int = 1  # attempts of kill_shard that die (its retries after that run normally)
     hold_shard: int = -1  # the actor holding this shard waits for _faults/release before running it; -1 = off
     driver_exit_after_parts: int = -1  # the driver exits (code 1, no summary) after writing this many parts; -1 = off
+    fail_row: str = ""  # the engine raises in each decode pass holding this row id ('*': every pass); "" = off
 
 
 @dataclass

@@ -197,6 +197,7 @@ def worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
         kill_shard=cfg.fault.kill_shard,
         kill_attempts=cfg.fault.kill_attempts,
         hold_shard=cfg.fault.hold_shard,
+        fail_row=str(cfg.fault.fail_row),
         turn_history=cfg.data.turn_history,
     )
 

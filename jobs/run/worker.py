@@ -7,11 +7,18 @@ batch stays at `engine.max_batch_size` whatever the shard size is. A finished ro
 once, and the next turn of a multi-turn row goes back into the feed as soon as its previous turn ends.
 A shard's table is built and returned when its last row finishes.
 
+An engine error (a CUDA out-of-memory in one batch, a row that trips a bug) ends the engine loop with every row of
+the batch in it. Those rows then run again one at a time: a row that fails alone gets the error in its `error`
+column and the job goes on; the others finish as they would have (the output of a row does not depend on the rows
+beside it), and the loop restarts. When BROKEN_AFTER rows in a row fail alone, with no row finishing between, the
+engine, not a row, is at fault: every shard in flight fails with the error, as a load failure does.
+
 Heavy imports (torch, transformers, the engine) happen in `__init__`, inside the actor process.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
@@ -24,9 +31,15 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from esp_worker.config import NOT_LOSSLESS
+from esp_worker.feed import RequestFeed
 
 from .rows import JobRow
 from .schema import CATEGORY, to_table
+
+log = logging.getLogger(__name__)
+
+# rows that fail alone one after another, none finishing between them, that make the engine (not a row) the fault
+BROKEN_AFTER = 3
 
 
 @dataclass
@@ -45,10 +58,31 @@ class WorkerSpec:
     kill_attempts: int = 0
     hold_shard: int = -1
     turn_history: str = "stripped"  # data.turn_history: stripped | raw
+    fail_row: str = ""  # fault injection: the engine raises on every decode pass holding this row id ("*": every pass)
 
 
 class EngineFailure(RuntimeError):
-    """The actor's engine loop raised: every shard in flight on it fails with this one-line message."""
+    """The actor's engine is broken: every shard in flight on it fails with this one-line message."""
+
+
+def engine_error(exc: BaseException) -> str:
+    """The one-line message of an error the engine raised."""
+    text = str(exc).strip()
+    return f"engine error: {type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+class _TakenFeed(RequestFeed):
+    """The actor's feed; it remembers the requests the engine took and has not answered (the worker forgets each
+    as its output arrives), which are the rows an engine error interrupts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken: dict[str, Any] = {}  # request id -> Request, touched only by the engine thread
+
+    def take(self, n: int, wait: bool) -> tuple[list[Any], bool]:
+        reqs, closed = super().take(n, wait)
+        self.taken.update((str(r.id), r) for r in reqs)
+        return reqs, closed
 
 
 @dataclass
@@ -81,6 +115,20 @@ class _Shard:
     failure: Optional[str] = None
 
 
+def _fail_passes_of(engine: Any, row_id: str) -> None:
+    """Fault injection (fault.fail_row): every decode pass whose batch holds row_id ("*": every pass) raises after its
+    work, as an engine error in the middle of that row's batch would (the rows' tensors and cache half updated)."""
+    step = engine._step
+
+    def failing(rows: Any) -> None:
+        held = row_id == "*" or any(str(s.req.id) == row_id for s in rows.seqs)
+        step(rows)
+        if held:
+            raise RuntimeError(f"fault.fail_row={row_id}: a decode pass holding row {row_id!r}")
+
+    engine._step = failing
+
+
 def where() -> dict[str, Any]:
     """This process's host, pid and, inside a Ray worker, its node id and IP."""
     place: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "node_id": "", "ip": ""}
@@ -107,15 +155,17 @@ class ShardWorker:
         self._shard_objs: dict[int, _Shard] = {}  # id(shard) -> shard in flight
         self._loop: Optional[threading.Thread] = None
         self._failure: Optional[str] = None
+        self._failed_alone = 0  # rows that failed alone since a row last finished (engine thread only)
+        self.feed = _TakenFeed()
         try:
             from esp_worker import Engine, EngineConfig, ModelConfig
-            from esp_worker.feed import RequestFeed
 
             from .prompts import PromptBuilder
 
             self.engine = Engine.from_config(ModelConfig(**spec.model), EngineConfig(**spec.engine))
             self.prompts = PromptBuilder(self.engine.tokenizer, spec.chat_template, spec.chat_template_kwargs)
-            self.feed = RequestFeed()
+            if spec.fail_row:
+                _fail_passes_of(self.engine, spec.fail_row)
         except Exception as exc:  # reported by info(): the driver prints it as one line and stops
             text = str(exc).strip()
             self.load_error = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
@@ -176,22 +226,67 @@ class ShardWorker:
             self._loop.start()
 
     def _run_engine(self) -> None:
-        try:
-            for out in self.engine.generate_iter(self.feed):
-                self._on_output(out)
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiting shard, then the actor goes on
-            text = str(exc).strip()
-            msg = f"engine error: {type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-            with self._lock:
-                self._failure = msg
-                shards = list(self._shard_objs.values())
-                self._shard_objs.clear()
-            for shard in shards:
-                shard.failure = msg
-                shard.done.set()
+        while True:
+            try:
+                for out in self.engine.generate_iter(self.feed):
+                    self._on_output(out)
+                return
+            except Exception as exc:  # noqa: BLE001 - the rows it interrupted run again, alone
+                msg = engine_error(exc)
+            except BaseException as exc:  # noqa: BLE001 - reported to every waiting shard
+                self._fail_all(engine_error(exc))
+                return
+            # out of the except block, so that the failed loop's frames (its batch, its KV cache) are freed first
+            try:
+                if not self._isolate(msg):
+                    return
+            except BaseException as exc:  # noqa: BLE001 - never a silent engine thread: every waiting shard hears it
+                self._fail_all(engine_error(exc))
+                return
+
+    def _isolate(self, msg: str) -> bool:
+        """The engine raised `msg` with the rows the feed handed it unanswered: run each alone; False (every shard
+        in flight failed) when the engine, not a row, is at fault."""
+        import torch
+
+        from esp_worker import RequestOutput, RequestStats
+
+        suspects = list(self.feed.taken.values())
+        self.feed.taken.clear()
+        if self.engine.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the failed batch held, for the rows run alone
+        log.warning("%s, with %d row(s) in the batch; running them one at a time", msg, len(suspects))
+        for req in suspects:
+            try:
+                out = list(self.engine.generate_iter([req]))[0]
+            except Exception as exc:  # noqa: BLE001 - it fails alone: the row's error
+                error = engine_error(exc)
+                self._failed_alone += 1
+                log.warning("row %r failed alone: %s", req.id, error)
+                if self._failed_alone >= BROKEN_AFTER:
+                    self._fail_all(f"{error} ({self._failed_alone} rows in a row failed alone: the engine fails, "
+                                   f"not a row)")
+                    return False
+                out = RequestOutput(id=str(req.id), token_ids=[], text="", finish_reason=None, stats=RequestStats(),
+                                    error=error)
+            self._on_output(out)
+        return True
+
+    def _fail_all(self, msg: str) -> None:
+        """Every shard in flight, and every shard given to this actor from now on, fails with msg."""
+        with self._lock:
+            self._failure = msg
+            shards = list(self._shard_objs.values())
+            self._shard_objs.clear()
+        for shard in shards:
+            shard.failure = msg
+            shard.done.set()
 
     def _on_output(self, out: Any) -> None:
         """A turn finished: absorb it, queue the row's next turn at once, release a finished shard."""
+        self.feed.taken.pop(out.id, None)
+        if out.error is None:
+            self._failed_alone = 0
         with self._lock:
             s = self._active.pop(out.id)
         self._maybe_die(s.shard.index)

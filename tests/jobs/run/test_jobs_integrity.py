@@ -239,6 +239,22 @@ def test_actor_killed_with_several_shards_in_flight(ray_head, tmp_path):
     assert len(ids) == len(set(ids)) == 24 and res.summary["complete"]
 
 
+def test_a_row_that_fails_the_engine_gets_an_error_and_the_job_finishes(ray_head, tmp_path):
+    """An engine error in the batches of one row (fault.fail_row) costs that row alone: it gets the error, every
+    other row its generation, and the job completes (a rerun, with nothing left to do, finds it complete)."""
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(12))
+    out = tmp_path / "out"
+    args = (f"data.path={data}", "ray.num_actors=1", "data.shard_size=6", "engine.max_batch_size=4",
+            "fault.fail_row=p004")
+    res = run_job(job_cfg(out, *args))
+    rows = {r["id"]: r for r in read_output(out).to_pylist()}
+    assert sorted(rows) == [f"p{i:03d}" for i in range(12)] and res.summary["complete"]
+    assert rows["p004"]["error"].startswith("engine error: RuntimeError: fault.fail_row=p004")
+    assert all(r["error"] is None and r["num_generated_tokens"] > 0 for k, r in rows.items() if k != "p004")
+    assert _summary(out)["errors"] == 1
+    assert run_job(job_cfg(out, *args)).summary["complete"]
+
+
 @pytest.mark.slow
 def test_actor_dying_too_often_names_the_shard_and_cause(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))

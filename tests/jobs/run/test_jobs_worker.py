@@ -119,3 +119,39 @@ def test_dmtd_rows_say_they_are_not_lossless(tmp_path):
     worker, rows = _worker(tmp_path / "ar", "data.limit=2", "generation.max_new_tokens=4", "engine.method=ar")
     out = worker.run_shard(0, rows).to_pylist()
     assert all(r["lossless"] is True and r["plt"] is None for r in out)
+
+
+@pytest.mark.parametrize("setting", [["engine.method=ar"], ["engine.method=hybrid", "generation.temperature=0.8"]])
+def test_a_row_that_fails_its_batch_fails_alone_and_the_others_finish(tmp_path, setting):
+    """An engine error in a batch (here raised by every decode pass holding row 2, after the pass's work) runs that
+    batch's rows again one at a time: row 2 gets the error, the others the tokens they get with no fault (sampled
+    ones too: a row's stream is its own), and the actor takes the next shard."""
+    args = ["data.limit=6", "generation.max_new_tokens=8", "engine.max_batch_size=3", "engine.block_complexity=10",
+            *setting]
+    clean, rows = _worker(tmp_path / "clean", *args)
+    want = {r["id"]: r["generated_token_ids"] for r in clean.run_shard(0, rows).to_pylist()}
+    bad = rows[2].id
+    worker, rows = _worker(tmp_path / "fault", *args, f"fault.fail_row={bad}")
+    out = {r["id"]: r for r in worker.run_shard(0, rows).to_pylist()}
+    assert list(out) == [r.id for r in rows]
+    assert out[bad]["error"] == f"engine error: RuntimeError: fault.fail_row={bad}: a decode pass holding row {bad!r}"
+    assert out[bad]["generated_text"] is None and out[bad]["finish_reason"] is None
+    for rid, got in out.items():
+        if rid != bad:
+            assert got["error"] is None and got["generated_token_ids"] == want[rid], rid
+    again = worker.run_shard(1, [r for r in rows if r.id != bad]).to_pylist()
+    assert [r["generated_token_ids"] for r in again] == [want[r.id] for r in rows if r.id != bad]
+
+
+def test_an_engine_that_fails_every_row_alone_fails_the_shard(tmp_path):
+    """Rows that fail alone one after another mean the engine is broken: the shard, and the next, fail with the
+    error (the driver stops the job), rather than every row of the job getting it."""
+    from jobs.run.worker import BROKEN_AFTER, EngineFailure
+
+    worker, rows = _worker(tmp_path, "data.limit=5", "engine.max_batch_size=4", "fault.fail_row='*'")
+    assert BROKEN_AFTER <= 4
+    msg = rf"engine error: RuntimeError: fault.fail_row=\*.* \({BROKEN_AFTER} rows in a row failed alone: the engine"
+    with pytest.raises(EngineFailure, match=msg):
+        worker.run_shard(0, rows)
+    with pytest.raises(EngineFailure, match=msg):
+        worker.run_shard(1, rows[:1])
