@@ -114,6 +114,7 @@ class Engine:
         self.num_logits = max(self.vocab_size, int(getattr(self.runner.lm_head, "out_features", 0) or 0))
         self.stats = EngineStats()
         self.num_layers = loaded.model.config.get_text_config().num_hidden_layers
+        self.slot_bytes = kv_bytes_per_slot(loaded.model.config.get_text_config(), self.runner.dtype)  # one position
         # engine.method=dmtd: the model's own layer groups per pass (model/dmtd.py); the drafter is plain decoding's
         self.cycle: Optional[CycleForward] = None
         if cfg.method == "dmtd":
@@ -159,10 +160,11 @@ class Engine:
             return shared
         require(f"engine.max_batch_size={cfg.max_batch_size}: the KV slab pinned for engine.cuda_graphs "
                 f"({cfg.max_batch_size} rows of {slots} positions)",
-                cfg.max_batch_size * slots * kv_bytes_per_slot(text, runner.dtype),
+                cfg.max_batch_size * slots * self.slot_bytes,
                 "lower engine.max_batch_size or engine.cuda_graph_max_len", self.device)
         cache = kv_cache.new_cache(self.num_layers)
         cache.pin(cfg.max_batch_size, slots, text.num_key_value_heads, attn.head_dim, runner.dtype, self.device)
+        cache.before_growth = self._may_grow
         capture = CAPTURE_GRAPHS if CAPTURE_GRAPHS is not None else self.device.type == "cuda"
         model = StepModel.of(runner, slots)
         compiled = compiled_step(model, cfg.compile_mode, MAX_GRAPHS) if cfg.cuda_graphs_compile else None
@@ -170,6 +172,13 @@ class Engine:
         self.stats.graphs = graphs.stats
         graphs.capture_plain()
         return graphs
+
+    def _may_grow(self, rows: int, slots: int) -> None:
+        """Refuse a KV cache growth past the device's free memory (MemoryShortError) before it is allocated: raised
+        in a pass, it is an error of the batch's rows (which a job's actor then runs one at a time) rather than
+        CUDA's out-of-memory error or, on a CPU, a process the kernel kills without a word."""
+        require(f"a KV cache of {rows} rows of {slots} positions", rows * slots * self.slot_bytes,
+                "lower engine.max_batch_size, or shorten the rows (prompt and generation.max_new_tokens)", self.device)
 
     def _forward_tokens(self) -> float:
         """engine.prefill_forward_tokens resolved: on CUDA measured once per loaded model (every engine over it then
@@ -237,6 +246,7 @@ class Engine:
         if self.graphs is not None:  # the pinned slab the graphs read, emptied
             self.graphs.cache.select_rows([])
         cache = self.graphs.cache if self.graphs is not None else kv_cache.new_cache(self.num_layers)
+        cache.before_growth = self._may_grow
         rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device), cache)
         self._in_flight = None
         exhausted = False
@@ -361,9 +371,6 @@ class Engine:
             embeds = torch.cat([embeds, aux.to(embeds.dtype)], 1)
         q = lmax + a
         i = torch.arange(q, device=dev)
-        key_ok = (i[None] < lens[:, None]) | (i[None] >= lmax)  # [R, Q] prompt keys that exist, and masks
-        visible = (i[:, None] >= i[None, :])[None] & key_ok[:, None, :]  # [R, Q, Q] causal
-        visible |= torch.eye(q, dtype=torch.bool, device=dev)[None]  # padding rows see themselves
         pos = i[None].expand(r, q).clone()
         if a:
             pos[:, lmax:] = lens[:, None] - 1 + torch.arange(1, a + 1, device=dev)
@@ -377,6 +384,11 @@ class Engine:
             # padding would see it, so with masks only prompts of one length qualify
             bias = None
         else:
+            require(f"a prefill of {r} prompts of up to {lmax} tokens (its attention mask, {r} x {q} x {q})",
+                    r * q * q * (2 + self.runner.dtype.itemsize), "lower engine.prefill_batch_tokens", dev)
+            key_ok = (i[None] < lens[:, None]) | (i[None] >= lmax)  # [R, Q] prompt keys that exist, and masks
+            visible = (i[:, None] >= i[None, :])[None] & key_ok[:, None, :]  # [R, Q, Q] causal
+            visible |= torch.eye(q, dtype=torch.bool, device=dev)[None]  # padding rows see themselves
             bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
         wanted = torch.cat([lens[:, None] - 1, i[lmax:].expand(r, a)], 1)  # [R, 1 + A] last prompt token, masks
         forward = self.runner.forward if self.cycle is None else self.cycle.prefill

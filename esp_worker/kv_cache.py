@@ -14,12 +14,14 @@ row b's block at slots cache_len[b] .. cache_len[b]+Q-1, so the root lands where
 decoding never moves a slot; `keep` packs the accepted nodes of a tree behind the root.
 
 Capacity grows in buckets (about 1/8 of the length, so at most ~12% above what is needed) and shrinks
-when the live rows need much less; rows that leave are compacted in place (`select_rows`).
+when the live rows need much less; rows that leave are compacted in place (`select_rows`). The owner may
+set `before_growth`, which hears the capacity a growth is about to allocate and may refuse it by raising
+(the engine compares it with the device's free memory: esp_worker/memory.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -130,6 +132,8 @@ class KVCache(Cache):
         self._listed: Optional[list] = None  # `_tensors()`, until a buffer is made or replaced
         # (rows, slots) the buffers never shrink below (`pin`: captured passes read the slab at fixed addresses)
         self.pinned: Optional[tuple[int, int]] = None
+        # hears (rows, slots) before buffers of that capacity are allocated; raises to refuse them
+        self.before_growth: Optional[Callable[[int, int], None]] = None
 
     # ---- buffers -----------------------------------------------------------------------------------
     def attach(self, layer: _SlabLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -196,6 +200,8 @@ class KVCache(Cache):
         new_r, new_c = num_rows, max(need_c, length)
         if self.pinned is not None:  # a pinned slab only grows, and then at least to the pinned size
             new_r, new_c = max(new_r, r, self.pinned[0]), max(new_c, c, self.pinned[1])
+        if grow and self.before_growth is not None:
+            self.before_growth(new_r, new_c)
         self.capacity = (new_r, new_c)
         keep_r, keep_c = min(self.num_rows, new_r), min(c, new_c)
         for old, rd, layer, name in self._tensors():  # rows at dim rd, slots at rd + 2

@@ -7,6 +7,10 @@ on a CPU, gets the process killed by the kernel with no message at all (a job's 
 So each asks here first and a size that cannot fit is one line naming the setting. The estimate counts the KV cache
 and the largest pass's attention bias and logits, a lower bound of what is needed: it refuses what cannot work and
 lets what might.
+
+While it generates, the engine asks the same before its KV cache grows (long rows join the batch) and before a
+batched prefill builds its attention mask: refused there, the error is one of the rows in the batch, which a job's
+actor runs again one at a time (jobs/run/worker.py), where a row that does not fit alone gets it in its `error`.
 """
 from __future__ import annotations
 

@@ -155,3 +155,29 @@ def test_an_engine_that_fails_every_row_alone_fails_the_shard(tmp_path):
         worker.run_shard(0, rows)
     with pytest.raises(EngineFailure, match=msg):
         worker.run_shard(1, rows[:1])
+
+
+def test_a_batch_whose_cache_outgrows_the_device_runs_its_rows_alone(tmp_path, monkeypatch, caplog):
+    """A KV cache growth past the device's free memory is refused before it is allocated (on a CPU the kernel would
+    kill the process): the batch's rows run one at a time. With room for the long row alone every row finishes as
+    it does with memory to spare; with less, the long row gets the refusal and the short ones finish."""
+    import esp_worker.memory
+    from jobs_helpers import write_jsonl
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": "long", "prompt": "word " * 80}] +
+                       [{"id": f"short{i}", "prompt": f"Question {i}?"} for i in range(3)])
+    args = [f"data.path={data}", "engine.max_batch_size=4", "generation.max_new_tokens=8"]
+    clean, rows = _worker(tmp_path / "clean", *args)
+    want = {r["id"]: r["generated_token_ids"] for r in clean.run_shard(0, rows).to_pylist()}
+    slot = clean.engine.slot_bytes
+    monkeypatch.setattr(esp_worker.memory, "free_bytes", lambda device: 600 * slot)  # the long row alone: ~420 slots
+    worker, rows = _worker(tmp_path / "alone", *args)
+    out = worker.run_shard(0, rows).to_pylist()
+    assert [r["error"] for r in out] == [None] * 4 and {r["id"]: r["generated_token_ids"] for r in out} == want
+    refused = [m for m in caplog.messages if m.startswith("engine error: MemoryShortError: a ")]
+    assert refused and refused[0].endswith("row(s) in the batch; running them one at a time")
+    monkeypatch.setattr(esp_worker.memory, "free_bytes", lambda device: 200 * slot)
+    out = {r["id"]: r for r in worker.run_shard(1, rows).to_pylist()}
+    assert out["long"]["error"].startswith("engine error: MemoryShortError: a KV cache of 1 rows of ")
+    assert "lower engine.max_batch_size, or shorten the rows" in out["long"]["error"]
+    assert all(out[k]["error"] is None and out[k]["generated_token_ids"] == want[k] for k in want if k != "long")
