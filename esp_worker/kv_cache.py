@@ -202,8 +202,8 @@ class KVCache(Cache):
             new_r, new_c = max(new_r, r, self.pinned[0]), max(new_c, c, self.pinned[1])
         if grow and self.before_growth is not None:
             self.before_growth(new_r, new_c)
-        self.capacity = (new_r, new_c)
         keep_r, keep_c = min(self.num_rows, new_r), min(c, new_c)
+        made = []
         for old, rd, layer, name in self._tensors():  # rows at dim rd, slots at rd + 2
             size = list(old.shape)
             size[rd], size[rd + 2] = new_r, new_c
@@ -212,6 +212,11 @@ class KVCache(Cache):
             # stale slots are masked, not skipped (0 * NaN is NaN): zero what was not copied, once
             new.narrow(rd, 0, keep_r).narrow(rd + 2, keep_c, new_c - keep_c).zero_()
             new.narrow(rd, keep_r, new_r - keep_r).zero_()
+            made.append((layer, name, new))
+        # the capacity and the buffers change together, once every buffer is made: an allocation that fails leaves
+        # the cache as it was (a pinned one outlives the batch it failed in)
+        self.capacity = (new_r, new_c)
+        for layer, name, new in made:
             self._set(layer, name, new)
 
     def nbytes(self) -> int:

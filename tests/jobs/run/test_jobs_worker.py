@@ -121,11 +121,13 @@ def test_dmtd_rows_say_they_are_not_lossless(tmp_path):
     assert all(r["lossless"] is True and r["plt"] is None for r in out)
 
 
-@pytest.mark.parametrize("setting", [["engine.method=ar"], ["engine.method=hybrid", "generation.temperature=0.8"]])
+@pytest.mark.parametrize("setting", [["engine.method=ar"], ["engine.method=hybrid", "generation.temperature=0.8"],
+                                     ["engine.method=hybrid", "engine.cuda_graphs=true"]])
 def test_a_row_that_fails_its_batch_fails_alone_and_the_others_finish(tmp_path, setting):
     """An engine error in a batch (here raised by every decode pass holding row 2, after the pass's work) runs that
     batch's rows again one at a time: row 2 gets the error, the others the tokens they get with no fault (sampled
-    ones too: a row's stream is its own), and the actor takes the next shard."""
+    ones too: a row's stream is its own; the static path too, whose pinned cache outlives the failed batch), and the
+    actor takes the next shard."""
     args = ["data.limit=6", "generation.max_new_tokens=8", "engine.max_batch_size=3", "engine.block_complexity=10",
             *setting]
     clean, rows = _worker(tmp_path / "clean", *args)
