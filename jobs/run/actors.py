@@ -100,6 +100,7 @@ class ActorPool:
         self.on_death: Callable[[Actor, list[int]], None] = lambda actor, shards: None
         self._noted = time.monotonic()
         self.graph_records: list[dict[str, Any]] = []  # the actors' engine.cuda_graphs counters (`batch_histogram`)
+        self.engine_errors = 0  # batches whose engine raised, their rows run again alone (`batch_histogram`)
 
     # ---- start and stop ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -194,7 +195,7 @@ class ActorPool:
         import ray
 
         total: collections.Counter[int] = collections.Counter()
-        self.graph_records = []
+        self.graph_records, self.engine_errors = [], 0
         asks = {a.handle.stats.remote(): a for a in self.live()}
         ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=30) if asks else ([], [])
         for ref, a in asks.items():
@@ -205,6 +206,7 @@ class ActorPool:
                 total.update({int(k): v for k, v in stats["batch_histogram"].items()})
                 if stats.get("cuda_graphs"):
                     self.graph_records.append(stats["cuda_graphs"])
+                self.engine_errors += stats["engine_errors"]
             except Exception:  # noqa: BLE001 - statistics only
                 log.warning("could not read actor %d's batch statistics", a.index)
         return dict(sorted(total.items()))

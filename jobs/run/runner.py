@@ -315,6 +315,8 @@ def run_job(cfg: DictConfig) -> JobResult:
         t_end = time.monotonic()
         run = _run_record(t_start, t_ready, t_end, progress.run, dispatcher, plan, histogram)
         run["cuda_graphs"] = pool.cuda_graphs() if pool is not None and not lost else None
+        # batches the engine raised in, whose rows then ran alone (rows that failed alone are among the errors)
+        run["engine_errors"] = pool.engine_errors if pool is not None and not lost else None
         if failure is None and dispatcher is not None and dispatcher.failed:
             failure = dispatcher.failure_message()
         if failure is not None:
@@ -455,4 +457,7 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
              "complete" if summary["complete"] else "INCOMPLETE", run["generated_tokens"], run["generation_s"],
              "-" if rate is None else f"{rate:.1f}", run["startup_s"], "-" if batch is None else f"{batch:.1f}",
              tau, out.path, path)
+    if run.get("engine_errors"):
+        log.warning("the engine raised in %d batch(es) this run; their rows ran again one at a time (the actors' log "
+                    "has each error)", run["engine_errors"])
     return JobResult(output_dir=out.path, summary_path=path, summary=summary)

@@ -71,7 +71,7 @@ def engine_error(exc: BaseException) -> str:
     return f"engine error: {type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
-class _TakenFeed(RequestFeed):
+class ActorFeed(RequestFeed):
     """The actor's feed; it remembers the requests the engine took and has not answered (the worker forgets each
     as its output arrives), which are the rows an engine error interrupts."""
 
@@ -156,7 +156,8 @@ class ShardWorker:
         self._loop: Optional[threading.Thread] = None
         self._failure: Optional[str] = None
         self._failed_alone = 0  # rows that failed alone since a row last finished (engine thread only)
-        self.feed = _TakenFeed()
+        self.engine_errors = 0  # batches the engine raised in (their rows then ran alone)
+        self.feed = ActorFeed()
         try:
             from esp_worker import Engine, EngineConfig, ModelConfig
 
@@ -184,11 +185,12 @@ class ShardWorker:
         }
 
     def stats(self) -> dict[str, Any]:
-        """The engine's batch-size histogram (rows in the batch -> decode passes) since the actor started, and its
-        CUDA graphs' counters (captures, capture seconds, graph memory, replayed and eager passes; None: off)."""
+        """The engine's batch-size histogram (rows in the batch -> decode passes) since the actor started, its
+        CUDA graphs' counters (captures, capture seconds, graph memory, replayed and eager passes; None: off), and
+        how many batches raised an engine error (their rows run again alone)."""
         graphs = self.engine.stats.graphs
         return {"pid": os.getpid(), "batch_histogram": dict(self.engine.stats.batch_histogram),
-                "cuda_graphs": None if graphs is None else graphs.record()}
+                "cuda_graphs": None if graphs is None else graphs.record(), "engine_errors": self.engine_errors}
 
     def run_shard(self, shard_index: int, rows: list[JobRow]) -> pa.Table:
         """One output row per input row, in input order. Safe to call from several threads at once."""
@@ -253,6 +255,7 @@ class ShardWorker:
 
         suspects = list(self.feed.taken.values())
         self.feed.taken.clear()
+        self.engine_errors += 1
         if self.engine.device.type == "cuda":
             torch.cuda.empty_cache()  # what the failed batch held, for the rows run alone
         log.warning("%s, with %d row(s) in the batch; running them one at a time", msg, len(suspects))

@@ -17,7 +17,7 @@ from jobs.config import config_hash, load_config
 from jobs.run.rows import parse_params
 from jobs.run.runner import JobError, run_job
 from esp_worker import GenerationParams
-from esp_worker.feed import RequestFeed
+from jobs.run.worker import ActorFeed
 
 
 def _prompts(n: int, prefix: str = "p", start: int = 0) -> list[dict]:
@@ -29,7 +29,7 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "_summary.json").read_text())
 
 
-class _GatedFeed(RequestFeed):
+class _GatedFeed(ActorFeed):
     """A feed the test controls: the engine takes nothing until `expected` requests are queued."""
 
     def __init__(self, expected: int):
@@ -251,7 +251,7 @@ def test_a_row_that_fails_the_engine_gets_an_error_and_the_job_finishes(ray_head
     assert sorted(rows) == [f"p{i:03d}" for i in range(12)] and res.summary["complete"]
     assert rows["p004"]["error"].startswith("engine error: RuntimeError: fault.fail_row=p004")
     assert all(r["error"] is None and r["num_generated_tokens"] > 0 for k, r in rows.items() if k != "p004")
-    assert _summary(out)["errors"] == 1
+    assert _summary(out)["errors"] == 1 and res.summary["this_run"]["engine_errors"] >= 1
     assert run_job(job_cfg(out, *args)).summary["complete"]
 
 
