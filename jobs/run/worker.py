@@ -9,8 +9,8 @@ A shard's table is built and returned when its last row finishes.
 
 An engine error (a CUDA out-of-memory in one batch, a row that trips a bug) ends the engine loop with every row of
 the batch in it. Those rows then run again one at a time: a row that fails alone gets the error in its `error`
-column and the job goes on; the others finish as they would have (the output of a row does not depend on the rows
-beside it), and the loop restarts. When BROKEN_AFTER rows in a row fail alone, with no row finishing between, the
+column and the job goes on; the others finish as they would have (in float32 a row's tokens do not depend on the
+rows beside it), and the loop restarts. When BROKEN_AFTER rows in a row fail alone, with no row finishing between, the
 engine, not a row, is at fault: every shard in flight fails with the error, as a load failure does.
 
 Heavy imports (torch, transformers, the engine) happen in `__init__`, inside the actor process.
