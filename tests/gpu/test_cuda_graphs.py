@@ -122,6 +122,33 @@ def test_passes_run_ahead_are_the_engines_that_reads_each_float32_1b_shape(few_l
     assert eng.stats.graphs.ahead_passes > eng.stats.decode_passes // 2
 
 
+@pytest.mark.parametrize("setting", [0, 4])
+def test_an_engine_that_raised_mid_batch_replays_the_next_batches_right_float32_1b_shape(few_layer_1b, setting):
+    """A job's actor runs the rows of a batch the engine raised in again, alone, on the same engine
+    (jobs/run/worker.py). After an error in the middle of a batch (here after its fifth pass, a plain pass run
+    ahead for `ar`), the engine's graphs and pinned slab give the eager engine's tokens, alone and batched."""
+    params = GenerationParams(max_new_tokens=40, ignore_eos=True)
+    eager = _generate(few_layer_1b, False, params, 4, **METHODS[setting])[1]
+    eng = Engine(few_layer_1b, EngineConfig(max_batch_size=4, cuda_graphs=True, **METHODS[setting]))
+    step, passes = eng._step, []
+
+    def raising_once(rows):
+        step(rows)
+        passes.append(len(rows))
+        if len(passes) == 5:
+            raise RuntimeError("raised mid-batch")
+
+    eng._step = raising_once
+    reqs = [Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)]
+    with pytest.raises(RuntimeError, match="raised mid-batch"):
+        eng.generate(reqs)
+    alone = [eng.generate([r])[0] for r in reqs]
+    batched = eng.generate(reqs)
+    want = [o.token_ids for o in eager]
+    assert [o.token_ids for o in alone] == want and [o.token_ids for o in batched] == want, METHODS[setting]
+    assert eng.stats.graphs.graph_passes > 0
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_no_synchronisation_in_passes_run_ahead(monkeypatch, temperature):
     lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda"))
