@@ -175,7 +175,7 @@ class Engine:
 
     def _may_grow(self, rows: int, slots: int) -> None:
         """Refuse a KV cache growth past the device's free memory (MemoryShortError) before it is allocated: raised
-        in a pass, it is an error of the batch's rows (which a job's actor then runs one at a time) rather than
+        in a pass, it is an error of the batch's rows (which a job's actor then runs again in halves) rather than
         CUDA's out-of-memory error or, on a CPU, a process the kernel kills without a word."""
         require(f"a KV cache of {rows} rows of {slots} positions", rows * slots * self.slot_bytes,
                 "lower engine.max_batch_size, or shorten the rows (prompt and generation.max_new_tokens)", self.device)

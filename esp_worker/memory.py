@@ -10,7 +10,7 @@ lets what might.
 
 While it generates, the engine asks the same before its KV cache grows (long rows join the batch) and before a
 batched prefill builds its attention mask: refused there, the error is one of the rows in the batch, which a job's
-actor runs again one at a time (jobs/run/worker.py), where a row that does not fit alone gets it in its `error`.
+actor runs again in halves (jobs/run/worker.py), where a row that does not fit alone gets it in its `error`.
 """
 from __future__ import annotations
 

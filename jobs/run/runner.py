@@ -458,6 +458,6 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
              "-" if rate is None else f"{rate:.1f}", run["startup_s"], "-" if batch is None else f"{batch:.1f}",
              tau, out.path, path)
     if run.get("engine_errors"):
-        log.warning("the engine raised in %d batch(es) this run; their rows ran again one at a time (the actors' log "
-                    "has each error)", run["engine_errors"])
+        log.warning("the engine raised in %d batch(es) this run; their rows ran again in smaller batches (the "
+                    "actors' log has each error)", run["engine_errors"])
     return JobResult(output_dir=out.path, summary_path=path, summary=summary)

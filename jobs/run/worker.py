@@ -8,10 +8,11 @@ once, and the next turn of a multi-turn row goes back into the feed as soon as i
 A shard's table is built and returned when its last row finishes.
 
 An engine error (a CUDA out-of-memory in one batch, a row that trips a bug) ends the engine loop with every row of
-the batch in it. Those rows then run again one at a time: a row that fails alone gets the error in its `error`
-column and the job goes on; the others finish as they would have (in float32 a row's tokens do not depend on the
-rows beside it), and the loop restarts. When BROKEN_AFTER rows in a row fail alone, with no row finishing between, the
-engine, not a row, is at fault: every shard in flight fails with the error, as a load failure does.
+the batch in it. Those rows then run again in halves, and the halves of a half that raises again, down to single
+rows: a row that fails alone gets the error in its `error` column and the job goes on; the others finish as they
+would have (in float32 a row's tokens do not depend on the rows beside it), and the loop restarts. When BROKEN_AFTER
+rows in a row fail alone, with no row finishing between, the engine, not a row, is at fault: every shard in flight
+fails with the error, as a load failure does.
 
 Heavy imports (torch, transformers, the engine) happen in `__init__`, inside the actor process.
 """
@@ -247,32 +248,49 @@ class ShardWorker:
                 return
 
     def _isolate(self, msg: str) -> bool:
-        """The engine raised `msg` with the rows the feed handed it unanswered: run each alone; False (every shard
-        in flight failed) when the engine, not a row, is at fault."""
+        """The engine raised `msg` with the rows the feed handed it unanswered: run them again in halves (`_retry`);
+        False (every shard in flight failed) when the engine, not a row, is at fault."""
         import torch
-
-        from esp_worker import RequestOutput, RequestStats
 
         suspects = list(self.feed.taken.values())
         self.feed.taken.clear()
         self.engine_errors += 1
         if self.engine.device.type == "cuda":
-            torch.cuda.empty_cache()  # what the failed batch held, for the rows run alone
-        log.warning("%s, with %d row(s) in the batch; running them one at a time", msg, len(suspects))
-        for req in suspects:
-            try:
-                out = list(self.engine.generate_iter([req]))[0]
-            except Exception as exc:  # noqa: BLE001 - it fails alone: the row's error
-                error = engine_error(exc)
-                self._failed_alone += 1
-                log.warning("row %r failed alone: %s", req.id, error)
-                if self._failed_alone >= BROKEN_AFTER:
-                    self._fail_all(f"{error} ({self._failed_alone} rows in a row failed alone: the engine fails, "
-                                   f"not a row)")
-                    return False
-                out = RequestOutput(id=str(req.id), token_ids=[], text="", finish_reason=None, stats=RequestStats(),
-                                    error=error)
-            self._on_output(out)
+            torch.cuda.empty_cache()  # what the failed batch held, for the rows run again
+        log.warning("%s, with %d row(s) in the batch; running them again in halves", msg, len(suspects))
+        half = (len(suspects) + 1) // 2
+        return all(self._retry(part) for part in (suspects[:half], suspects[half:]) if part)
+
+    def _retry(self, reqs: list[Any]) -> bool:
+        """Run reqs as a batch of their own; where the engine raises again, each half of the rows it left unanswered
+        the same way, down to single rows: a bad row costs log2(rows) reruns of shrinking batches, a batch that was
+        too large as a whole finishes in halves. A single row that raises gets the error; False (every shard in
+        flight failed) when BROKEN_AFTER single rows in a row did."""
+        from esp_worker import RequestOutput, RequestStats
+
+        pending = {str(r.id): r for r in reqs}
+        error = None
+        try:
+            for out in self.engine.generate_iter(list(pending.values())):
+                pending.pop(out.id, None)
+                self._on_output(out)
+        except Exception as exc:  # noqa: BLE001 - its rows are split, or the single row gets it
+            error = engine_error(exc)
+        if error is None:
+            return True
+        left = list(pending.values())
+        if len(left) > 1:
+            half = (len(left) + 1) // 2
+            return self._retry(left[:half]) and self._retry(left[half:])
+        if not left:  # every row was answered, the error came after: nothing to rerun
+            return True
+        self._failed_alone += 1
+        log.warning("row %r failed alone: %s", left[0].id, error)
+        if self._failed_alone >= BROKEN_AFTER:
+            self._fail_all(f"{error} ({self._failed_alone} rows in a row failed alone: the engine fails, not a row)")
+            return False
+        self._on_output(RequestOutput(id=str(left[0].id), token_ids=[], text="", finish_reason=None,
+                                      stats=RequestStats(), error=error))
         return True
 
     def _fail_all(self, msg: str) -> None:

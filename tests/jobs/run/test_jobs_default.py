@@ -28,7 +28,7 @@ def test_default_job_without_arguments(tmp_path):
     assert out.name.startswith("tiny-random-llama-hybrid-")
     summary = json.loads((out / "_summary.json").read_text())
     assert summary["rows"] == 48 and summary["tau"] is not None and summary["tau_per_category"]
-    assert summary["runs"][-1]["engine_errors"] == 0  # no batch fell back to its rows one at a time
+    assert summary["runs"][-1]["engine_errors"] == 0  # no batch fell back to running its rows in halves
     assert len(read_output(out)) == 48
     print(f"default job: {elapsed:.1f}s wall")
 

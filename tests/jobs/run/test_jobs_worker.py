@@ -125,7 +125,7 @@ def test_dmtd_rows_say_they_are_not_lossless(tmp_path):
                                      ["engine.method=hybrid", "engine.cuda_graphs=true"]])
 def test_a_row_that_fails_its_batch_fails_alone_and_the_others_finish(tmp_path, setting):
     """An engine error in a batch (here raised by every decode pass holding row 2, after the pass's work) runs that
-    batch's rows again one at a time: row 2 gets the error, the others the tokens they get with no fault (sampled
+    batch's rows again in halves: row 2 gets the error, the others the tokens they get with no fault (sampled
     ones too: a row's stream is its own; the static path too, whose pinned cache outlives the failed batch), and the
     actor takes the next shard."""
     args = ["data.limit=6", "generation.max_new_tokens=8", "engine.max_batch_size=3", "engine.block_complexity=10",
@@ -161,7 +161,7 @@ def test_an_engine_that_fails_every_row_alone_fails_the_shard(tmp_path):
 
 def test_a_batch_whose_cache_outgrows_the_device_runs_its_rows_alone(tmp_path, monkeypatch, caplog):
     """A KV cache growth past the device's free memory is refused before it is allocated (on a CPU the kernel would
-    kill the process): the batch's rows run one at a time. With room for the long row alone every row finishes as
+    kill the process): the batch's rows run again in halves. With room for the long row alone every row finishes as
     it does with memory to spare; with less, the long row gets the refusal and the short ones finish."""
     import esp_worker.memory
     from jobs_helpers import write_jsonl
@@ -177,7 +177,7 @@ def test_a_batch_whose_cache_outgrows_the_device_runs_its_rows_alone(tmp_path, m
     out = worker.run_shard(0, rows).to_pylist()
     assert [r["error"] for r in out] == [None] * 4 and {r["id"]: r["generated_token_ids"] for r in out} == want
     refused = [m for m in caplog.messages if m.startswith("engine error: MemoryShortError: a ")]
-    assert refused and refused[0].endswith("row(s) in the batch; running them one at a time")
+    assert refused and refused[0].endswith("row(s) in the batch; running them again in halves")
     monkeypatch.setattr(esp_worker.memory, "free_bytes", lambda device: 200 * slot)
     out = {r["id"]: r for r in worker.run_shard(1, rows).to_pylist()}
     assert out["long"]["error"].startswith("engine error: MemoryShortError: a KV cache of 1 rows of ")
