@@ -113,6 +113,8 @@ class Engine:
         # token ids a pass can commit: the LM head's outputs (the stop table covers them all)
         self.num_logits = max(self.vocab_size, int(getattr(self.runner.lm_head, "out_features", 0) or 0))
         self.stats = EngineStats()
+        # rows admitted at once: engine.max_batch_size, until a job's actor lowers it after a batch ran out of memory
+        self.max_rows = cfg.max_batch_size
         self.num_layers = loaded.model.config.get_text_config().num_hidden_layers
         self.slot_bytes = kv_bytes_per_slot(loaded.model.config.get_text_config(), self.runner.dtype)  # one position
         # engine.method=dmtd: the model's own layer groups per pass (model/dmtd.py); the drafter is plain decoding's
@@ -253,7 +255,7 @@ class Engine:
         while True:
             admit: list[Seq] = []
             if not exhausted:
-                reqs, exhausted = take(self.cfg.max_batch_size - len(rows), not len(rows))
+                reqs, exhausted = take(self.max_rows - len(rows), not len(rows))
                 if reqs:  # rows join: the pass in flight is read first
                     self._land(rows)
                 for req in reqs:

@@ -116,6 +116,15 @@ class _Shard:
     failure: Optional[str] = None
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether the engine raised for want of device memory: its own check before an allocation, or CUDA's."""
+    import torch
+
+    from esp_worker.memory import MemoryShortError
+
+    return isinstance(exc, (MemoryShortError, torch.OutOfMemoryError))
+
+
 def _fail_passes_of(engine: Any, row_id: str) -> None:
     """Fault injection (fault.fail_row): every decode pass whose batch holds row_id ("*": every pass) raises after its
     work, as an engine error in the middle of that row's batch would (the rows' tensors and cache half updated)."""
@@ -234,22 +243,23 @@ class ShardWorker:
                 for out in self.engine.generate_iter(self.feed):
                     self._on_output(out)
                 return
-            except Exception as exc:  # noqa: BLE001 - the rows it interrupted run again, alone
-                msg = engine_error(exc)
+            except Exception as exc:  # noqa: BLE001 - the rows it interrupted run again, in halves
+                msg, memory = engine_error(exc), _out_of_memory(exc)
             except BaseException as exc:  # noqa: BLE001 - reported to every waiting shard
                 self._fail_all(engine_error(exc))
                 return
             # out of the except block, so that the failed loop's frames (its batch, its KV cache) are freed first
             try:
-                if not self._isolate(msg):
+                if not self._isolate(msg, memory):
                     return
             except BaseException as exc:  # noqa: BLE001 - never a silent engine thread: every waiting shard hears it
                 self._fail_all(engine_error(exc))
                 return
 
-    def _isolate(self, msg: str) -> bool:
+    def _isolate(self, msg: str, memory: bool) -> bool:
         """The engine raised `msg` with the rows the feed handed it unanswered: run them again in halves (`_retry`);
-        False (every shard in flight failed) when the engine, not a row, is at fault."""
+        False (every shard in flight failed) when the engine, not a row, is at fault. After a batch ran out of
+        memory the engine admits at most half its rows from then on: rows like these would fill it again."""
         import torch
 
         suspects = list(self.feed.taken.values())
@@ -258,6 +268,11 @@ class ShardWorker:
         if self.engine.device.type == "cuda":
             torch.cuda.empty_cache()  # what the failed batch held, for the rows run again
         log.warning("%s, with %d row(s) in the batch; running them again in halves", msg, len(suspects))
+        if memory and 1 < len(suspects) and len(suspects) // 2 < self.engine.max_rows:
+            self.engine.max_rows = len(suspects) // 2
+            log.warning("the engine ran out of memory with %d rows in its batch: it admits at most %d from now on "
+                        "(engine.max_batch_size=%d is too many rows of these lengths for this device)", len(suspects),
+                        self.engine.max_rows, self.engine.cfg.max_batch_size)
         half = (len(suspects) + 1) // 2
         return all(self._retry(part) for part in (suspects[:half], suspects[half:]) if part)
 
