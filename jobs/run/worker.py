@@ -12,7 +12,8 @@ the batch in it. Those rows then run again in halves, and the halves of a half t
 rows: a row that fails alone gets the error in its `error` column and the job goes on; the others finish as they
 would have (in float32 a row's tokens do not depend on the rows beside it), and the loop restarts. When BROKEN_AFTER
 rows in a row fail alone, with no row finishing between, the engine, not a row, is at fault: every shard in flight
-fails with the error, as a load failure does.
+fails with the error, as a load failure does. A batch that ran out of memory halves the rows the engine admits,
+until REGAIN_AFTER batches' worth of rows have finished (`_regain_rows`).
 
 Heavy imports (torch, transformers, the engine) happen in `__init__`, inside the actor process.
 """
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 # rows that fail alone one after another, none finishing between them, that make the engine (not a row) the fault
 BROKEN_AFTER = 3
+# batches' worth of rows that finish after the engine's admission was halved (it ran out of memory) before it doubles
+REGAIN_AFTER = 4
 
 
 @dataclass
@@ -166,6 +169,7 @@ class ShardWorker:
         self._loop: Optional[threading.Thread] = None
         self._failure: Optional[str] = None
         self._failed_alone = 0  # rows that failed alone since a row last finished (engine thread only)
+        self._fine_rows = 0  # rows finished since the engine's admission was last lowered or raised
         self.engine_errors = 0  # batches the engine raised in (their rows then ran alone)
         self.feed = ActorFeed()
         try:
@@ -259,7 +263,7 @@ class ShardWorker:
     def _isolate(self, msg: str, memory: bool) -> bool:
         """The engine raised `msg` with the rows the feed handed it unanswered: run them again in halves (`_retry`);
         False (every shard in flight failed) when the engine, not a row, is at fault. After a batch ran out of
-        memory the engine admits at most half its rows from then on: rows like these would fill it again."""
+        memory the engine admits at most half its rows for a while: rows like these would fill it again."""
         import torch
 
         suspects = list(self.feed.taken.values())
@@ -269,12 +273,25 @@ class ShardWorker:
             torch.cuda.empty_cache()  # what the failed batch held, for the rows run again
         log.warning("%s, with %d row(s) in the batch; running them again in halves", msg, len(suspects))
         if memory and 1 < len(suspects) and len(suspects) // 2 < self.engine.max_rows:
-            self.engine.max_rows = len(suspects) // 2
-            log.warning("the engine ran out of memory with %d rows in its batch: it admits at most %d from now on "
-                        "(engine.max_batch_size=%d is too many rows of these lengths for this device)", len(suspects),
-                        self.engine.max_rows, self.engine.cfg.max_batch_size)
+            self.engine.max_rows, self._fine_rows = len(suspects) // 2, 0
+            log.warning("the engine ran out of memory with %d rows in its batch: it admits at most %d for a while "
+                        "(engine.max_batch_size=%d may be too many rows of these lengths for this device)",
+                        len(suspects), self.engine.max_rows, self.engine.cfg.max_batch_size)
         half = (len(suspects) + 1) // 2
         return all(self._retry(part) for part in (suspects[:half], suspects[half:]) if part)
+
+    def _regain_rows(self) -> None:
+        """A row finished: once REGAIN_AFTER batches' worth have finished since the engine's admission was lowered,
+        admit twice as many again (up to engine.max_batch_size). A few long rows that once filled the memory do
+        not halve the batch for the rest of the job; rows that fill it again halve it again."""
+        engine = self.engine
+        if engine.max_rows >= engine.cfg.max_batch_size:
+            return
+        self._fine_rows += 1
+        if self._fine_rows >= REGAIN_AFTER * engine.max_rows:
+            engine.max_rows, self._fine_rows = min(2 * engine.max_rows, engine.cfg.max_batch_size), 0
+            log.warning("the engine admits up to %d rows again (engine.max_batch_size=%d)", engine.max_rows,
+                        engine.cfg.max_batch_size)
 
     def _retry(self, reqs: list[Any]) -> bool:
         """Run reqs as a batch of their own; where the engine raises again, each half of the rows it left unanswered
@@ -323,6 +340,7 @@ class ShardWorker:
         self.feed.taken.pop(out.id, None)
         if out.error is None:
             self._failed_alone = 0
+            self._regain_rows()
         with self._lock:
             s = self._active.pop(out.id)
         self._maybe_die(s.shard.index)

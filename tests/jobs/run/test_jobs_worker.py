@@ -162,8 +162,8 @@ def test_an_engine_that_fails_every_row_alone_fails_the_shard(tmp_path):
 def test_a_batch_whose_cache_outgrows_the_device_runs_its_rows_alone(tmp_path, monkeypatch, caplog):
     """A KV cache growth past the device's free memory is refused before it is allocated (on a CPU the kernel would
     kill the process): the batch's rows run again in halves. With room for the long row alone every row finishes as
-    it does with memory to spare, and the engine then admits half as many rows; with less memory, the long row gets
-    the refusal and the short ones finish."""
+    it does with memory to spare, and the engine then admits half as many rows, until enough rows have finished;
+    with less memory, the long row gets the refusal and the short ones finish."""
     import esp_worker.memory
     from jobs_helpers import write_jsonl
 
@@ -179,9 +179,15 @@ def test_a_batch_whose_cache_outgrows_the_device_runs_its_rows_alone(tmp_path, m
     assert [r["error"] for r in out] == [None] * 4 and {r["id"]: r["generated_token_ids"] for r in out} == want
     refused = [m for m in caplog.messages if m.startswith("engine error: MemoryShortError: a ")]
     assert refused and refused[0].endswith("row(s) in the batch; running them again in halves")
-    assert worker.engine.max_rows == 2  # 4 rows ran out of memory: the engine admits half as many from then on
+    assert worker.engine.max_rows == 2  # 4 rows ran out of memory: the engine admits half as many for a while
     monkeypatch.setattr(esp_worker.memory, "free_bytes", lambda device: 200 * slot)
     out = {r["id"]: r for r in worker.run_shard(1, rows).to_pylist()}
     assert out["long"]["error"].startswith("engine error: MemoryShortError: a KV cache of 1 rows of ")
     assert "lower engine.max_batch_size, or shorten the rows" in out["long"]["error"]
     assert all(out[k]["error"] is None and out[k]["generated_token_ids"] == want[k] for k in want if k != "long")
+    # short rows that fit: after REGAIN_AFTER batches' worth of them (at 1 then 2 rows) it admits 4 rows again
+    fine = worker.engine.max_rows
+    shorts = [r for r in rows if r.id != "long"] * 5
+    for i in range(0, len(shorts), 3):
+        worker.run_shard(2 + i, shorts[i:i + 3])
+    assert fine < 4 and worker.engine.max_rows == 4
