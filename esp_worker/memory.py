@@ -25,7 +25,8 @@ GIB = float(1 << 30)
 
 
 class MemoryShortError(ModelLoadError):
-    """A KV cache the configuration asks for is larger than the device's free memory."""
+    """An allocation the engine is about to make (a KV cache, a batched prefill's mask) exceeds the device's free
+    memory: at start-up a configuration's error, while generating an error of the batch's rows."""
 
 
 def kv_bytes_per_slot(text_config: Any, dtype: torch.dtype) -> int:

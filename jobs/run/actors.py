@@ -100,7 +100,7 @@ class ActorPool:
         self.on_death: Callable[[Actor, list[int]], None] = lambda actor, shards: None
         self._noted = time.monotonic()
         self.graph_records: list[dict[str, Any]] = []  # the actors' engine.cuda_graphs counters (`batch_histogram`)
-        self.engine_errors = 0  # batches whose engine raised, their rows run again alone (`batch_histogram`)
+        self.engine_errors = 0  # batches whose engine raised, their rows run again in halves (`batch_histogram`)
 
     # ---- start and stop ------------------------------------------------------------------------------
     def start(self) -> None:

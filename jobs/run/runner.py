@@ -315,7 +315,7 @@ def run_job(cfg: DictConfig) -> JobResult:
         t_end = time.monotonic()
         run = _run_record(t_start, t_ready, t_end, progress.run, dispatcher, plan, histogram)
         run["cuda_graphs"] = pool.cuda_graphs() if pool is not None and not lost else None
-        # batches the engine raised in, whose rows then ran alone (rows that failed alone are among the errors)
+        # batches the engine raised in, whose rows then ran again in halves (rows that failed alone are errors)
         run["engine_errors"] = pool.engine_errors if pool is not None and not lost else None
         if failure is None and dispatcher is not None and dispatcher.failed:
             failure = dispatcher.failure_message()

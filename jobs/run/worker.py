@@ -170,7 +170,7 @@ class ShardWorker:
         self._failure: Optional[str] = None
         self._failed_alone = 0  # rows that failed alone since a row last finished (engine thread only)
         self._fine_rows = 0  # rows finished since the engine's admission was last lowered or raised
-        self.engine_errors = 0  # batches the engine raised in (their rows then ran alone)
+        self.engine_errors = 0  # batches the engine raised in (their rows then ran again in halves)
         self.feed = ActorFeed()
         try:
             from esp_worker import Engine, EngineConfig, ModelConfig
@@ -201,7 +201,7 @@ class ShardWorker:
     def stats(self) -> dict[str, Any]:
         """The engine's batch-size histogram (rows in the batch -> decode passes) since the actor started, its
         CUDA graphs' counters (captures, capture seconds, graph memory, replayed and eager passes; None: off), and
-        how many batches raised an engine error (their rows run again alone)."""
+        how many batches raised an engine error (their rows run again in halves)."""
         graphs = self.engine.stats.graphs
         return {"pid": os.getpid(), "batch_histogram": dict(self.engine.stats.batch_histogram),
                 "cuda_graphs": None if graphs is None else graphs.record(), "engine_errors": self.engine_errors}
@@ -277,8 +277,12 @@ class ShardWorker:
             log.warning("the engine ran out of memory with %d rows in its batch: it admits at most %d for a while "
                         "(engine.max_batch_size=%d may be too many rows of these lengths for this device)",
                         len(suspects), self.engine.max_rows, self.engine.cfg.max_batch_size)
-        half = (len(suspects) + 1) // 2
-        return all(self._retry(part) for part in (suspects[:half], suspects[half:]) if part)
+        return self._halves(suspects)
+
+    def _halves(self, reqs: list[Any]) -> bool:
+        """Each half of reqs run again (`_retry`); False as soon as the engine is found broken."""
+        half = (len(reqs) + 1) // 2
+        return all(self._retry(part) for part in (reqs[:half], reqs[half:]) if part)
 
     def _regain_rows(self) -> None:
         """A row finished: once REGAIN_AFTER batches' worth have finished since the engine's admission was lowered,
@@ -312,8 +316,7 @@ class ShardWorker:
             return True
         left = list(pending.values())
         if len(left) > 1:
-            half = (len(left) + 1) // 2
-            return self._retry(left[:half]) and self._retry(left[half:])
+            return self._halves(left)
         if not left:  # every row was answered, the error came after: nothing to rerun
             return True
         self._failed_alone += 1
