@@ -96,7 +96,8 @@ class EngineConfig:
     # for CUDA. true on a CPU runs the same static-buffer path eagerly (tests). esp_worker/graphs/
     cuda_graphs: Union[bool, str] = "auto"  # auto | true | false
     # key slots per row the graphs' KV slab holds (pinned at start-up); a row that needs more runs eagerly and
-    # grows the slab, after which graphs are captured again over it
+    # grows the slab, after which graphs are captured again over it (where the grown slab does not fit the device,
+    # the batch's rows run eagerly in buffers of their own until they fit the slab again)
     cuda_graph_max_len: int = 2048
     # compile each graph's pass with Inductor (torch.compile, automatic dynamic shapes) before capturing it: fewer,
     # fused kernels in the replay, at a compile per new pass shape (tens of seconds on a GPU; start-up captures

@@ -17,6 +17,11 @@ Capacity grows in buckets (about 1/8 of the length, so at most ~12% above what i
 when the live rows need much less; rows that leave are compacted in place (`select_rows`). The owner may
 set `before_growth`, which hears the capacity a growth is about to allocate and may refuse it by raising
 (the engine compares it with the device's free memory: esp_worker/memory.py).
+
+A pinned slab (`pin`: CUDA graphs read it at fixed addresses) holds a fixed number of rows, so it grows for all of
+them at once. Where that growth is refused (MemoryShortError) but buffers for the live rows alone fit, the rows
+spill into buffers of their own (`spilled`) and the pinned slab is kept; they move back into it at the first
+`reserve` they fit, e.g. once a long row has finished.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .consts import steps
 from .grad import inference
+from .memory import MemoryShortError
 
 
 def move_slots(t: torch.Tensor, rd: int, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -132,6 +138,8 @@ class KVCache(Cache):
         self._listed: Optional[list] = None  # `_tensors()`, until a buffer is made or replaced
         # (rows, slots) the buffers never shrink below (`pin`: captured passes read the slab at fixed addresses)
         self.pinned: Optional[tuple[int, int]] = None
+        # the pinned slab while the rows live in buffers of their own (`reserve`: its growth was refused)
+        self.home: Optional[torch.Tensor] = None
         # hears (rows, slots) before buffers of that capacity are allocated; raises to refuse them
         self.before_growth: Optional[Callable[[int, int], None]] = None
 
@@ -157,7 +165,8 @@ class KVCache(Cache):
     def pin(self, rows: int, slots: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate the slab now at (rows, slots) for every layer (keys and values of `heads` x `head_dim`) and keep
         it: `reserve` grows it only past that capacity and never shrinks it, so CUDA graphs captured over it stay
-        valid (engine.cuda_graphs; a growth makes a new slab, which the graphs' owner notices)."""
+        valid (engine.cuda_graphs; a growth makes a new slab, which the graphs' owner notices, and a growth that
+        does not fit spills the rows, see the module docstring)."""
         self.pinned = (rows, slots)
         self.capacity = (rows, slots)
         self.slab = torch.zeros((len(self.layers), 2, rows, heads, slots, head_dim), dtype=dtype, device=device)
@@ -187,21 +196,44 @@ class KVCache(Cache):
             if l.in_slab:
                 l.keys, l.values = t[l.index, 0], t[l.index, 1]
 
+    @property
+    def spilled(self) -> bool:
+        """Whether the rows live outside the pinned slab (graphs over it cannot serve their passes)."""
+        return self.home is not None
+
+    @property
+    def pinned_slab(self) -> Optional[torch.Tensor]:
+        """The slab captured passes read (None: not pinned), where the rows are or not."""
+        if self.pinned is None:
+            return None
+        return self.home if self.home is not None else self.slab
+
     @inference
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for `num_rows` rows of `length` slots; keeps rows 0 .. self.num_rows-1 and their slots."""
+        home = self.home
+        if home is not None and num_rows <= home.shape[2] and length <= home.shape[4]:
+            self._return_home()
+            return
         r, c = self.capacity
         need_c = bucket(length)
         grow = num_rows > r or length > c
+        pinned = self.pinned is not None and home is None  # the buffers are the pinned slab
         # shrink when the live rows use less than ~2/3 of the buffers (hysteresis: no churn at steady state)
-        shrink = r * c > 1.5 * num_rows * need_c and self.pinned is None
+        shrink = r * c > 1.5 * num_rows * need_c and not pinned
         if not (grow or shrink):
             return
         new_r, new_c = num_rows, max(need_c, length)
-        if self.pinned is not None:  # a pinned slab only grows, and then at least to the pinned size
-            new_r, new_c = max(new_r, r, self.pinned[0]), max(new_c, c, self.pinned[1])
-        if grow and self.before_growth is not None:
-            self.before_growth(new_r, new_c)
+        if pinned:  # a pinned slab only grows, and then for all its rows and at least to the pinned size
+            whole = max(new_r, r, self.pinned[0]), max(new_c, c, self.pinned[1])
+            try:
+                self._may_grow(*whole)
+                new_r, new_c = whole
+            except MemoryShortError:  # the live rows alone, in buffers of their own, if they fit (else it raises)
+                self._may_grow(new_r, new_c)
+                self.home = self.slab
+        elif grow:
+            self._may_grow(new_r, new_c)
         keep_r, keep_c = min(self.num_rows, new_r), min(c, new_c)
         made = []
         for old, rd, layer, name in self._tensors():  # rows at dim rd, slots at rd + 2
@@ -219,8 +251,24 @@ class KVCache(Cache):
         for layer, name, new in made:
             self._set(layer, name, new)
 
+    def _may_grow(self, rows: int, slots: int) -> None:
+        if self.before_growth is not None:
+            self.before_growth(rows, slots)
+
+    def _return_home(self) -> None:
+        """The spilled rows back into the pinned slab (they fit it again), their own buffers dropped. The slab's
+        slots past what is copied hold what earlier rows left there: finite values, masked as any stale slot."""
+        home, cur, n = self.home, self.slab, self.num_rows
+        keep_c = min(cur.shape[4], home.shape[4])
+        home.narrow(2, 0, n).narrow(4, 0, keep_c).copy_(cur.narrow(2, 0, n).narrow(4, 0, keep_c))
+        self.home = None
+        self.capacity = (home.shape[2], home.shape[4])
+        self._set(None, "", home)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t, *_ in self._tensors())
+        """Bytes the cache holds: its buffers, and the pinned slab while the rows are spilled."""
+        held = [t for t, *_ in self._tensors()] + ([self.home] if self.home is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
 
     # ---- one forward -------------------------------------------------------------------------------
     def plan(self, row0: int, num_rows: int, view_len: int, write_at: Union[int, torch.Tensor],

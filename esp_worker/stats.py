@@ -31,7 +31,8 @@ class GraphStats:
     graph_passes: int = 0  # passes run from a class's graph (on a CPU: over its static buffers)
     ahead_passes: int = 0  # of which launched before the last pass's read (engine.cuda_graphs_run_ahead)
     # passes that ran eagerly, by reason: stop_strings (the text is checked on the host), capacity (a row longer
-    # than the slab's pinned slots), new_shape (a class's first passes, before its capture), graph_limit
+    # than the slab's pinned slots), spilled (rows in buffers of their own: the grown slab did not fit the device),
+    # new_shape (a class's first passes, before its capture), graph_limit
     eager_passes: collections.Counter = field(default_factory=collections.Counter)
 
     def record(self) -> dict[str, Any]:

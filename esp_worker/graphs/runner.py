@@ -12,7 +12,9 @@ slots; any other class (a larger capacity, a drafter's block, sampling) when it 
 (one-off shapes never pay a capture), up to `MAX_GRAPHS`. A pass with no graph runs eagerly and is counted by
 reason (`GraphStats.eager_passes`). All graphs share one memory pool and
 read the KV slab the engine pinned (`KVCache.pin`); if rows outgrow it the slab is reallocated, every graph is
-dropped and classes are captured again over the new one.
+dropped and classes are captured again over the new one. Where the device cannot hold the grown slab, the rows
+spill into buffers of their own (`KVCache.spilled`): their passes run eagerly until they fit the slab again, and
+the graphs over it stay.
 
 On a CPU (`engine.cuda_graphs=true` there) nothing is captured: each pass runs `decode_step` eagerly over the
 same buffers and copies its results into one set of output buffers per class, as a replay would overwrite them,
@@ -243,6 +245,8 @@ class GraphRunner:
             return "stop_strings"
         if block.embeds is not None:
             return "prepared_embeds"
+        if self.cache.spilled:  # the rows live outside the slab the graphs read
+            return "spilled"
         if self.cache.slab is not self._slab:  # the slab grew: graphs over the old one are gone
             self._reset(self.cache.slab)
         tree, lay = block.tree, block.layout

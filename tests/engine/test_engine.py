@@ -82,6 +82,47 @@ def test_kv_growth_zeroes_what_it_did_not_copy():
     assert torch.count_nonzero(keys[:2, :, c20:]) == 0 and torch.count_nonzero(keys[2]) == 0
 
 
+def test_pinned_slab_whose_growth_is_refused_spills_the_live_rows_then_takes_them_back():
+    """A pinned slab grows for all its rows; where that is refused (MemoryShortError) the live rows move into buffers
+    of their own and the slab stays for the graphs that read it; they move back once they fit it. A growth refused
+    for the live rows too leaves the cache as it was."""
+    from esp_worker.memory import MemoryShortError
+
+    cache = kv_cache.new_cache(1)
+    cache.pin(4, 16, 1, 1, torch.float32, torch.device("cpu"))
+    pinned = cache.slab
+    keys = torch.arange(2 * 16, dtype=torch.float32).reshape(2, 1, 16, 1)
+    cache.plan(0, 2, 16, 0)
+    with torch.inference_mode():  # the pinned slab is an inference tensor, as the engine's passes are
+        cache.update(keys, keys + 100, 0)
+    cache.add_rows(2)
+    budget = 100  # slots x rows
+
+    def refuse(rows, slots):
+        if rows * slots > budget:
+            raise MemoryShortError(f"{rows} x {slots}")
+
+    cache.before_growth = refuse
+    cache.reserve(2, 40)  # 4 x 48 refused, 2 x 48 fits
+    assert cache.spilled and cache.pinned_slab is pinned and cache.slab is not pinned
+    assert cache.layers[0].keys.shape == (2, 1, kv_cache.bucket(40), 1) and pinned.shape == (1, 2, 4, 1, 16, 1)
+    assert torch.equal(cache.layers[0].keys[:, :, :16], keys) and torch.equal(cache.layers[0].values[:, :, :16], keys + 100)
+    assert cache.nbytes() == (2 * 48 + 4 * 16) * 2 * 4
+    cache.plan(0, 2, 41, 16)
+    with torch.inference_mode():
+        cache.update(torch.full((2, 1, 25, 1), 7.0), torch.full((2, 1, 25, 1), 7.0), 0)  # slots 16 .. 40
+    with pytest.raises(MemoryShortError):
+        cache.reserve(2, 60)  # 2 x 64 refused too: nothing changes
+    assert cache.layers[0].keys.shape[2] == kv_cache.bucket(40) and cache.layers[0].keys[0, 0, 40, 0] == 7
+    cache.select_rows([1])
+    cache.reserve(1, 12)  # the row fits the slab again: back in it, its slots with it
+    assert not cache.spilled and cache.slab is pinned and cache.capacity == (4, 16)
+    assert torch.equal(cache.layers[0].keys[0, 0, :, 0], keys[1, 0, :, 0]) and cache.layers[0].values[0, 0, 3, 0] == 119
+    cache.before_growth = None
+    cache.reserve(2, 40)  # room enough: the pinned slab itself grows, for all its rows
+    assert not cache.spilled and cache.slab.shape == (1, 2, 4, 1, 48, 1)
+
+
 def test_drop_order_moves_only_rows_that_must_move():
     assert drop_order(6, [1, 4]) == [0, 5, 2, 3]  # hole 1 takes row 5; hole 4 is past the new size
     assert drop_order(5, [0]) == [4, 1, 2, 3]

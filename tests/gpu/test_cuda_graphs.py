@@ -149,6 +149,33 @@ def test_an_engine_that_raised_mid_batch_replays_the_next_batches_right_float32_
     assert eng.stats.graphs.graph_passes > 0
 
 
+@pytest.mark.parametrize("setting", [0, 4])
+def test_rows_spilled_from_the_pinned_slab_then_back_float32_1b_shape(few_layer_1b, monkeypatch, setting):
+    """Rows past the pinned slots whose grown slab would not fit the device (free memory patched below 8 rows of
+    their length) run eagerly in a cache of their own; the next batch, short enough for the slab, moves back and
+    replays its graphs. Both give the eager engine's tokens."""
+    import esp_worker.memory
+
+    long, short = GenerationParams(max_new_tokens=40, ignore_eos=True), GenerationParams(max_new_tokens=8, ignore_eos=True)
+    prompts = [PROMPTS[:2], PROMPTS[1:3]]
+    eager = Engine(few_layer_1b, EngineConfig(max_batch_size=8, cuda_graphs=False, **METHODS[setting]))
+    want = [[o.token_ids for o in eager.generate([Request(id=str(i), prompt=p, params=params)
+                                                   for i, p in enumerate(batch)])]
+            for batch, params in zip(prompts, (long, short))]
+    eng = Engine(few_layer_1b, EngineConfig(max_batch_size=8, cuda_graphs=True, cuda_graph_max_len=64,
+                                            **METHODS[setting]))
+    monkeypatch.setattr(esp_worker.memory, "free_bytes", lambda device: 400 * eng.slot_bytes)
+    got = []
+    for batch, params in zip(prompts, (long, short)):
+        got.append([o.token_ids for o in eng.generate([Request(id=str(i), prompt=p, params=params)
+                                                       for i, p in enumerate(batch)])])
+        if not got[1:]:
+            assert eng.stats.graphs.eager_passes["spilled"] > 0 and eng.graphs.cache.pinned_slab.shape[4] == 64
+            eng.stats.reset_timing()
+    assert got == want, METHODS[setting]
+    assert not eng.graphs.cache.spilled and eng.stats.graphs.graph_passes > 0
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_no_synchronisation_in_passes_run_ahead(monkeypatch, temperature):
     lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda"))

@@ -112,6 +112,31 @@ def test_rows_past_the_pinned_slots_run_eagerly_then_the_grown_slab_serves_again
     assert eng.graphs.cache.slab.shape[4] > 48
 
 
+def test_rows_whose_grown_slab_does_not_fit_spill_then_return_to_the_pinned_slab(monkeypatch):
+    """A slab pinned at 48 slots for 8 rows, and the device's free memory (patched) too small for 8 rows past that
+    but enough for the 2 live ones: their passes run eagerly in a cache of their own (counted as spilled) and the
+    pinned slab stays as it was; a later batch that fits it moves back and is served by the static path again.
+    The tokens stay generate's."""
+    import esp_worker.memory
+
+    lm = tiny("llama")
+    eng = Engine(lm, EngineConfig(method="pld", block_complexity=10, max_batch_size=8, cuda_graphs=True,
+                                  cuda_graph_max_len=48))
+    pinned = eng.graphs.cache.slab
+    monkeypatch.setattr(esp_worker.memory, "free_bytes", lambda device: 400 * eng.slot_bytes)  # < 8 x 64 slots
+    outs = _generate(eng, GREEDY, PROMPTS[:2])
+    for o, r in zip(outs, reference("llama", "sdpa")[:2]):
+        assert o.error is None and tuple(o.token_ids) == r
+    graphs, cache = eng.stats.graphs, eng.graphs.cache
+    assert graphs.eager_passes["spilled"] == eng.stats.decode_passes > 0  # the long prompt outgrew it at once
+    assert cache.spilled and cache.pinned_slab is pinned and pinned.shape[4] == 48  # neither grown nor replaced
+    eng.stats.reset_timing()
+    short = GenerationParams(max_new_tokens=8)
+    _generate(eng, short, PROMPTS[1:3])
+    assert not cache.spilled and cache.slab is pinned
+    assert graphs.graph_passes == eng.stats.decode_passes > 0 and not graphs.eager_passes
+
+
 def test_context_limit_over_static_buffers():
     lm = dataclasses.replace(tiny("qwen2"), max_context=30)
     eager = run(lm, EngineConfig(method="esp", num_masks=2, block_complexity=30, max_batch_size=4), GREEDY)

@@ -191,3 +191,25 @@ def test_a_batch_whose_cache_outgrows_the_device_runs_its_rows_alone(tmp_path, m
     for i in range(0, len(shorts), 3):
         worker.run_shard(2 + i, shorts[i:i + 3])
     assert fine < 4 and worker.engine.max_rows == 4
+
+
+def test_a_long_row_past_the_pinned_slab_finishes_alone_where_the_grown_slab_cannot_fit(tmp_path, monkeypatch):
+    """On the static (CUDA-graph) path a row longer than engine.cuda_graph_max_len grows the pinned slab for all
+    engine.max_batch_size rows. Where the device cannot hold that (free memory patched to 600 slots: the long row alone), the rows spill
+    into a cache of their own instead, so the batch's halves, and then the long row alone, fit and finish with the
+    tokens of a run with memory to spare."""
+    import esp_worker.memory
+    from jobs_helpers import write_jsonl
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": "long", "prompt": "word " * 80}] +
+                       [{"id": f"short{i}", "prompt": f"Question {i}?"} for i in range(3)])
+    args = [f"data.path={data}", "engine.max_batch_size=4", "generation.max_new_tokens=8", "engine.method=pld",
+            "engine.block_complexity=10", "engine.cuda_graphs=true", "engine.cuda_graph_max_len=48"]
+    clean, rows = _worker(tmp_path / "clean", *args)
+    want = {r["id"]: r["generated_token_ids"] for r in clean.run_shard(0, rows).to_pylist()}
+    worker, rows = _worker(tmp_path / "short", *args)
+    monkeypatch.setattr(esp_worker.memory, "free_bytes", lambda device: 600 * worker.engine.slot_bytes)
+    out = worker.run_shard(0, rows).to_pylist()
+    assert [r["error"] for r in out] == [None] * 4 and {r["id"]: r["generated_token_ids"] for r in out} == want
+    graphs = worker.engine.stats.graphs
+    assert graphs.eager_passes["spilled"] > 0 and worker.engine.graphs.cache.pinned_slab.shape[4] == 48
