@@ -135,13 +135,16 @@ class FaultConfig:
     writes `<output.dir>/_faults/hold-N.json` (its node id, IP and pid) and waits until `_faults/release`
     exists (a test removes its node, or the head, at a known point); the driver calls os._exit right after
     writing its `driver_exit_after_parts`-th part (a driver killed mid-job, at a known point); every decode pass
-    whose batch holds row `fail_row` raises (an engine error that one row causes; "*": every pass, a broken engine)."""
+    whose batch holds row `fail_row` raises (an engine error that one row causes; "*": every pass, a broken engine);
+    in the first `lose_device` actor processes every decode pass raises and the device check after it fails, as
+    after a CUDA error that stays with the process."""
 
     kill_shard: int = -1  # -1 = off
     kill_attempts: int = 1  # attempts of kill_shard that die (its retries after that run normally)
     hold_shard: int = -1  # the actor holding this shard waits for _faults/release before running it; -1 = off
     driver_exit_after_parts: int = -1  # the driver exits (code 1, no summary) after writing this many parts; -1 = off
     fail_row: str = ""  # the engine raises in each decode pass holding this row id ('*': every pass); "" = off
+    lose_device: int = 0  # actor processes (the first ones started) whose device is lost mid-job; 0 = off
 
 
 @dataclass
@@ -261,6 +264,7 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.ray.head_timeout_s > 0, "ray.head_timeout_s must be > 0")
     need(cfg.output.progress_interval_s > 0, "output.progress_interval_s must be > 0")
     need(cfg.fault.kill_attempts >= 0, "fault.kill_attempts must be >= 0")
+    need(cfg.fault.lose_device >= 0, "fault.lose_device must be >= 0")
     problem = _generation_problem(cfg)
     need(problem is None, f"generation.{problem}")
     try:

@@ -13,7 +13,7 @@
 # dmtd.txt, log.txt and results.tgz (every bench directory, re-packed after each step).
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
-# (own limits: env 60, gpu_tests 120, ar 270, ar64 230, attn 60, ar_flex 200, ar_flex64 200, ar_tune 240, ar_attn 200,
+# (own limits: env 60, gpu_tests 150, ar 270, ar64 230, attn 60, ar_flex 200, ar_flex64 200, ar_tune 240, ar_attn 200,
 # gpu_compiled 200, profile 120,
 # profile64 120, tiny 100, methods64 150, methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
 # The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
@@ -163,7 +163,7 @@ if ! grep -q "^cuda_available True" "$out/env.txt" && (( ! dry )); then
   echo "no CUDA device: stopping (the dry run is --dry-run)" | tee -a "$log"; pack; exit 1
 fi
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # the tests share the GPU from 4 processes
-step gpu_tests gpu_tests.txt 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
+step gpu_tests gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE $xdist -m gpu tests/gpu \
   tests/engine/test_host_sync.py -k "${GPU_TESTS_K:-not compiled}"
 AR='bench.settings=[ar:1:eager,ar:1:no_run_ahead,ar:1:compiled_graphs,ar:1:compiled_graphs+no_run_ahead]'
 step ar ar.txt 270 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \

@@ -15,6 +15,11 @@ rows in a row fail alone, with no row finishing between, the engine, not a row, 
 fails with the error, as a load failure does. A batch that ran out of memory halves the rows the engine admits,
 until REGAIN_AFTER batches' worth of rows have finished (`_regain_rows`).
 
+Before any of that, an engine error is checked against the device (`_device_lost`): a CUDA error such as an illegal
+memory access stays with the process, and every later call on the device fails, so no row is to blame and no rerun
+in this process can work. The actor's process then exits: Ray starts it again (one of its ray.max_restarts) and the
+driver hands its shards on, as after any actor death.
+
 Heavy imports (torch, transformers, the engine) happen in `__init__`, inside the actor process.
 """
 from __future__ import annotations
@@ -63,6 +68,7 @@ class WorkerSpec:
     hold_shard: int = -1
     turn_history: str = "stripped"  # data.turn_history: stripped | raw
     fail_row: str = ""  # fault injection: the engine raises on every decode pass holding this row id ("*": every pass)
+    lose_device: int = 0  # fault injection: the first N actor processes lose their device mid-job
 
 
 class EngineFailure(RuntimeError):
@@ -128,18 +134,48 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, (MemoryShortError, torch.OutOfMemoryError))
 
 
-def _fail_passes_of(engine: Any, row_id: str) -> None:
+def _fail_passes_of(engine: Any, row_id: str, what: str = "") -> None:
     """Fault injection (fault.fail_row): every decode pass whose batch holds row_id ("*": every pass) raises after its
     work, as an engine error in the middle of that row's batch would (the rows' tensors and cache half updated)."""
     step = engine._step
+    what = what or f"fault.fail_row={row_id}: a decode pass holding row {row_id!r}"
 
     def failing(rows: Any) -> None:
         held = row_id == "*" or any(str(s.req.id) == row_id for s in rows.seqs)
         step(rows)
         if held:
-            raise RuntimeError(f"fault.fail_row={row_id}: a decode pass holding row {row_id!r}")
+            raise RuntimeError(what)
 
     engine._step = failing
+
+
+def _faulty_attempt(fault_dir: str, name: str, attempts: int) -> bool:
+    """Fault injection: whether this attempt at `name` is one of the first `attempts`, counted across actor restarts
+    by the marker file each of those leaves (`<name>.attempt-N`)."""
+    markers = Path(fault_dir)
+    markers.mkdir(parents=True, exist_ok=True)
+    attempt = len(list(markers.glob(f"{name}.attempt-*"))) + 1
+    if attempt > attempts:
+        return False
+    (markers / f"{name}.attempt-{attempt}").touch()
+    return True
+
+
+def device_failure(device: Any) -> Optional[str]:
+    """Why `device` no longer works for this process, or None: on CUDA a wait for the device and a tiny operation,
+    which fail for good after a sticky error (an illegal memory access, a device-side assert, a device fallen off
+    the bus). For the error path, never in a pass (it waits for the device)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).cpu()
+    except Exception as exc:  # noqa: BLE001 - any error here: the device is gone for this process
+        text = str(exc).strip()
+        return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+    return None
 
 
 def where() -> dict[str, Any]:
@@ -171,6 +207,7 @@ class ShardWorker:
         self._failed_alone = 0  # rows that failed alone since a row last finished (engine thread only)
         self._fine_rows = 0  # rows finished since the engine's admission was last lowered or raised
         self.engine_errors = 0  # batches the engine raised in (their rows then ran again in halves)
+        self._device_fault = False  # fault.lose_device: this process's device counts as lost
         self.feed = ActorFeed()
         try:
             from esp_worker import Engine, EngineConfig, ModelConfig
@@ -181,6 +218,10 @@ class ShardWorker:
             self.prompts = PromptBuilder(self.engine.tokenizer, spec.chat_template, spec.chat_template_kwargs)
             if spec.fail_row:
                 _fail_passes_of(self.engine, spec.fail_row)
+            if spec.lose_device and _faulty_attempt(spec.fault_dir, "device-lost", spec.lose_device):
+                self._device_fault = True
+                _fail_passes_of(self.engine, "*", "fault.lose_device: CUDA error: an illegal memory access was "
+                                                  "encountered (injected)")
         except Exception as exc:  # reported by info(): the driver prints it as one line and stops
             text = str(exc).strip()
             self.load_error = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
@@ -254,6 +295,7 @@ class ShardWorker:
                 return
             # out of the except block, so that the failed loop's frames (its batch, its KV cache) are freed first
             try:
+                self._exit_if_device_lost(msg)
                 if not self._isolate(msg, memory):
                     return
             except BaseException as exc:  # noqa: BLE001 - never a silent engine thread: every waiting shard hears it
@@ -319,6 +361,7 @@ class ShardWorker:
             return self._halves(left)
         if not left:  # every row was answered, the error came after: nothing to rerun
             return True
+        self._exit_if_device_lost(error)
         self._failed_alone += 1
         log.warning("row %r failed alone: %s", left[0].id, error)
         if self._failed_alone >= BROKEN_AFTER:
@@ -327,6 +370,20 @@ class ShardWorker:
         self._on_output(RequestOutput(id=str(left[0].id), token_ids=[], text="", finish_reason=None,
                                       stats=RequestStats(), error=error))
         return True
+
+    def _exit_if_device_lost(self, msg: str) -> None:
+        """After the engine raised `msg`: end this process when its device no longer works (see the module
+        docstring), before any row is given the error."""
+        lost = self._device_lost()
+        if lost is None:
+            return
+        log.error("%s; the device no longer works (%s): this actor's process exits so that Ray starts it again, "
+                  "and its shards run again", msg, lost)
+        os._exit(1)
+
+    def _device_lost(self) -> Optional[str]:
+        """Why the engine's device no longer works (`device_failure`), or None."""
+        return "fault.lose_device" if self._device_fault else device_failure(self.engine.device)
 
     def _fail_all(self, msg: str) -> None:
         """Every shard in flight, and every shard given to this actor from now on, fails with msg."""
@@ -455,11 +512,6 @@ class ShardWorker:
     def _maybe_die(self, shard_index: int) -> None:
         """Fault injection: exit the process when a row of `kill_shard` finishes, on the first
         `kill_attempts` attempts (markers in fault_dir count the attempts across restarts)."""
-        if shard_index != self.spec.kill_shard:
-            return
-        markers = Path(self.spec.fault_dir)
-        markers.mkdir(parents=True, exist_ok=True)
-        attempt = len(list(markers.glob(f"shard-{shard_index}.attempt-*"))) + 1
-        if attempt <= self.spec.kill_attempts:
-            (markers / f"shard-{shard_index}.attempt-{attempt}").touch()
+        if shard_index == self.spec.kill_shard and _faulty_attempt(self.spec.fault_dir, f"shard-{shard_index}",
+                                                                   self.spec.kill_attempts):
             os._exit(1)

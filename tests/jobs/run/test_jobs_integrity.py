@@ -255,6 +255,20 @@ def test_a_row_that_fails_the_engine_gets_an_error_and_the_job_finishes(ray_head
     assert run_job(job_cfg(out, *args)).summary["complete"]
 
 
+def test_a_device_lost_mid_job_costs_a_restart_not_rows(ray_head, tmp_path):
+    """An engine error after which the device no longer works (a CUDA error that stays with the process; here
+    fault.lose_device in the first actor process) is no row's fault: the actor's process exits before any row gets
+    the error, Ray starts it again and the shards run there, so the job completes with every row generated."""
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))
+    out = tmp_path / "out"
+    res = run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=4", "fault.lose_device=1"))
+    faults = sorted(p.name for p in (out / "_faults").iterdir())
+    assert faults == ["device-lost.attempt-1"]  # the first process lost its device, the one Ray started did not
+    rows = read_output(out).to_pylist()
+    assert sorted(r["id"] for r in rows) == [f"p{i:03d}" for i in range(8)] and res.summary["complete"]
+    assert all(r["error"] is None and r["num_generated_tokens"] > 0 for r in rows) and res.summary["errors"] == 0
+
+
 @pytest.mark.slow
 def test_actor_dying_too_often_names_the_shard_and_cause(ray_head, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))
