@@ -172,7 +172,9 @@ def device_failure(device: Any) -> Optional[str]:
     try:
         torch.cuda.synchronize(device)
         torch.ones(1, device=device).add_(1).cpu()
-    except Exception as exc:  # noqa: BLE001 - any error here: the device is gone for this process
+    except torch.OutOfMemoryError:  # full, not broken: the rows run again in halves
+        return None
+    except Exception as exc:  # noqa: BLE001 - any other error here: the device is gone for this process
         text = str(exc).strip()
         return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
     return None
