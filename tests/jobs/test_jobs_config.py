@@ -77,7 +77,7 @@ def test_default_yaml_lists_every_key_of_the_dataclasses_with_its_default():
     """configs/default.yaml against JobConfig's defaults (EngineConfig's and ModelConfig's included), key for key."""
     from omegaconf import OmegaConf
 
-    from jobs.config import DEFAULT_YAML, JobConfig
+    from jobs.config import DEFAULT_YAML, JobConfig, default_yaml
 
     expected = _flat(OmegaConf.to_container(OmegaConf.structured(JobConfig)))
     text = DEFAULT_YAML.read_text()
@@ -92,6 +92,7 @@ def test_default_yaml_lists_every_key_of_the_dataclasses_with_its_default():
     bare = [line.strip() for i, line in enumerate(lines) if line.startswith("  ") and not line.strip().startswith("#")
             and "#" not in line and not lines[i - 1].strip().startswith("#")]
     assert not bare, f"keys without a comment: {bare}"
+    assert text == default_yaml(), f"{hint} (its comments are the dataclasses' comments)"
 
 
 def test_generation_defaults_are_the_engines():
