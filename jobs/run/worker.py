@@ -77,8 +77,13 @@ class EngineFailure(RuntimeError):
 
 def engine_error(exc: BaseException) -> str:
     """The one-line message of an error the engine raised."""
+    return f"engine error: {_one_line(exc)}"
+
+
+def _one_line(exc: BaseException) -> str:
+    """`Type: first line of the message` (at most 300 characters of it)."""
     text = str(exc).strip()
-    return f"engine error: {type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 class ActorFeed(RequestFeed):
@@ -135,8 +140,9 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def _fail_passes_of(engine: Any, row_id: str, what: str = "") -> None:
-    """Fault injection (fault.fail_row): every decode pass whose batch holds row_id ("*": every pass) raises after its
-    work, as an engine error in the middle of that row's batch would (the rows' tensors and cache half updated)."""
+    """Fault injection (fault.fail_row, fault.lose_device): every decode pass whose batch holds row_id ("*": every
+    pass) raises `what` after its work, as an engine error in the middle of that row's batch would (the rows' tensors
+    and cache half updated)."""
     step = engine._step
     what = what or f"fault.fail_row={row_id}: a decode pass holding row {row_id!r}"
 
@@ -175,8 +181,7 @@ def device_failure(device: Any) -> Optional[str]:
     except torch.OutOfMemoryError:  # full, not broken: the rows run again in halves
         return None
     except Exception as exc:  # noqa: BLE001 - any other error here: the device is gone for this process
-        text = str(exc).strip()
-        return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+        return _one_line(exc)
     return None
 
 
