@@ -136,6 +136,7 @@ class FaultConfig:
     exists (a test removes its node, or the head, at a known point); the driver calls os._exit right after
     writing its `driver_exit_after_parts`-th part (a driver killed mid-job, at a known point); every decode pass
     whose batch holds row `fail_row` raises (an engine error that one row causes; "*": every pass, a broken engine);
+    the actor's process exits in every decode pass whose batch holds row `kill_row` (a row that crashes the engine);
     in the first `lose_device` actor processes every decode pass raises and the device check after it fails, as
     after a CUDA error that stays with the process."""
 
@@ -144,6 +145,7 @@ class FaultConfig:
     hold_shard: int = -1  # the actor holding this shard waits for _faults/release before running it; -1 = off
     driver_exit_after_parts: int = -1  # the driver exits (code 1, no summary) after writing this many parts; -1 = off
     fail_row: str = ""  # the engine raises in each decode pass holding this row id ('*': every pass); "" = off
+    kill_row: str = ""  # the actor's process exits in each decode pass holding this row id; "" = off
     lose_device: int = 0  # actor processes (the first ones started) whose device is lost mid-job; 0 = off
 
 

@@ -12,6 +12,9 @@ until it answers:
 - An actor Ray will not restart (two asks in a row fail with ActorDiedError: an ask waits for a restart
   that is coming) is dead. One that is not back within ray.placement_timeout_s (its node lost and no room
   elsewhere) is given up and killed. The job goes on while any actor is live or may come back.
+- A death the dispatcher charges to a row (`isolation`: the actor ran a suspect piece alone) does not count toward
+  ray.max_restarts. Ray counted it all the same, so an actor whose Ray restarts went on such deaths is replaced,
+  when Ray will not restart it, by a new actor in its place with the restarts it has left.
 
 The log names each actor's node at start and at every loss and return.
 """
@@ -26,6 +29,7 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig
 
 from .cluster import ClusterError, HeadWatch, Resources
+from .isolation import Work
 from .worker import ShardWorker, WorkerSpec
 
 log = logging.getLogger("esp_batch")
@@ -57,9 +61,12 @@ class Actor:
     state: str = STARTING  # starting | live | lost | gone
     place: Optional[Place] = None  # where it last answered from
     load: int = 0  # shards in flight on it
-    deaths: int = 0  # restarts seen
+    deaths: int = 0  # deaths seen that count toward ray.max_restarts
+    charged: int = 0  # deaths seen that were charged to a row it ran alone (`isolation`)
+    charged_here: int = 0  # of those, the ones Ray restarted this handle for (they used its Ray restarts)
+    renewed: bool = False  # a new handle took the dead one's place and has not answered yet
     lost_at: float = 0.0  # time.monotonic() of the loss
-    held: list[int] = field(default_factory=list)  # shards in flight on it when it was lost
+    held: list[Work] = field(default_factory=list)  # shards (or pieces) in flight on it when it was lost
     ask: Any = None  # the `info` call in flight
     ask_at: float = 0.0  # when to ask next
     died_answers: int = 0  # asks in a row answered by ActorDiedError
@@ -97,7 +104,8 @@ class ActorPool:
         self.note_every_s = float(cfg.output.progress_interval_s)
         self.actors: list[Actor] = []
         self.pg: Any = None
-        self.on_death: Callable[[Actor, list[int]], None] = lambda actor, shards: None
+        # the dispatcher: an actor died holding this work; True when the death is charged to a row it ran alone
+        self.on_death: Callable[[Actor, list[Work]], bool] = lambda actor, held: False
         self._noted = time.monotonic()
         self.graph_records: list[dict[str, Any]] = []  # the actors' engine.cuda_graphs counters (`batch_histogram`)
         self.engine_errors = 0  # batches whose engine raised, their rows run again in halves (`batch_histogram`)
@@ -106,17 +114,9 @@ class ActorPool:
     def start(self) -> None:
         """Place the bundles, start the actors and wait until each has loaded its engine (or is gone).
         Raises ClusterError (no room within ray.placement_timeout_s), HeadLost or StartError."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         self.pg = self._place()
-        options = dict(num_cpus=self.resources.cpus, num_gpus=self.resources.gpus, max_restarts=self.max_restarts,
-                       max_task_retries=0, max_concurrency=self.cap + 2)  # cap run_shard calls + info/stats
-        remote = ray.remote(ShardWorker)
         for i in range(self.n):
-            where = {} if self.pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=i)}
-            actor = Actor(i, remote.options(**options, **where).remote(self.spec))
+            actor = Actor(i, self._spawn(i, self.max_restarts))
             self.actors.append(actor)
             self._ask(actor)
         while any(a.state in (STARTING, LOST) for a in self.actors):
@@ -133,6 +133,17 @@ class ActorPool:
                  f"; {self.resources.note}" if self.resources.note else "", self.cap, info.get("device", "?"),
                  info["max_context"], "on" if info["chat_template"] else "off",
                  ", ".join(f"actor {a.index} on {a.place}" for a in self.live()))
+
+    def _spawn(self, index: int, max_restarts: int) -> Any:
+        """A ShardWorker actor in bundle `index` that Ray restarts up to max_restarts times."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options = dict(num_cpus=self.resources.cpus, num_gpus=self.resources.gpus, max_restarts=max_restarts,
+                       max_task_retries=0, max_concurrency=self.cap + 2)  # cap run_shard calls + info/stats
+        where = {} if self.pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=index)}
+        return ray.remote(ShardWorker).options(**options, **where).remote(self.spec)
 
     def _place(self) -> Any:
         """A placement group holding the n actor bundles, or None when actors ask for no resources. Raises
@@ -250,11 +261,12 @@ class ActorPool:
                 done.append(ref)
         return done
 
-    def lose(self, actor: Actor, exc: BaseException, held: list[int]) -> None:
-        """A call on `actor` failed with a RayActorError while it held `held` (shard indices): it is lost
-        until an ask is answered."""
+    def lose(self, actor: Actor, exc: BaseException, held: list[Work]) -> None:
+        """A call on `actor` failed with a RayActorError while it held `held`: it is lost until an ask is
+        answered."""
         if actor.state == LOST:
-            actor.held += [s for s in held if s not in actor.held]
+            have = {w.piece for w in actor.held}
+            actor.held += [w for w in held if w.piece not in have]
             return
         if actor.state == GONE:
             return
@@ -265,7 +277,7 @@ class ActorPool:
         shards = ""
         if held:
             to = "the live actors" if self.live() else "it when it is back (no other actor is live)"
-            shards = f"; its {len(held)} shard(s) {sorted(held)} go to {to}"
+            shards = f"; its {len(held)} shard(s) [{', '.join(str(w.piece) for w in held)}] go to {to}"
         log.warning("actor %d lost %s: %s%s", actor.index, where, actor.error, shards)
 
     def _ask(self, actor: Actor) -> None:
@@ -288,9 +300,7 @@ class ActorPool:
             self.lose(actor, exc, [])
             actor.died_answers += 1
             if actor.died_answers >= 2:
-                self._gone(actor, f"actor {actor.index} (last on {actor.place or 'no node yet'}) is dead and Ray "
-                                  f"will not restart it (ray.max_restarts={self.max_restarts}; {actor.deaths + 1} "
-                                  f"death(s) seen): {actor_error_text(exc)}", died=True)
+                self._dead(actor, exc)
             return
         actor.died_answers = 0
         place = Place(info.get("node_id", ""), info.get("ip", ""), int(info.get("pid", 0)))
@@ -309,13 +319,40 @@ class ActorPool:
         held, actor.held = actor.held, []
         actor.state = LIVE
         away = time.monotonic() - actor.lost_at
-        if restarted:
-            actor.deaths += 1
-            log.info("actor %d back on %s after %.0fs: restarted (%d of ray.max_restarts=%d)", actor.index, place,
-                     away, actor.deaths, self.max_restarts)
-            self.on_death(actor, held)
+        if actor.renewed:
+            actor.renewed = False
+            log.info("actor %d started again on %s after %.0fs", actor.index, place, away)
+        elif restarted:
+            if self.on_death(actor, held):
+                actor.charged, actor.charged_here = actor.charged + 1, actor.charged_here + 1
+                log.info("actor %d back on %s after %.0fs: restarted (charged to the row it ran alone, not to "
+                         "ray.max_restarts=%d: %d used)", actor.index, place, away, self.max_restarts, actor.deaths)
+            else:
+                actor.deaths += 1
+                log.info("actor %d back on %s after %.0fs: restarted (%d of ray.max_restarts=%d)", actor.index, place,
+                         away, actor.deaths, self.max_restarts)
         else:
             log.info("actor %d back on %s after %.0fs (the same process: not a restart)", actor.index, place, away)
+
+    def _dead(self, actor: Actor, exc: BaseException) -> None:
+        """Ray will not restart `actor`: it is gone, unless Ray's restarts went on deaths charged to rows (this one,
+        or earlier ones on this handle) and ray.max_restarts still allows one; then a new actor takes its place."""
+        held, actor.held = actor.held, []
+        charged = self.on_death(actor, held)
+        deaths = actor.deaths + (0 if charged else 1)
+        if (charged or actor.charged_here) and deaths <= self.max_restarts:
+            actor.deaths, actor.charged = deaths, actor.charged + charged
+            _kill(actor.handle)
+            actor.handle, actor.charged_here = self._spawn(actor.index, self.max_restarts - deaths), 0
+            actor.renewed, actor.died_answers, actor.lost_at = True, 0, time.monotonic()
+            log.warning("actor %d is dead and Ray will not restart it (%d of its restarts went on rows that kill the "
+                        "engine, which do not count): a new actor takes its place (%d of ray.max_restarts=%d used)",
+                        actor.index, actor.charged, deaths, self.max_restarts)
+            self._ask(actor)
+            return
+        self._gone(actor, f"actor {actor.index} (last on {actor.place or 'no node yet'}) is dead and Ray will not "
+                          f"restart it (ray.max_restarts={self.max_restarts}; {actor.deaths + 1} death(s) seen): "
+                          f"{actor_error_text(exc)}", died=False)
 
     def _tick(self) -> None:
         """Ask lost actors again when due; give up those lost longer than ray.placement_timeout_s; say what

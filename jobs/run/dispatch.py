@@ -2,29 +2,26 @@
 
 Each live actor holds up to `cap` shards. A shard whose actor is lost goes back to the front of the queue,
 to the live actors (or to that actor when it is back); its part is written once, by the driver, so every
-id appears exactly once whatever happened. A shard fails the job when the engine raised on it, or when the
-actors running it died more than ray.max_restarts times (a shard that kills its actor); the job also stops
-when no actor is left. Either way the job stops submitting, keeps every finished part and names the cause.
+id appears exactly once whatever happened. A shard that keeps killing its actors is isolated (`isolation`):
+split into pieces run alone until the row at fault is found and given an error, so one row cannot make a job
+unfinishable. A shard fails the job when the engine raised on it (the actor found its engine, not a row, at
+fault); the job also stops when no actor is left. Either way the job stops submitting, keeps every finished
+part and names the cause.
 """
 from __future__ import annotations
 
 import collections
+import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..io.output import OutputDir
 from .actors import Actor, ActorPool
+from .isolation import Isolation, Work, whole
 from .progress import Progress
 from .rows import JobRow
 
-
-@dataclass
-class _Shard:
-    index: int
-    rows: list[JobRow]
-    fingerprint: str
-
+log = logging.getLogger("esp_batch")
 
 def first_line(text: Any, limit: int = 200) -> str:
     lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
@@ -39,10 +36,9 @@ class Dispatcher:
         self.out = out
         self.compression = compression
         self.progress = progress
-        self.max_restarts = max_restarts
-        self.queue: collections.deque[_Shard] = collections.deque()  # shards waiting for an actor, retries first
-        self.in_flight: dict[Any, tuple[_Shard, Actor]] = {}  # ObjectRef -> (shard, actor running it)
-        self.deaths: collections.Counter[int] = collections.Counter()  # shard -> actors that died holding it
+        self.queue: collections.deque[Work] = collections.deque()  # shards (or pieces) waiting for an actor, retries first
+        self.in_flight: dict[Any, tuple[Work, Actor]] = {}  # ObjectRef -> (work, actor running it)
+        self.isolation = Isolation(max_restarts)
         self.done: set[int] = set()  # shards whose table came back
         self.failures: list[tuple[int, str]] = []  # (shard, cause)
         self.stopped: Optional[str] = None  # why the job stopped without a shard to blame (no actor left)
@@ -61,7 +57,7 @@ class Dispatcher:
 
     def submit(self, shard_index: int, rows: list[JobRow], fingerprint: str) -> None:
         """Queue the shard and return once every queued shard is on an actor (or the job stopped)."""
-        self.queue.append(_Shard(shard_index, rows, fingerprint))
+        self.queue.append(Work(whole(shard_index), rows, fingerprint))
         while self.queue and self.can_submit:
             self._dispatch()
             self.flush()  # write finished parts only now: the actors got their next shards first
@@ -80,13 +76,24 @@ class Dispatcher:
         self.flush()
 
     def _dispatch(self) -> None:
+        """Hand out the queue in order. A piece that runs alone waits for an idle actor, and nothing behind it is
+        handed out meanwhile: the actors drain for it."""
         while self.queue and self.can_submit:
-            free = [a for a in self.pool.live() if a.load < self.cap]
+            work = self.queue[0]
+            parts = self.isolation.split(work)
+            if parts is not None:
+                self._note_split(work, parts)
+                self.queue.popleft()
+                self.queue.extendleft(reversed(parts))
+                continue
+            alone = {a.index for w, a in self.in_flight.values() if w.alone}
+            free = [a for a in self.pool.live() if (a.load == 0 if work.alone else a.load < self.cap)
+                    and a.index not in alone]
             if not free:
                 return
             actor = min(free, key=lambda a: a.load)
-            shard = self.queue.popleft()
-            self.in_flight[actor.handle.run_shard.remote(shard.index, shard.rows)] = (shard, actor)
+            self.queue.popleft()
+            self.in_flight[actor.handle.run_shard.remote(work.piece.shard, work.rows)] = (work, actor)
             actor.load += 1
 
     def wait_one(self) -> None:
@@ -102,35 +109,43 @@ class Dispatcher:
         import ray
         from ray.exceptions import RayActorError, RaySystemError, RayTaskError
 
-        shard, actor = self.in_flight.pop(ref)
+        work, actor = self.in_flight.pop(ref)
         actor.load -= 1
+        shard = work.piece.shard
         try:
             table = ray.get(ref)
-        except RayActorError as exc:  # the actor is unreachable or died: the shard goes back to the queue
-            held = [shard.index] + [s.index for s, a in self.in_flight.values() if a is actor]
+        except RayActorError as exc:  # the actor is unreachable or died: the work goes back to the queue
+            held = [work] + [w for w, a in self.in_flight.values() if a is actor]
             self.pool.lose(actor, exc, held)
-            self.queue.appendleft(shard)
+            self.queue.appendleft(work)
             return
         except RayTaskError as exc:  # the engine raised
             cause = exc.cause if exc.cause is not None else exc
-            self.failures.append((shard.index, first_line(cause) or type(cause).__name__))
+            self.failures.append((shard, first_line(cause) or type(cause).__name__))
             return
         except (RaySystemError, ConnectionError) as exc:
-            self.failures.append((shard.index, f"cluster lost: {first_line(exc)}"))
+            self.failures.append((shard, f"cluster lost: {first_line(exc)}"))
             return
-        self.done.add(shard.index)
-        self.finished.append((shard.index, table, shard.fingerprint))
+        table = self.isolation.returned(work, table)
+        if table is not None:
+            self.done.add(shard)
+            self.finished.append((shard, table, work.fingerprint))
 
-    def _count_death(self, actor: Actor, shards: list[int]) -> None:
-        """`actor` died holding `shards`: a shard that outlived ray.max_restarts actors fails the job."""
-        for s in shards:
-            if s in self.done:
-                continue
-            self.deaths[s] += 1
-            if self.deaths[s] > self.max_restarts and all(f != s for f, _ in self.failures):
-                self.failures.append((s, f"the actors running it died {self.deaths[s]} times (more than "
-                                         f"ray.max_restarts={self.max_restarts}); the last, actor {actor.index} on "
-                                         f"{actor.place}: {actor.error}"))
+    def _note_split(self, work: Work, parts: list[Work]) -> None:
+        deaths = self.isolation.deaths[work.piece]
+        if len(parts) == 1 and parts[0].settled:
+            log.error("row %r (%s) killed the engine actor each of the %d times it ran alone: it gets an error and the "
+                      "job goes on", parts[0].rows[0].id, parts[0].piece, deaths)
+        elif not work.alone:
+            log.warning("%s was held by %d actor deaths: it runs in pieces, each alone on an actor, to find a row "
+                        "that kills the engine", work.piece, deaths)
+        else:
+            log.warning("%s killed the engine actor running it alone: it runs again as %s", work.piece,
+                        " and ".join(str(p.piece) for p in parts))
+
+    def _count_death(self, actor: Actor, held: list[Work]) -> bool:
+        """`actor` died holding `held`; whether the death is charged to a piece it ran alone (`isolation`)."""
+        return self.isolation.count_death(held, f"actor {actor.index} on {actor.place}: {actor.error}")
 
     def flush(self) -> None:
         """Write the parts of the shards collected so far."""

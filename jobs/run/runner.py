@@ -198,6 +198,7 @@ def worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
         kill_attempts=cfg.fault.kill_attempts,
         hold_shard=cfg.fault.hold_shard,
         fail_row=str(cfg.fault.fail_row),
+        kill_row=str(cfg.fault.kill_row),
         lose_device=int(cfg.fault.lose_device),
         turn_history=cfg.data.turn_history,
     )

@@ -68,6 +68,7 @@ class WorkerSpec:
     hold_shard: int = -1
     turn_history: str = "stripped"  # data.turn_history: stripped | raw
     fail_row: str = ""  # fault injection: the engine raises on every decode pass holding this row id ("*": every pass)
+    kill_row: str = ""  # fault injection: the process exits in every decode pass holding this row id
     lose_device: int = 0  # fault injection: the first N actor processes lose their device mid-job
 
 
@@ -139,16 +140,18 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, (MemoryShortError, torch.OutOfMemoryError))
 
 
-def _fail_passes_of(engine: Any, row_id: str, what: str = "") -> None:
-    """Fault injection (fault.fail_row, fault.lose_device): every decode pass whose batch holds row_id ("*": every
-    pass) raises `what` after its work, as an engine error in the middle of that row's batch would (the rows' tensors
-    and cache half updated)."""
+def _fail_passes_of(engine: Any, row_id: str, what: str = "", crash: bool = False) -> None:
+    """Fault injection (fault.fail_row, fault.lose_device, fault.kill_row): every decode pass whose batch holds row_id
+    ("*": every pass) raises `what` after its work, as an engine error in the middle of that row's batch would (the
+    rows' tensors and cache half updated), or with `crash` ends the process, as a segfault would."""
     step = engine._step
     what = what or f"fault.fail_row={row_id}: a decode pass holding row {row_id!r}"
 
     def failing(rows: Any) -> None:
         held = row_id == "*" or any(str(s.req.id) == row_id for s in rows.seqs)
         step(rows)
+        if held and crash:
+            os._exit(1)
         if held:
             raise RuntimeError(what)
 
@@ -225,6 +228,8 @@ class ShardWorker:
             self.prompts = PromptBuilder(self.engine.tokenizer, spec.chat_template, spec.chat_template_kwargs)
             if spec.fail_row:
                 _fail_passes_of(self.engine, spec.fail_row)
+            if spec.kill_row:
+                _fail_passes_of(self.engine, spec.kill_row, crash=True)
             if spec.lose_device and _faulty_attempt(spec.fault_dir, "device-lost", spec.lose_device):
                 self._device_fault = True
                 _fail_passes_of(self.engine, "*", "fault.lose_device: CUDA error: an illegal memory access was "

@@ -4,6 +4,7 @@ several shards in flight, start-up separated from generation, and errors that co
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import threading
 from pathlib import Path
@@ -270,14 +271,38 @@ def test_a_device_lost_mid_job_costs_a_restart_not_rows(ray_head, tmp_path):
 
 
 @pytest.mark.slow
-def test_actor_dying_too_often_names_the_shard_and_cause(ray_head, tmp_path):
+def test_an_actor_dying_past_max_restarts_names_it_and_the_cause(ray_head, tmp_path):
+    """Deaths not charged to a row (here a shard that kills its actor, never run alone) count toward
+    ray.max_restarts: past them the actor is gone, and with none left the job stops with one line."""
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))
     out = tmp_path / "out"
-    with pytest.raises(JobError, match=r"shard \d failed: the actors running it died 2 times \(more than "
-                                      r"ray.max_restarts=1\); the last, actor 0 on node \w+ \([\d.]+\): \w*Actor.*rerun"):
-        run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=4", "ray.max_restarts=1",
+    with pytest.raises(JobError, match=r"no engine actor is left: actor 0 \(last on node \w+ \([\d.]+\)\) is dead and Ray "
+                                      r"will not restart it \(ray.max_restarts=0; 1 death\(s\) seen\): \w*Actor"):
+        run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=4", "ray.max_restarts=0",
                         "fault.kill_shard=1", "fault.kill_attempts=5"))
     assert _summary(out)["complete"] is False
+
+
+@pytest.mark.slow
+def test_a_row_that_kills_its_actor_every_time_gets_an_error_and_the_job_finishes(ray_head, tmp_path, caplog):
+    """fault.kill_row: the process dies in every decode pass holding p003, as on a segfault. Its shard (and the one
+    in flight beside it) is held by two deaths, then runs in pieces alone; p003 kills its actor alone twice and gets
+    an error, every other row its generation, and the job completes. Those two deaths are charged to the row, not to
+    ray.max_restarts=2 (used up by the first two): Ray will not restart the actor, so a new one takes its place."""
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(6))
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO, logger="esp_batch"):
+        res = run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=2",
+                              "engine.max_batch_size=2", "ray.max_restarts=2", "fault.kill_row=p003"))
+    rows = {r["id"]: r for r in read_output(out).to_pylist()}
+    assert sorted(rows) == [f"p{i:03d}" for i in range(6)] and res.summary["complete"]
+    assert rows["p003"]["error"].startswith("the engine actor's process died each of the 2 times it ran this row alone")
+    assert all(r["error"] is None and r["num_generated_tokens"] > 0 for k, r in rows.items() if k != "p003")
+    log = caplog.messages
+    assert any(m.startswith("shard 1 was held by 2 actor deaths: it runs in pieces") for m in log), log
+    assert any(m.startswith("row 'p003' (shard 1 row 1) killed the engine actor each of the 2 times") for m in log), log
+    assert sum("a new actor takes its place (2 of ray.max_restarts=2 used)" in m for m in log) == 2, log
+    assert _summary(out)["errors"] == 1
 
 
 @pytest.mark.slow
