@@ -345,8 +345,8 @@ class ActorPool:
             _kill(actor.handle)
             actor.handle, actor.charged_here = self._spawn(actor.index, self.max_restarts - deaths), 0
             actor.renewed, actor.died_answers, actor.lost_at = True, 0, time.monotonic()
-            log.warning("actor %d is dead and Ray will not restart it (%d of its restarts went on rows that kill the "
-                        "engine, which do not count): a new actor takes its place (%d of ray.max_restarts=%d used)",
+            log.warning("actor %d is dead and Ray will not restart it, but %d of its deaths were charged to rows that kill "
+                        "the engine: a new actor takes its place (%d of ray.max_restarts=%d used)",
                         actor.index, actor.charged, deaths, self.max_restarts)
             self._ask(actor)
             return
