@@ -87,6 +87,7 @@ class Isolation:
         self.due: dict[Piece, str] = {}  # piece -> the last death's cause, to split (or blame) at its next dispatch
         self.assemblies: dict[int, _Assembly] = {}  # isolated shard -> its pieces back so far
         self.blamed: list[tuple[Piece, str]] = []  # rows given an error (piece, row id)
+        self.isolated: set[int] = set()  # shards split into pieces
 
     def count_death(self, held: list[Work], cause: str) -> bool:
         """An actor died holding `held` (its pieces in flight, not yet back). Returns whether the death is charged to
@@ -125,6 +126,7 @@ class Isolation:
         p, n = work.piece, len(work.rows)
         if p.stop < 0:  # a whole shard: from now on its pieces come back one by one
             self.assemblies[p.shard] = _Assembly(n)
+            self.isolated.add(p.shard)
             p = Piece(p.shard, 0, n)
         if n == 1 and not work.alone:  # a one-row shard: run alone first
             return [Work(p, work.rows, work.fingerprint, alone=True)]

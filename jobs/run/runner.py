@@ -405,6 +405,9 @@ def _run_record(t_start: float, t_ready: Optional[float], t_end: float, run: Tot
         "shards_skipped": plan.skipped,
         "shards_regenerated": len(plan.regenerated),
         "failed_shards": sorted(s for s, _ in dispatcher.failures) if dispatcher else [],
+        # shards held by repeated actor deaths, run in pieces alone, and the rows found killing their actor
+        "isolated_shards": sorted(dispatcher.isolation.isolated) if dispatcher else [],
+        "rows_killing_actors": [row for _, row in dispatcher.isolation.blamed] if dispatcher else [],
         "batch_histogram": {str(k): v for k, v in histogram.items()},  # rows in the engine batch -> passes
         "mean_batch_size": sum(k * v for k, v in histogram.items()) / passes if passes else None,
     }
@@ -459,6 +462,9 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
              "complete" if summary["complete"] else "INCOMPLETE", run["generated_tokens"], run["generation_s"],
              "-" if rate is None else f"{rate:.1f}", run["startup_s"], "-" if batch is None else f"{batch:.1f}",
              tau, out.path, path)
+    if run.get("rows_killing_actors"):
+        log.warning("%d row(s) killed their engine actor each time they ran alone and have an error: %s",
+                    len(run["rows_killing_actors"]), ", ".join(run["rows_killing_actors"][:10]))
     if run.get("engine_errors"):
         log.warning("the engine raised in %d batch(es) this run; their rows ran again in smaller batches (the "
                     "actors' log has each error)", run["engine_errors"])

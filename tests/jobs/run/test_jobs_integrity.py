@@ -303,6 +303,8 @@ def test_a_row_that_kills_its_actor_every_time_gets_an_error_and_the_job_finishe
     assert any(m.startswith("row 'p003' (shard 1 row 1) killed the engine actor each of the 2 times") for m in log), log
     assert sum("a new actor takes its place (2 of ray.max_restarts=2 used)" in m for m in log) == 2, log
     assert _summary(out)["errors"] == 1
+    run = res.summary["this_run"]
+    assert 1 in run["isolated_shards"] and run["rows_killing_actors"] == ["p003"]  # (the shards beside it, maybe too)
 
 
 @pytest.mark.slow
