@@ -116,8 +116,8 @@ class RayConfig:
     num_gpus_per_actor: Any = "auto"
     torch_threads: int = 0  # per actor; 0 = max(1, floor(num_cpus_per_actor))
     num_cpus: Optional[int] = None  # CPUs of a local Ray instance this job starts (None = all cores)
-    # restarts of a dead actor (a lost node's actor restarts on another node); a shard whose actors die under
-    # it more often than this fails the job
+    # restarts of a dead actor (a lost node's actor restarts on another node); a death charged to a row that kills
+    # its actor (it then gets an error) does not count
     max_restarts: int = 3
     # shards handed to an actor at once; their rows share one engine batch. 0 = enough to keep the batch
     # full across shard ends: ceil(1.5 x engine.max_batch_size / data.shard_size) + 1
@@ -126,6 +126,9 @@ class RayConfig:
     # this long (its node gone, no room elsewhere) is given up, its shards go to the others
     placement_timeout_s: float = 300.0
     head_timeout_s: float = 10.0  # stop (exit 1, run on record) when the cluster's head has not answered this long
+    # an actor holding rows whose engine has finished no pass (prefill or decode) this long has stalled (a hung
+    # device or kernel): it is killed for Ray to restart, and its shards run again; 0 = never
+    stall_timeout_s: float = 600.0
 
 
 @dataclass
@@ -136,7 +139,8 @@ class FaultConfig:
     exists (a test removes its node, or the head, at a known point); the driver calls os._exit right after
     writing its `driver_exit_after_parts`-th part (a driver killed mid-job, at a known point); every decode pass
     whose batch holds row `fail_row` raises (an engine error that one row causes; "*": every pass, a broken engine);
-    the actor's process exits in every decode pass whose batch holds row `kill_row` (a row that crashes the engine);
+    the actor's process exits in every decode pass whose batch holds row `kill_row` (a row that crashes the engine),
+    and the engine hangs in every decode pass whose batch holds row `hang_row` (a hung kernel or device);
     in the first `lose_device` actor processes every decode pass raises and the device check after it fails, as
     after a CUDA error that stays with the process."""
 
@@ -146,6 +150,7 @@ class FaultConfig:
     driver_exit_after_parts: int = -1  # the driver exits (code 1, no summary) after writing this many parts; -1 = off
     fail_row: str = ""  # the engine raises in each decode pass holding this row id ('*': every pass); "" = off
     kill_row: str = ""  # the actor's process exits in each decode pass holding this row id; "" = off
+    hang_row: str = ""  # the engine hangs in each decode pass holding this row id; "" = off
     lose_device: int = 0  # actor processes (the first ones started) whose device is lost mid-job; 0 = off
 
 
@@ -263,6 +268,7 @@ def validate(cfg: DictConfig) -> None:
         f"ray.shards_in_flight_per_actor={cfg.ray.shards_in_flight_per_actor} must be >= 0 (0 = auto)",
     )
     need(cfg.ray.placement_timeout_s > 0, "ray.placement_timeout_s must be > 0")
+    need(cfg.ray.stall_timeout_s >= 0, "ray.stall_timeout_s must be >= 0 (0 = never)")
     need(cfg.ray.head_timeout_s > 0, "ray.head_timeout_s must be > 0")
     need(cfg.output.progress_interval_s > 0, "output.progress_interval_s must be > 0")
     need(cfg.fault.kill_attempts >= 0, "fault.kill_attempts must be >= 0")

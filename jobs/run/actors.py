@@ -12,6 +12,9 @@ until it answers:
 - An actor Ray will not restart (two asks in a row fail with ActorDiedError: an ask waits for a restart
   that is coming) is dead. One that is not back within ray.placement_timeout_s (its node lost and no room
   elsewhere) is given up and killed. The job goes on while any actor is live or may come back.
+- A live actor holding rows is asked how many engine passes it has finished (`passes`) every few seconds. One
+  that has finished none for ray.stall_timeout_s (a hung kernel or device; an actor too busy to answer counts
+  the same) has *stalled*: it is killed for Ray to restart, and is lost as if it had died.
 - A death the dispatcher charges to a row (`isolation`: the actor ran a suspect piece alone) does not count toward
   ray.max_restarts. Ray counted it all the same, so an actor whose Ray restarts went on such deaths is replaced,
   when Ray will not restart it, by a new actor in its place with the restarts it has left.
@@ -36,6 +39,7 @@ log = logging.getLogger("esp_batch")
 
 STARTING, LIVE, LOST, GONE = "starting", "live", "lost", "gone"
 _ASK_AGAIN_S = 1.0  # between asks of an actor Ray calls unavailable
+_BEAT_EVERY_S = 10.0  # between asks of a live actor's engine passes (at most a quarter of ray.stall_timeout_s)
 
 
 class StartError(RuntimeError):
@@ -70,6 +74,11 @@ class Actor:
     ask: Any = None  # the `info` call in flight
     ask_at: float = 0.0  # when to ask next
     died_answers: int = 0  # asks in a row answered by ActorDiedError
+    beat: Any = None  # the `passes` call in flight (live actors)
+    beat_at: float = 0.0  # when to send the next
+    passes: int = -1  # its engine's passes at the last answer
+    progress_at: float = 0.0  # when it was last seen idle or with more passes than before
+    stalled: str = ""  # why it was killed as stalled (one line), until it is back
     end: str = ""  # why it is gone (one line)
     error: str = ""  # the error of its last loss (one line)
     info: dict[str, Any] = field(default_factory=dict)  # its last `info` answer
@@ -101,6 +110,8 @@ class ActorPool:
         self.head = head
         self.timeout_s = float(cfg.ray.placement_timeout_s)
         self.max_restarts = int(cfg.ray.max_restarts)
+        self.stall_timeout_s = float(cfg.ray.stall_timeout_s)
+        self.beat_every_s = min(_BEAT_EVERY_S, max(0.5, self.stall_timeout_s / 4))
         self.note_every_s = float(cfg.output.progress_interval_s)
         self.actors: list[Actor] = []
         self.pg: Any = None
@@ -248,7 +259,8 @@ class ActorPool:
         self.head.check()
         self._tick()
         asks = {a.ask: a for a in self.actors if a.ask is not None}
-        pending = [*refs, *asks]
+        beats = {a.beat: a for a in self.actors if a.beat is not None}
+        pending = [*refs, *asks, *beats]
         if not pending:  # only lost actors between two asks
             time.sleep(timeout)
             return []
@@ -257,6 +269,8 @@ class ActorPool:
         for ref in ready:
             if ref in asks:
                 self._answer(asks[ref], ref)
+            elif ref in beats:
+                self._beat(beats[ref], ref)
             else:
                 done.append(ref)
         return done
@@ -270,7 +284,8 @@ class ActorPool:
             return
         if actor.state == GONE:
             return
-        actor.state, actor.lost_at, actor.held, actor.error = LOST, time.monotonic(), list(held), actor_error_text(exc)
+        actor.state, actor.lost_at, actor.held = LOST, time.monotonic(), list(held)
+        actor.error, actor.beat = actor.stalled or actor_error_text(exc), None
         if actor.ask is None:
             self._ask(actor)
         where = f"on {actor.place}" if actor.place else "during start-up"
@@ -312,6 +327,7 @@ class ActorPool:
             else:
                 self._gone(actor, reason, died=True)
             return
+        actor.progress_at, actor.passes, actor.stalled = time.monotonic(), -1, ""
         if actor.state == STARTING:
             actor.state = LIVE
             return
@@ -354,10 +370,45 @@ class ActorPool:
                           f"restart it (ray.max_restarts={self.max_restarts}; {actor.deaths + 1} death(s) seen): "
                           f"{actor_error_text(exc)}", died=False)
 
+    def _beat(self, actor: Actor, ref: Any) -> None:
+        """A live actor said how many engine passes it has finished: more than before is progress."""
+        import ray
+
+        actor.beat = None
+        try:
+            passes = ray.get(ref)
+        except Exception:  # noqa: BLE001 - a lost actor: its shards' calls say so
+            return
+        if passes != actor.passes:
+            actor.passes, actor.progress_at = passes, time.monotonic()
+
+    def _watch(self, now: float) -> None:
+        """Ask live actors holding rows for their engine passes; kill one that has finished none for
+        ray.stall_timeout_s, for Ray to restart it (its shards' calls then fail, and it is lost)."""
+        import ray
+
+        if self.stall_timeout_s <= 0:
+            return
+        for a in self.live():
+            if a.load == 0 or a.stalled:  # idle: nothing to stall on
+                a.progress_at = now
+                continue
+            if now - a.progress_at >= self.stall_timeout_s:
+                a.stalled = (f"its engine finished no pass for {now - a.progress_at:.0f}s while it held rows "
+                             f"(ray.stall_timeout_s={self.stall_timeout_s:g}): killed, for Ray to restart it")
+                log.error("actor %d on %s: %s", a.index, a.place, a.stalled)
+                try:
+                    ray.kill(a.handle, no_restart=False)
+                except Exception:  # noqa: BLE001 - already gone: its shards' calls say so
+                    pass
+            elif a.beat is None and now >= a.beat_at:
+                a.beat, a.beat_at = a.handle.passes.remote(), now + self.beat_every_s
+
     def _tick(self) -> None:
-        """Ask lost actors again when due; give up those lost longer than ray.placement_timeout_s; say what
-        the job waits for."""
+        """Watch the live actors for stalls; ask lost actors again when due; give up those lost longer than
+        ray.placement_timeout_s; say what the job waits for."""
         now = time.monotonic()
+        self._watch(now)
         for a in self.actors:
             if a.state != LOST:
                 continue

@@ -134,7 +134,7 @@ class Dispatcher:
     def _note_split(self, work: Work, parts: list[Work]) -> None:
         deaths = self.isolation.deaths[work.piece]
         if len(parts) == 1 and parts[0].settled:
-            log.error("row %r (%s) killed the engine actor each of the %d times it ran alone: it gets an error and the "
+            log.error("row %r (%s) took down the engine actor each of the %d times it ran alone: it gets an error and the "
                       "job goes on", parts[0].rows[0].id, parts[0].piece, deaths)
         elif not work.alone:
             log.warning("%s was held by %d actor deaths: it runs in pieces, each alone on an actor, to find a row "

@@ -132,8 +132,9 @@ class Isolation:
             return [Work(p, work.rows, work.fingerprint, alone=True)]
         if n == 1:
             row = work.rows[0]
-            error = (f"the engine actor's process died each of the {self.deaths[work.piece]} times it ran this row "
-                     f"alone (a crash in the engine or the tokenizer, or host memory): {cause}")
+            error = (f"the engine actor was lost each of the {self.deaths[work.piece]} times it ran this row alone "
+                     f"(its process died: a crash in the engine or the tokenizer, host memory; or its engine stalled): "
+                     f"{cause}")
             self.blamed.append((p, row.id))
             return [Work(p, [dataclasses.replace(row, error=error, kind=None)], work.fingerprint)]
         half = n // 2

@@ -69,6 +69,7 @@ class WorkerSpec:
     turn_history: str = "stripped"  # data.turn_history: stripped | raw
     fail_row: str = ""  # fault injection: the engine raises on every decode pass holding this row id ("*": every pass)
     kill_row: str = ""  # fault injection: the process exits in every decode pass holding this row id
+    hang_row: str = ""  # fault injection: the engine hangs in every decode pass holding this row id
     lose_device: int = 0  # fault injection: the first N actor processes lose their device mid-job
 
 
@@ -140,18 +141,21 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, (MemoryShortError, torch.OutOfMemoryError))
 
 
-def _fail_passes_of(engine: Any, row_id: str, what: str = "", crash: bool = False) -> None:
-    """Fault injection (fault.fail_row, fault.lose_device, fault.kill_row): every decode pass whose batch holds row_id
-    ("*": every pass) raises `what` after its work, as an engine error in the middle of that row's batch would (the
-    rows' tensors and cache half updated), or with `crash` ends the process, as a segfault would."""
+def _fail_passes_of(engine: Any, row_id: str, what: str = "", then: str = "raise") -> None:
+    """Fault injection (fault.fail_row, fault.lose_device, fault.kill_row, fault.hang_row): every decode pass whose
+    batch holds row_id ("*": every pass) raises `what` after its work, as an engine error in the middle of that row's
+    batch would (the rows' tensors and cache half updated); then="exit" ends the process, as a segfault would;
+    then="hang" never returns, as a hung kernel."""
     step = engine._step
     what = what or f"fault.fail_row={row_id}: a decode pass holding row {row_id!r}"
 
     def failing(rows: Any) -> None:
         held = row_id == "*" or any(str(s.req.id) == row_id for s in rows.seqs)
         step(rows)
-        if held and crash:
+        if held and then == "exit":
             os._exit(1)
+        while held and then == "hang":
+            time.sleep(1.0)
         if held:
             raise RuntimeError(what)
 
@@ -229,7 +233,9 @@ class ShardWorker:
             if spec.fail_row:
                 _fail_passes_of(self.engine, spec.fail_row)
             if spec.kill_row:
-                _fail_passes_of(self.engine, spec.kill_row, crash=True)
+                _fail_passes_of(self.engine, spec.kill_row, then="exit")
+            if spec.hang_row:
+                _fail_passes_of(self.engine, spec.hang_row, then="hang")
             if spec.lose_device and _faulty_attempt(spec.fault_dir, "device-lost", spec.lose_device):
                 self._device_fault = True
                 _fail_passes_of(self.engine, "*", "fault.lose_device: CUDA error: an illegal memory access was "
@@ -258,6 +264,11 @@ class ShardWorker:
         graphs = self.engine.stats.graphs
         return {"pid": os.getpid(), "batch_histogram": dict(self.engine.stats.batch_histogram),
                 "cuda_graphs": None if graphs is None else graphs.record(), "engine_errors": self.engine_errors}
+
+    def passes(self) -> int:
+        """Engine passes (prefill forwards and decode passes) finished so far: the driver's sign of progress."""
+        stats = self.engine.stats
+        return stats.prefill_forwards + stats.decode_passes
 
     def run_shard(self, shard_index: int, rows: list[JobRow]) -> pa.Table:
         """One output row per input row, in input order. Safe to call from several threads at once."""

@@ -296,15 +296,34 @@ def test_a_row_that_kills_its_actor_every_time_gets_an_error_and_the_job_finishe
                               "engine.max_batch_size=2", "ray.max_restarts=2", "fault.kill_row=p003"))
     rows = {r["id"]: r for r in read_output(out).to_pylist()}
     assert sorted(rows) == [f"p{i:03d}" for i in range(6)] and res.summary["complete"]
-    assert rows["p003"]["error"].startswith("the engine actor's process died each of the 2 times it ran this row alone")
+    assert rows["p003"]["error"].startswith("the engine actor was lost each of the 2 times it ran this row alone")
     assert all(r["error"] is None and r["num_generated_tokens"] > 0 for k, r in rows.items() if k != "p003")
     log = caplog.messages
     assert any(m.startswith("shard 1 was held by 2 actor deaths: it runs in pieces") for m in log), log
-    assert any(m.startswith("row 'p003' (shard 1 row 1) killed the engine actor each of the 2 times") for m in log), log
+    assert any(m.startswith("row 'p003' (shard 1 row 1) took down the engine actor each of the 2 times") for m in log), log
     assert sum("a new actor takes its place (2 of ray.max_restarts=2 used)" in m for m in log) == 2, log
     assert _summary(out)["errors"] == 1
     run = res.summary["this_run"]
     assert 1 in run["isolated_shards"] and run["rows_killing_actors"] == ["p003"]  # (the shards beside it, maybe too)
+
+
+@pytest.mark.slow
+def test_a_row_that_hangs_its_engine_stalls_its_actor_then_gets_an_error(ray_head, tmp_path, caplog):
+    """fault.hang_row: the engine hangs in every decode pass holding p002, as on a hung kernel, and raises nothing.
+    The driver sees no pass finish for ray.stall_timeout_s, kills the actor for Ray to restart, and the stalls are
+    deaths like any other: the row is found running alone, gets an error, and the job completes."""
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(4))
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO, logger="esp_batch"):
+        res = run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=2",
+                              "engine.max_batch_size=2", "ray.stall_timeout_s=4", "fault.hang_row=p002"))
+    rows = {r["id"]: r for r in read_output(out).to_pylist()}
+    assert sorted(rows) == [f"p{i:03d}" for i in range(4)] and res.summary["complete"]
+    assert rows["p002"]["error"].startswith("the engine actor was lost each of the 2 times it ran this row alone")
+    assert "its engine finished no pass for " in rows["p002"]["error"], rows["p002"]["error"]
+    assert all(r["error"] is None and r["num_generated_tokens"] > 0 for k, r in rows.items() if k != "p002")
+    assert any("(ray.stall_timeout_s=4): killed, for Ray to restart it" in m for m in caplog.messages), caplog.messages
+    assert res.summary["this_run"]["rows_killing_actors"] == ["p002"]
 
 
 @pytest.mark.slow
