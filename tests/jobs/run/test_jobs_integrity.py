@@ -8,6 +8,7 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -283,28 +284,34 @@ def test_an_actor_dying_past_max_restarts_names_it_and_the_cause(ray_head, tmp_p
     assert _summary(out)["complete"] is False
 
 
+def _job_with_a_bad_row(tmp_path: Path, caplog: Any, n: int, bad: str, *overrides: str) -> tuple[Any, dict, list[str]]:
+    """A one-actor job of n rows in shards of 2 whose row `bad` takes down its actor every time (the fault in
+    `overrides`): it completes, `bad` has the error of a row found running alone, every other row its generation.
+    Returns the result, the rows by id and the driver's log."""
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(n))
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO, logger="esp_batch"):
+        res = run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=2",
+                              "engine.max_batch_size=2", *overrides))
+    rows = {r["id"]: r for r in read_output(out).to_pylist()}
+    assert sorted(rows) == [f"p{i:03d}" for i in range(n)] and res.summary["complete"]
+    assert rows[bad]["error"].startswith("the engine actor was lost each of the 2 times it ran this row alone")
+    assert all(r["error"] is None and r["num_generated_tokens"] > 0 for k, r in rows.items() if k != bad)
+    assert _summary(out)["errors"] == 1 and res.summary["this_run"]["rows_killing_actors"] == [bad]
+    return res, rows, caplog.messages
+
+
 @pytest.mark.slow
 def test_a_row_that_kills_its_actor_every_time_gets_an_error_and_the_job_finishes(ray_head, tmp_path, caplog):
     """fault.kill_row: the process dies in every decode pass holding p003, as on a segfault. Its shard (and the one
     in flight beside it) is held by two deaths, then runs in pieces alone; p003 kills its actor alone twice and gets
     an error, every other row its generation, and the job completes. Those two deaths are charged to the row, not to
     ray.max_restarts=2 (used up by the first two): Ray will not restart the actor, so a new one takes its place."""
-    data = write_jsonl(tmp_path / "in.jsonl", _prompts(6))
-    out = tmp_path / "out"
-    with caplog.at_level(logging.INFO, logger="esp_batch"):
-        res = run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=2",
-                              "engine.max_batch_size=2", "ray.max_restarts=2", "fault.kill_row=p003"))
-    rows = {r["id"]: r for r in read_output(out).to_pylist()}
-    assert sorted(rows) == [f"p{i:03d}" for i in range(6)] and res.summary["complete"]
-    assert rows["p003"]["error"].startswith("the engine actor was lost each of the 2 times it ran this row alone")
-    assert all(r["error"] is None and r["num_generated_tokens"] > 0 for k, r in rows.items() if k != "p003")
-    log = caplog.messages
+    res, _, log = _job_with_a_bad_row(tmp_path, caplog, 6, "p003", "ray.max_restarts=2", "fault.kill_row=p003")
     assert any(m.startswith("shard 1 was held by 2 actor deaths: it runs in pieces") for m in log), log
     assert any(m.startswith("row 'p003' (shard 1 row 1) took down the engine actor each of the 2 times") for m in log), log
     assert sum("a new actor takes its place (2 of ray.max_restarts=2 used)" in m for m in log) == 2, log
-    assert _summary(out)["errors"] == 1
-    run = res.summary["this_run"]
-    assert 1 in run["isolated_shards"] and run["rows_killing_actors"] == ["p003"]  # (the shards beside it, maybe too)
+    assert 1 in res.summary["this_run"]["isolated_shards"]  # (the shards beside it, maybe too)
 
 
 @pytest.mark.slow
@@ -312,18 +319,9 @@ def test_a_row_that_hangs_its_engine_stalls_its_actor_then_gets_an_error(ray_hea
     """fault.hang_row: the engine hangs in every decode pass holding p002, as on a hung kernel, and raises nothing.
     The driver sees no pass finish for ray.stall_timeout_s, kills the actor for Ray to restart, and the stalls are
     deaths like any other: the row is found running alone, gets an error, and the job completes."""
-    data = write_jsonl(tmp_path / "in.jsonl", _prompts(4))
-    out = tmp_path / "out"
-    with caplog.at_level(logging.INFO, logger="esp_batch"):
-        res = run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=2",
-                              "engine.max_batch_size=2", "ray.stall_timeout_s=4", "fault.hang_row=p002"))
-    rows = {r["id"]: r for r in read_output(out).to_pylist()}
-    assert sorted(rows) == [f"p{i:03d}" for i in range(4)] and res.summary["complete"]
-    assert rows["p002"]["error"].startswith("the engine actor was lost each of the 2 times it ran this row alone")
+    _, rows, log = _job_with_a_bad_row(tmp_path, caplog, 4, "p002", "ray.stall_timeout_s=4", "fault.hang_row=p002")
     assert "its engine finished no pass for " in rows["p002"]["error"], rows["p002"]["error"]
-    assert all(r["error"] is None and r["num_generated_tokens"] > 0 for k, r in rows.items() if k != "p002")
-    assert any("(ray.stall_timeout_s=4): killed, for Ray to restart it" in m for m in caplog.messages), caplog.messages
-    assert res.summary["this_run"]["rows_killing_actors"] == ["p002"]
+    assert any("(ray.stall_timeout_s=4): killed, for Ray to restart it" in m for m in log), log
 
 
 @pytest.mark.slow
