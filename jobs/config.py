@@ -105,6 +105,9 @@ class OutputConfig:
     progress_interval_s: float = 10.0  # seconds between progress lines when stderr is not a terminal
     # hive partitioning of the parts by output columns, e.g. [category]: <dir>/category=code/part-000000.parquet
     partition_by: list[str] = field(default_factory=list)
+    # a rerun runs again the rows whose error came from running them (an engine error, such as a batch out of
+    # memory; a row that took down its actor each time), keeping the other rows of their parts
+    retry_errors: bool = False
 
 
 @dataclass

@@ -275,12 +275,23 @@ class OutputDir:
         """(part path, the given columns that it has), one file at a time; partition columns are
         rebuilt from the hive directory names, as readers do."""
         for path in self.parts():
-            names = pq.read_schema(path, filesystem=self.fs).names
-            table = pq.read_table(path, columns=[c for c in columns if c in names], filesystem=self.fs)
-            for col, value in _hive_values(self._relative_dir(path)).items():
-                if col in columns and col not in table.column_names:
-                    table = table.append_column(col, pa.array([value] * table.num_rows, pa.string()))
-            yield path, table
+            yield path, self._read_file(path, columns)
+
+    def read_part(self, shard_index: int, schema: pa.Schema) -> pa.Table:
+        """The shard's rows as written (from every partition directory, the partition columns rebuilt), in
+        `schema`; rows of different partitions come in directory order."""
+        tables = [self._read_file(info.path, schema.names).select(schema.names).cast(schema)
+                  for info in self._part_files() if shard_of(info.base_name) == shard_index]
+        return pa.concat_tables(tables) if tables else schema.empty_table()
+
+    def _read_file(self, path: str, columns: list[str]) -> pa.Table:
+        """The given columns that the part file has, and the partition columns among them (as strings)."""
+        names = pq.read_schema(path, filesystem=self.fs).names
+        table = pq.read_table(path, columns=[c for c in columns if c in names], filesystem=self.fs)
+        for col, value in _hive_values(self._relative_dir(path)).items():
+            if col in columns and col not in table.column_names:
+                table = table.append_column(col, pa.array([value] * table.num_rows, pa.string()))
+        return table
 
     # ---- small JSON files ----------------------------------------------------------------------------
     def read_json(self, name: str) -> Optional[dict[str, Any]]:

@@ -19,6 +19,7 @@ from ..io.output import OutputDir
 from .actors import Actor, ActorPool
 from .isolation import Isolation, Work, whole
 from .progress import Progress
+from .retry import Retry
 from .rows import JobRow
 
 log = logging.getLogger("esp_batch")
@@ -45,6 +46,7 @@ class Dispatcher:
         self.finished: list[tuple[int, Any, str]] = []  # (shard, table, fingerprint) returned, not yet written
         self.shards_written = 0
         self.exit_after_parts = exit_after_parts  # fault injection (tests): the driver dies after this many parts
+        self.retry: Optional[Retry] = None  # output.retry_errors: a shard run again in part is merged with its part
         pool.on_death = self._count_death
 
     @property
@@ -153,7 +155,8 @@ class Dispatcher:
             self.write(*self.finished.pop(0))
 
     def write(self, shard_index: int, table: Any, fingerprint: str) -> None:
-        self.out.write_part(shard_index, table, self.compression, fingerprint)
+        whole = self.retry.merged(shard_index, table) if self.retry is not None else table
+        self.out.write_part(shard_index, whole, self.compression, fingerprint)
         self.shards_written += 1
         if self.shards_written == self.exit_after_parts:
             os._exit(1)  # as a killed driver: no cleanup, no summary

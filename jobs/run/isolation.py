@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from .rows import JobRow
 
+LOST_ACTOR_ERROR = "the engine actor was lost "  # how a blamed row's error begins (output.retry_errors runs it again)
 ISOLATE_AFTER = 2  # actor deaths holding a shard that make it suspect (1 when ray.max_restarts = 1)
 BLAME_AFTER = 2  # deaths of the actor running a single row alone that make the row the cause
 
@@ -132,7 +133,7 @@ class Isolation:
             return [Work(p, work.rows, work.fingerprint, alone=True)]
         if n == 1:
             row = work.rows[0]
-            error = (f"the engine actor was lost each of the {self.deaths[work.piece]} times it ran this row alone "
+            error = (f"{LOST_ACTOR_ERROR}each of the {self.deaths[work.piece]} times it ran this row alone "
                      f"(its process died: a crash in the engine or the tokenizer, host memory; or its engine stalled): "
                      f"{cause}")
             self.blamed.append((p, row.id))

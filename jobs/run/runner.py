@@ -37,6 +37,7 @@ from ..config import (ConfigError, config_hash, engine_config, generation_defaul
                       shards_in_flight)
 from ..io.output import SUMMARY, OutputDir, PartInfo
 from .progress import Progress
+from .retry import Retry
 from .rows import INPUT_COLUMNS, JobRow, RowNormalizer, shard_fingerprint
 from .schema import CATEGORY, carry_types, output_schema, to_table
 from ..io.sources import Source, SourceError, open_source
@@ -206,29 +207,42 @@ def worker_spec(cfg: DictConfig, schema: Any, out: OutputDir) -> WorkerSpec:
 
 
 @dataclass
+class _Decision:
+    """What a run does with one shard."""
+
+    rows: Optional[list[JobRow]]  # the rows to run; None: none (its part is kept as it is)
+    kept: int = 0  # rows of its existing part that are kept
+
+
+@dataclass
 class _Plan:
     """What a run does with the shards it reads."""
 
     parts: dict[int, PartInfo]  # parts found in output.dir at the start
+    retry: Optional[Retry] = None  # output.retry_errors: the parts' rows to run again
     num_shards: int = 0
     skipped: int = 0
     regenerated: list[int] = field(default_factory=list)  # shards whose part existed with another fingerprint
     fingerprints: Any = field(default_factory=hashlib.sha256)  # running hash of every shard's fingerprint
 
-    def decide(self, shard_index: int, fingerprint: str) -> bool:
-        """True when the shard must run (no part, or a part made from other input)."""
+    def decide(self, shard_index: int, fingerprint: str, rows: list[JobRow]) -> _Decision:
+        """Run all of the shard's rows (no part, or a part made from other input), those of its part to run again
+        (output.retry_errors), or none (its part is kept as it is)."""
         self.num_shards = shard_index + 1
         self.fingerprints.update(fingerprint.encode())
         old = self.parts.get(shard_index)
         if old is not None and old.fingerprint == fingerprint:
+            again = self.retry.select(shard_index, rows) if self.retry is not None else []
+            if again:
+                return _Decision(again, old.rows - len(again))
             self.skipped += 1
-            return False
+            return _Decision(None, old.rows)
         if old is not None:
             if not self.regenerated:
                 log.warning("shard %d changed since the last run (input edited): regenerating it, and every "
                             "later shard whose rows changed", shard_index)
             self.regenerated.append(shard_index)
-        return True
+        return _Decision(rows)
 
 
 def run_job(cfg: DictConfig) -> JobResult:
@@ -252,7 +266,10 @@ def run_job(cfg: DictConfig) -> JobResult:
     if total_rows == 0:
         raise ConfigError(_no_rows(cfg, source))
     out.claim(chash, hashed_part(cfg), OmegaConf.to_container(cfg, resolve=True), cfg.output.overwrite)
-    plan = _Plan(out.part_infos())
+    plan = _Plan(out.part_infos(), Retry(out) if cfg.output.retry_errors else None)
+    if plan.retry is not None:
+        log.info("output.retry_errors: %d row(s) of %d part(s) have an error from running them, to run again",
+                 sum(map(len, plan.retry.ids.values())), len(plan.retry.ids))
     log.info("job %s: %s rows from %s (%s) -> %s; %d parts already there",
              chash, "?" if total_rows is None else total_rows, source.path, source.format, out.path, len(plan.parts))
 
@@ -268,11 +285,13 @@ def run_job(cfg: DictConfig) -> JobResult:
         t_ready: Optional[float] = None
         failure: Optional[str] = None
         try:
-            for shard_index, rows in _iter_shards(source, normalizer, cfg.data.shard_size):
-                fingerprint = shard_fingerprint(rows)
-                if not plan.decide(shard_index, fingerprint):
-                    progress.kept(plan.parts[shard_index].rows)
+            for shard_index, shard_rows in _iter_shards(source, normalizer, cfg.data.shard_size):
+                fingerprint = shard_fingerprint(shard_rows)
+                decision = plan.decide(shard_index, fingerprint, shard_rows)
+                progress.kept(decision.kept)
+                if decision.rows is None:
                     continue
+                rows = decision.rows
                 if dispatcher is None:  # Ray and the engines start only when there is work
                     started = connect(cfg.ray)
                     resources = actor_resources(cfg.ray)
@@ -287,6 +306,7 @@ def run_job(cfg: DictConfig) -> JobResult:
                         raise JobError(str(exc)) from None
                     dispatcher = Dispatcher(pool, cap, out, cfg.output.compression, progress, cfg.ray.max_restarts,
                                             cfg.fault.driver_exit_after_parts)
+                    dispatcher.retry = plan.retry
                     t_ready = time.monotonic()
                     progress.restart()
                 if not dispatcher.can_submit:
@@ -409,6 +429,7 @@ def _run_record(t_start: float, t_ready: Optional[float], t_end: float, run: Tot
         # shards held by repeated actor deaths, run in pieces alone, and the rows found killing their actor
         "isolated_shards": sorted(dispatcher.isolation.isolated) if dispatcher else [],
         "rows_killing_actors": [row for _, row in dispatcher.isolation.blamed] if dispatcher else [],
+        "rows_retried": plan.retry.rows if plan.retry is not None else 0,  # output.retry_errors
         "batch_histogram": {str(k): v for k, v in histogram.items()},  # rows in the engine batch -> passes
         "mean_batch_size": sum(k * v for k, v in histogram.items()) / passes if passes else None,
     }

@@ -77,9 +77,12 @@ class EngineFailure(RuntimeError):
     """The actor's engine is broken: every shard in flight on it fails with this one-line message."""
 
 
+ENGINE_ERROR = "engine error: "  # how a row's error from the engine begins (output.retry_errors runs it again)
+
+
 def engine_error(exc: BaseException) -> str:
     """The one-line message of an error the engine raised."""
-    return f"engine error: {_one_line(exc)}"
+    return f"{ENGINE_ERROR}{_one_line(exc)}"
 
 
 def _one_line(exc: BaseException) -> str:

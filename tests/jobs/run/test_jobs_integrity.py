@@ -243,7 +243,8 @@ def test_actor_killed_with_several_shards_in_flight(ray_head, tmp_path):
 
 def test_a_row_that_fails_the_engine_gets_an_error_and_the_job_finishes(ray_head, tmp_path):
     """An engine error in the batches of one row (fault.fail_row) costs that row alone: it gets the error, every
-    other row its generation, and the job completes (a rerun, with nothing left to do, finds it complete)."""
+    other row its generation, and the job completes (a rerun, with nothing left to do, finds it complete; one with
+    output.retry_errors runs that row again)."""
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(12))
     out = tmp_path / "out"
     args = (f"data.path={data}", "ray.num_actors=1", "data.shard_size=6", "engine.max_batch_size=4",
@@ -255,6 +256,13 @@ def test_a_row_that_fails_the_engine_gets_an_error_and_the_job_finishes(ray_head
     assert all(r["error"] is None and r["num_generated_tokens"] > 0 for k, r in rows.items() if k != "p004")
     assert _summary(out)["errors"] == 1 and res.summary["this_run"]["engine_errors"] >= 1
     assert run_job(job_cfg(out, *args)).summary["complete"]
+    # the fault gone, output.retry_errors runs p004 again and keeps every other row as it was (time_s included)
+    again = run_job(job_cfg(out, *args[:-1], "output.retry_errors=true")).summary
+    after = {r["id"]: r for r in read_output(out).to_pylist()}
+    assert after["p004"]["error"] is None and after["p004"]["num_generated_tokens"] > 0
+    assert all(after[k] == r for k, r in rows.items() if k != "p004")
+    assert again["this_run"]["rows_retried"] == 1 and again["this_run"]["shards_written"] == 1
+    assert again["errors"] == 0 and again["complete"]
 
 
 def test_a_device_lost_mid_job_costs_a_restart_not_rows(ray_head, tmp_path):
