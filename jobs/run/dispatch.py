@@ -24,6 +24,7 @@ from .rows import JobRow
 
 log = logging.getLogger("esp_batch")
 
+
 def first_line(text: Any, limit: int = 200) -> str:
     lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
     return (lines[0] if lines else "")[:limit]
@@ -37,7 +38,7 @@ class Dispatcher:
         self.out = out
         self.compression = compression
         self.progress = progress
-        self.queue: collections.deque[Work] = collections.deque()  # shards (or pieces) waiting for an actor, retries first
+        self.queue: collections.deque[Work] = collections.deque()  # shards or pieces waiting for an actor, retries first
         self.in_flight: dict[Any, tuple[Work, Actor]] = {}  # ObjectRef -> (work, actor running it)
         self.isolation = Isolation(max_restarts)
         self.done: set[int] = set()  # shards whose table came back

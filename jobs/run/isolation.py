@@ -12,9 +12,10 @@ out-of-memory the engine's own checks miss), and then every actor that takes its
   again, and if it kills that actor too (BLAME_AFTER deaths alone) it is *blamed*: it goes back to an actor with
   its `error` set, which returns its output row without running it, and the job goes on.
 
-A poison row costs ISOLATE_AFTER + log2(data.shard_size) - 1 + BLAME_AFTER actor restarts (14 for 2,048 rows), and its
-shard's rows run in smaller batches meanwhile; the other shards run as before. The pieces' tables are put back together in row order, so the
-shard's part is written once, as any other. Pure bookkeeping: the dispatcher submits and collects.
+A poison row costs ISOLATE_AFTER + log2(data.shard_size) - 1 + BLAME_AFTER actor restarts (14 for 2,048 rows),
+and its shard's rows run in smaller batches meanwhile; the other shards run as before. The pieces' tables are put
+back together in row order, so the shard's part is written once, as any other. Pure bookkeeping: the dispatcher
+submits and collects.
 """
 from __future__ import annotations
 

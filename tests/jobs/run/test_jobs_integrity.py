@@ -324,12 +324,17 @@ def test_a_row_that_kills_its_actor_every_time_gets_an_error_and_the_job_finishe
 
 @pytest.mark.slow
 def test_a_row_that_hangs_its_engine_stalls_its_actor_then_gets_an_error(ray_head, tmp_path, caplog):
-    """fault.hang_row: the engine hangs in every decode pass holding p002, as on a hung kernel, and raises nothing.
+    """fault.hang_row: the engine hangs in every decode pass holding p001, as on a hung kernel, and raises nothing.
     The driver sees no pass finish for ray.stall_timeout_s, kills the actor for Ray to restart, and the stalls are
-    deaths like any other: the row is found running alone, gets an error, and the job completes."""
-    _, rows, log = _job_with_a_bad_row(tmp_path, caplog, 4, "p002", "ray.stall_timeout_s=4", "fault.hang_row=p002")
-    assert "its engine finished no pass for " in rows["p002"]["error"], rows["p002"]["error"]
-    assert any("(ray.stall_timeout_s=4): killed, for Ray to restart it" in m for m in log), log
+    deaths like any other: with ray.max_restarts=1 the first splits the shard, the row is found running alone, gets
+    an error, and the job completes."""
+    _, rows, log = _job_with_a_bad_row(tmp_path, caplog, 2, "p001", "ray.max_restarts=1", "ray.stall_timeout_s=4",
+                                       "fault.hang_row=p001")
+    assert "its engine finished no pass for " in rows["p001"]["error"], rows["p001"]["error"]
+    stalls = [m for m in log if m.startswith("actor 0 on ") and m.endswith("(ray.stall_timeout_s=4): killed, for Ray "
+                                                                         "to restart it")]
+    assert len(stalls) == 3, log  # the shard's, then the row's twice alone
+    assert any(m.startswith("shard 0 was held by 1 actor deaths: it runs in pieces") for m in log), log
 
 
 @pytest.mark.slow
