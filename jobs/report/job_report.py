@@ -27,6 +27,7 @@ from esp_worker.config import NOT_LOSSLESS
 
 from ..io.output import REPORT_DIR, SUMMARY
 from ..io.storage import is_uri, join, resolve
+from ..run.retry import retryable
 from ..run.schema import CATEGORY
 from ..run.stats import Group
 from .plots import REPORT, HBars, Sink, empty, fmt, hbars, pct, pyplot, save, share_axis
@@ -346,6 +347,10 @@ def job_markdown(output_dir: str, stats: JobStats, num_parts: int, summary: dict
         lines += [f"| {msg.replace('|', '/')[:200]} | {n} |" for msg, n in top[:30]]
         if len(top) > 30:
             lines.append(f"| ({len(top) - 30} more messages) | {sum(n for _, n in top[30:])} |")
+        again = sum(n for msg, n in top if retryable(msg))
+        if again:
+            lines += ["", f"{again} of them came from running the row (the engine, or its actor), not from its input: "
+                          "a rerun with `output.retry_errors=true` runs them again."]
     else:
         lines.append("No row has an error.")
     lines.append("")

@@ -17,8 +17,10 @@ CATEGORIES = ["code", "math", "writing"]
 
 
 def _record(i: int) -> dict:
-    """Row i: category by i % 4 (3 = none), an error on every 7th row, depth-2 acceptance."""
-    error = "empty prompt" if i % 7 == 0 else ("input is null" if i % 11 == 0 else None)
+    """Row i: category by i % 4 (3 = none), an input error on every 7th and 11th row, an engine error on every 13th,
+    depth-2 acceptance."""
+    error = "empty prompt" if i % 7 == 0 else ("input is null" if i % 11 == 0 else (
+        "engine error: MemoryShortError: a KV cache" if i % 13 == 0 else None))
     rec = {"id": f"r{i}", "method": "esp", "category": CATEGORIES[i % 4] if i % 4 < 3 else None, "error": error,
            "num_prompt_tokens": 10 + i}
     if error is None:
@@ -50,14 +52,16 @@ def test_report_lists_every_category_and_the_counts(tmp_path):
     md = (tmp_path / "out" / REPORT_DIR / REPORT).read_text()
     assert md == res.markdown
     errors = [r for r in records if r["error"]]
-    assert len(errors) == 9  # rows 0, 7, 11, 14, 21, 22, 28, 33, 35
+    assert len(errors) == 12  # rows 0, 7, 11, 13, 14, 21, 22, 26, 28, 33, 35, 39
     assert f"| 40 | {len(errors)} | 0 |" in md  # rows | errors | duplicates
     for cat in CATEGORIES + ["(none)"]:
         rows = [r for r in records if (r["category"] or "(none)") == cat]
         errs = sum(r["error"] is not None for r in rows)
         assert f"| {cat} | {len(rows)} | {errs} |" in md, cat
-    for msg in ("empty prompt", "input is null"):
+    for msg in ("empty prompt", "input is null", "engine error: MemoryShortError: a KV cache"):
         assert f"| {msg} | {sum(r['error'] == msg for r in records)} |" in md
+    assert "3 of them came from running the row (the engine, or its actor), not from its input: a rerun with " \
+           "`output.retry_errors=true` runs them again." in md
     ok = [r for r in records if not r["error"]]
     assert f"tau {15 * len(ok) / (10 * len(ok)):.3f}" in md and "max_new_tokens: 24" in md
     # passes that committed 1, 2 and 3 tokens, derived from accepted_per_depth [4, 1] of 10 passes
