@@ -84,6 +84,9 @@ class Dispatcher:
         while self.queue and self.can_submit:
             work = self.queue[0]
             parts = self.isolation.split(work)
+            if self.isolation.broken is not None:
+                self.failures.append((work.piece.shard, self.isolation.broken))
+                return
             if parts is not None:
                 self._note_split(work, parts)
                 self.queue.popleft()

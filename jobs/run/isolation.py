@@ -11,6 +11,9 @@ out-of-memory the engine's own checks miss), and then every actor that takes its
   actor's ray.max_restarts: a piece of several rows is split again in halves at once; a single row runs alone
   again, and if it kills that actor too (BLAME_AFTER deaths alone) it is *blamed*: it goes back to an actor with
   its `error` set, which returns its output row without running it, and the job goes on.
+- When BROKEN_AFTER rows in a row are blamed, with no work finishing between them, the engine or the machines fail
+  every row (a driver bug, too little host memory for the model): the job stops, as after any failed shard, rather
+  than give every row an error two actor restarts at a time.
 
 A poison row costs ISOLATE_AFTER + log2(data.shard_size) - 1 + BLAME_AFTER actor restarts (14 for 2,048 rows),
 and its shard's rows run in smaller batches meanwhile; the other shards run as before. The pieces' tables are put
@@ -29,6 +32,7 @@ from .rows import JobRow
 LOST_ACTOR_ERROR = "the engine actor was lost "  # how a blamed row's error begins (output.retry_errors runs it again)
 ISOLATE_AFTER = 2  # actor deaths holding a shard that make it suspect (1 when ray.max_restarts = 1)
 BLAME_AFTER = 2  # deaths of the actor running a single row alone that make the row the cause
+BROKEN_AFTER = 3  # rows blamed one after another, no work finishing between, that make the engine (not rows) the cause
 
 
 @dataclass(frozen=True, order=True)
@@ -89,6 +93,8 @@ class Isolation:
         self.due: dict[Piece, str] = {}  # piece -> the last death's cause, to split (or blame) at its next dispatch
         self.assemblies: dict[int, _Assembly] = {}  # isolated shard -> its pieces back so far
         self.blamed: list[tuple[Piece, str]] = []  # rows given an error (piece, row id)
+        self.blamed_in_a_row = 0  # rows blamed since work last finished
+        self.broken: Optional[str] = None  # why the engine, not a row, is at fault (BROKEN_AFTER)
         self.isolated: set[int] = set()  # shards split into pieces
 
     def count_death(self, held: list[Work], cause: str) -> bool:
@@ -107,6 +113,8 @@ class Isolation:
     def returned(self, work: Work, table: Any) -> Optional[Any]:
         """A piece's table came back: the shard's whole table once its pieces cover it, else None."""
         self.due.pop(work.piece, None)
+        if not work.settled:
+            self.blamed_in_a_row = 0
         if work.piece.stop < 0:
             return table
         assembly = self.assemblies[work.piece.shard]
@@ -138,6 +146,10 @@ class Isolation:
                      f"(its process died: a crash in the engine or the tokenizer, host memory; or its engine stalled): "
                      f"{cause}")
             self.blamed.append((p, row.id))
+            self.blamed_in_a_row += 1
+            if self.blamed_in_a_row >= BROKEN_AFTER:
+                self.broken = (f"{self.blamed_in_a_row} rows in a row took down their engine actor each time they ran "
+                               f"alone, none finishing between: the engine fails, not a row (the last: {cause})")
             return [Work(p, [dataclasses.replace(row, error=error, kind=None)], work.fingerprint)]
         half = n // 2
         return [Work(Piece(p.shard, p.start, p.start + half), work.rows[:half], work.fingerprint, alone=True),

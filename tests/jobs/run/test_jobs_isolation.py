@@ -86,3 +86,31 @@ def test_with_one_restart_allowed_a_shard_is_isolated_after_one_death():
 def test_pieces_read_as_shards_and_rows():
     assert [str(p) for p in (whole(4), Piece(4, 2, 3), Piece(4, 0, 2))] == ["shard 4", "shard 4 row 2",
                                                                             "shard 4 rows 0-1"]
+
+
+def _blame(iso: Isolation, shard: int) -> Work:
+    """A one-row shard that takes down every actor running it, to its blamed row."""
+    work = _shard(shard, 1)
+    iso.count_death([work], "x")
+    iso.count_death([work], "x")
+    [alone] = _next(iso, work)
+    iso.count_death([alone], "x")
+    iso.count_death([alone], "x")
+    [blamed] = _next(iso, alone)
+    assert blamed.settled
+    return blamed
+
+
+def test_rows_blamed_one_after_another_with_nothing_finishing_between_make_the_engine_the_cause():
+    iso = Isolation(max_restarts=3)
+    blamed = _blame(iso, 0)
+    iso.returned(blamed, _table(blamed))  # a blamed row's own output is no sign that the engine works
+    _blame(iso, 1)
+    fine = _shard(2, 2)
+    iso.returned(fine, _table(fine))  # work finished: the rows before were bad rows, not a bad engine
+    _blame(iso, 3)
+    _blame(iso, 4)
+    assert iso.broken is None
+    _blame(iso, 5)
+    assert iso.broken.startswith("3 rows in a row took down their engine actor each time they ran alone, none "
+                                 "finishing between: the engine fails, not a row (the last: x)")
