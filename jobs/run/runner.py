@@ -485,7 +485,7 @@ def _write_summary(cfg: DictConfig, chash: str, out: OutputDir, input_rows: Opti
              "-" if rate is None else f"{rate:.1f}", run["startup_s"], "-" if batch is None else f"{batch:.1f}",
              tau, out.path, path)
     if run.get("rows_killing_actors"):
-        log.warning("%d row(s) took down their engine actor each time they ran alone and have an error: %s",
+        log.warning("%d row(s) took down their engine actor each time they ran alone: %s",
                     len(run["rows_killing_actors"]), ", ".join(run["rows_killing_actors"][:10]))
     if run.get("engine_errors"):
         log.warning("the engine raised in %d batch(es) this run; their rows ran again in smaller batches (the "
