@@ -274,32 +274,49 @@ class ShardWorker:
         return stats.prefill_forwards + stats.decode_passes
 
     def run_shard(self, shard_index: int, rows: list[JobRow]) -> pa.Table:
-        """One output row per input row, in input order. Safe to call from several threads at once."""
-        from esp_worker import RequestStats
+        """One output row per input row, in input order. Safe to call from several threads at once.
 
+        The same rows of the same shard sent while an earlier call still runs them wait for that call's rows: Ray
+        reports a call as failed when the actor's node is unreachable for a while (ActorUnavailableError), the call
+        may run on, and when the actor answers again from the same process the driver sends it the shard again."""
         self._maybe_hold(shard_index)
-        shard = _Shard(shard_index)
-        shard.states = [_RowState(row=r, shard=shard, stats=RequestStats(), error=r.error) for r in rows]
-        requests = []
         with self._lock:
             if self._failure is not None:
                 raise EngineFailure(self._failure)
-            for s in shard.states:
-                if s.next_turn() is not None and (req := self._request(s)) is not None:
-                    if req.id in self._active:
-                        raise EngineFailure(f"row id {req.id!r} is already in flight on this actor")
-                    self._active[req.id] = s
-                    requests.append(req)
-            shard.pending = len(requests)
-            if shard.pending:
-                self._shard_objs[id(shard)] = shard
-                self._start_loop()
+            running = self._running(shard_index, rows)
+            shard, requests = (running, []) if running is not None else self._admit(shard_index, rows)
         if requests:
             self.feed.put(requests)
+        if shard.pending:  # (0 once its last row finished, and then `done` is set)
             shard.done.wait()
         if shard.failure is not None:
             raise EngineFailure(shard.failure)
         return to_table([self._record(s) for s in shard.states], self.spec.schema)
+
+    def _admit(self, shard_index: int, rows: list[JobRow]) -> tuple[_Shard, list[Any]]:
+        """A new shard of these rows and the requests of their first turns, registered (called under the lock)."""
+        from esp_worker import RequestStats
+
+        shard = _Shard(shard_index)
+        shard.states = [_RowState(row=r, shard=shard, stats=RequestStats(), error=r.error) for r in rows]
+        requests = []
+        for s in shard.states:
+            if s.next_turn() is not None and (req := self._request(s)) is not None:
+                if req.id in self._active:
+                    raise EngineFailure(f"row id {req.id!r} is already in flight on this actor")
+                self._active[req.id] = s
+                requests.append(req)
+        shard.pending = len(requests)
+        if shard.pending:
+            self._shard_objs[id(shard)] = shard
+            self._start_loop()
+        return shard, requests
+
+    def _running(self, shard_index: int, rows: list[JobRow]) -> Optional[_Shard]:
+        """The shard in flight here with exactly these rows, if any (called under the lock)."""
+        ids = [r.id for r in rows]
+        return next((s for s in self._shard_objs.values()
+                     if s.index == shard_index and [st.row.id for st in s.states] == ids), None)
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _start_loop(self) -> None:

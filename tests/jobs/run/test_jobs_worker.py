@@ -213,3 +213,42 @@ def test_a_long_row_past_the_pinned_slab_finishes_alone_where_the_grown_slab_can
     assert [r["error"] for r in out] == [None] * 4 and {r["id"]: r["generated_token_ids"] for r in out} == want
     graphs = worker.engine.stats.graphs
     assert graphs.eager_passes["spilled"] > 0 and worker.engine.graphs.cache.pinned_slab.shape[4] == 48
+
+
+def test_a_shard_sent_again_while_its_first_call_runs_waits_for_those_rows(tmp_path):
+    """After a call that Ray reported failed while the actor's node was unreachable, the same process gets the shard
+    again while the first call may still run it: the second call returns the first call's rows (no row runs twice,
+    and not `row id ... already in flight`)."""
+    import threading
+    import time
+
+    worker, rows = _worker(tmp_path, "data.limit=3", "generation.max_new_tokens=8")
+    found = threading.Event()  # the second call found the first one's shard
+    running, step = worker._running, worker.engine._step
+
+    def spy(index, shard_rows):
+        shard = running(index, shard_rows)
+        if shard is not None:
+            found.set()
+        return shard
+
+    def gated(batch):  # the engine's passes wait until the second call has arrived
+        assert found.wait(120), "the second call did not find the first one's shard"
+        step(batch)
+
+    worker._running, worker.engine._step = spy, gated
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault("first", worker.run_shard(0, rows)))
+    first.start()
+    deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
+    while not worker._shard_objs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = worker.run_shard(0, rows)
+    first.join(120)
+    assert second.to_pylist() == results["first"].to_pylist()
+    assert all(r["error"] is None and r["num_generated_tokens"] == 8 for r in second.to_pylist())
+    passes = worker.passes()
+    worker._running, worker.engine._step = running, step
+    again = worker.run_shard(0, rows)  # the shard once more, alone: as many passes as both calls took together
+    assert worker.passes() - passes == passes
+    assert [r["generated_token_ids"] for r in again.to_pylist()] == [r["generated_token_ids"] for r in second.to_pylist()]
