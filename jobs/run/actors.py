@@ -385,8 +385,6 @@ class ActorPool:
     def _watch(self, now: float) -> None:
         """Ask live actors holding rows for their engine passes; kill one that has finished none for
         ray.stall_timeout_s, for Ray to restart it (its shards' calls then fail, and it is lost)."""
-        import ray
-
         if self.stall_timeout_s <= 0:
             return
         for a in self.live():
@@ -397,10 +395,7 @@ class ActorPool:
                 a.stalled = (f"its engine finished no pass for {now - a.progress_at:.0f}s while it held rows "
                              f"(ray.stall_timeout_s={self.stall_timeout_s:g}): killed, for Ray to restart it")
                 log.error("actor %d on %s: %s", a.index, a.place, a.stalled)
-                try:
-                    ray.kill(a.handle, no_restart=False)
-                except Exception:  # noqa: BLE001 - already gone: its shards' calls say so
-                    pass
+                _kill(a.handle, restart=True)  # its shards' calls then fail, and it is lost
             elif a.beat is None and now >= a.beat_at:
                 a.beat, a.beat_at = a.handle.passes.remote(), now + self.beat_every_s
 
@@ -458,10 +453,11 @@ class ActorPool:
             log.info("%s", text())
 
 
-def _kill(handle: Any) -> None:
+def _kill(handle: Any, restart: bool = False) -> None:
+    """End the actor's process; with `restart`, for Ray to start it again (within its max_restarts)."""
     import ray
 
     try:
-        ray.kill(handle, no_restart=True)
+        ray.kill(handle, no_restart=not restart)
     except Exception:  # noqa: BLE001 - already dead, or the cluster is going away
         pass
