@@ -35,6 +35,7 @@ from .graphs.buffers import ModelDims
 from .graphs.runner import MAX_GRAPHS, GraphPass, GraphRunner
 from .graphs.step import StepModel, compiled_step, graph_support
 from .kernels.aot import AotKernels
+from .graphs.hooks import StepHooks
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
 from .memory import kv_bytes_per_slot, require
@@ -428,6 +429,7 @@ class Engine:
         graphed = self._replay(rows, block) if self.graphs is not None else None
         if graphed is not None:  # engine.cuda_graphs: forward and settle replayed over the class's buffers
             out, settled = graphed.out, self._finish(rows, block, graphed.verified, graphed.num_kept, graphed.reason)
+            settled.probe = graphed.probe
         elif self.cycle is not None:  # engine.method=dmtd: a cycle of tau tokens
             out, settled = self._cycle(rows, block)
         else:
@@ -611,8 +613,10 @@ class Engine:
     def _replay(self, rows: Rows, block: Block) -> Optional[GraphPass]:
         """The pass's forward and settle from its shape class's graph (`graphs/runner.py`), timed as model time;
         None = it runs eagerly."""
+        hooks = self.drafter if isinstance(self.drafter, StepHooks) else None
+        probe = hooks.step_probe(rows.view(), block) if hooks is not None else None
         with self.runner.timing("model.graph"):
-            graphed = self.graphs.run(rows, block)
+            graphed = self.graphs.run(rows, block, probe)
         if graphed is not None:
             self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
             if self.drafter.reads_slot_logits:  # the graph keeps no logits: the LM head again, at the tree slots
@@ -637,10 +641,10 @@ class Engine:
 
     def _record(self, block: Block, out: ForwardOut, settled: Settled) -> PassRecord:
         """What the drafter learns from the pass: with masks, the hidden states of those the last accepted slot
-        owns (gathered here unless the compiled settle did)."""
+        owns (gathered here unless the compiled settle did, or the replayed pass ran the probe itself)."""
         res, k = settled.verified, self.drafter.num_masks
         mask_hidden, mask_ok = settled.mask_hidden, None  # [B, k, D], [B]
-        if k and block.aux_embeds is not None and mask_hidden is None:
+        if k and block.aux_embeds is not None and mask_hidden is None and settled.probe is None:
             owner = res.last_slot
             if block.mask_owner is not None:  # masks on some slots only (hybrid)
                 owner = block.mask_owner.expand(len(owner), -1).gather(1, owner[:, None]).squeeze(1)
@@ -649,7 +653,7 @@ class Engine:
             mask_hidden = gather_slots(out.hidden, mask_indices(owner, block.tree.num_slots, k))
         return PassRecord(res.committed, settled.num_kept, hidden=out.hidden, mask_hidden=mask_hidden,
                           slot_logits=out.slot_logits, path_slots=res.path_slots, last_slot=res.last_slot, block=block,
-                          mask_ok=mask_ok, ema_m=settled.ema_m, trunk=self.runner.tapped)
+                          mask_ok=mask_ok, ema_m=settled.ema_m, probe=settled.probe, trunk=self.runner.tapped)
 
     def _end_pass(self, rows: Rows, view: RowsView, block: Block, clock: PassClock) -> None:
         """The pass's one host read (lengths, finish reasons, the drafter's row hints and the planner's next look),

@@ -88,6 +88,26 @@ class ForwardOut:
 
 
 @dataclass
+class ProbeOut:
+    """ESP's probe computed inside a replayed decode pass (engine.cuda_graphs: `drafters.esp.ProbeStage`): what the
+    drafter's `observe` computes eagerly after a pass that fed masks, and the next pass's static tree."""
+
+    m: torch.Tensor  # [B, 1, D] the mask vector after the pass's kept tokens (the EMA, when on)
+    cand_lp: torch.Tensor  # [B, k, C] each mask's top C candidates, log-probs, best first
+    cand_ids: torch.Tensor  # [B, k, C] their token ids
+    tokens: Optional[torch.Tensor] = None  # [B, T] the next pass's static tree (None: the drafter builds its tree)
+    valid: Optional[torch.Tensor] = None  # [B, T] bool
+
+    def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
+        """The fields in order (not `dataclasses.astuple`, which copies tensors)."""
+        return self.m, self.cand_lp, self.cand_ids, self.tokens, self.valid
+
+    def map(self, fn) -> "ProbeOut":
+        """The same fields through `fn` (a view of some rows, a copy)."""
+        return ProbeOut(*(None if t is None else fn(t) for t in self.tensors()))
+
+
+@dataclass
 class Settled:
     """A settled pass, eager or compiled alike: what verification accepted and what the stops kept."""
 
@@ -98,6 +118,8 @@ class Settled:
     mask_hidden: Optional[torch.Tensor] = None
     # [B, 1, D] the drafter's mask EMA after the kept tokens, when the compiled settle computed it
     ema_m: Optional[torch.Tensor] = None
+    # the drafter's probe, when the replayed pass computed it (`graphs.hooks.StepHooks.step_probe`)
+    probe: Optional[ProbeOut] = None
 
 
 @dataclass
@@ -126,6 +148,9 @@ class PassRecord:
     # [B, 1, D] the mask EMA after this pass's committed tokens, when the compiled settle computed it
     # (`kernels.hooks.KernelHooks.settle_ema`); None = the drafter computes it
     ema_m: Optional[torch.Tensor] = None
+    # the probe's candidates (and the next static tree), when the replayed pass computed them; mask_hidden is then
+    # None (`graphs.hooks.StepHooks.step_probe`)
+    probe: Optional[ProbeOut] = None
     # [B, Q, D] the hidden states entering the model's layer `runner.tap_layer` at every input of the forward, when
     # a drafter set one (dmtd_verified: the trunk's output under its drafting layers); None otherwise
     trunk: Optional[torch.Tensor] = None

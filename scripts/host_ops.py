@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from devrun import add_run_args, engine_and_requests
 from esp_worker import batch as batch_mod  # importable once devrun put the repository on the path
-from esp_worker.graphs import runner as graph_runner
+from esp_worker.graphs import buffers as graph_buffers, runner as graph_runner
 
 PHASES = ("_forward", "_verify", "_stops", "_commit", "_record", "_end_pass", "_prefill", "_retire")  # Engine's
 NOT_HOST = ("model", "prefill", "retire", "graph")
@@ -68,6 +68,7 @@ def main() -> None:
     label(batch_mod.Rows, "read_back", "read_back")
     if eng.graphs is not None:  # --graphs: what a CUDA graph would replay is not host work; its input copies are
         label(graph_runner, "decode_step", "graph")
+        label(graph_buffers.StepOutput, "copy_", "graph")  # a CPU's stand-in for the replay writing its outputs
         label(eng.graphs, "_fill", "graph_fill")
 
     class Count(TorchDispatchMode):

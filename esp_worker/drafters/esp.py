@@ -19,19 +19,21 @@ import torch
 
 from ..auto.sizer import DraftSizer
 from ..consts import ones
+from ..graphs.hooks import StepHooks, StepProbe
 from ..kernels.aot import AotKernels
 from ..kernels.hooks import KernelHooks
-from ..passes import Block, PassPlan, PassRecord, RowsView
+from ..passes import Block, PassPlan, PassRecord, ProbeOut, RowsView
 from ..sampling import upload
-from ..tree import DraftTree, static_branches, static_parents
+from ..tree import DraftTree, gather_slots, mask_indices, static_branches, static_parents
 from .base import FULL, Drafter
-from .common import NEG, CandidatePool, Memo, topk_excluding
-from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings, mask_inputs, probe_candidates
+from .common import NEG, CandidatePool, Memo, ema_apply, topk_excluding
+from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings, ema_table, mask_inputs, probe_candidates
 
-__all__ = ["ESPDrafter", "ESPState", "MaskModel", "MaskSettings", "candidate_pool", "ProbeSpec", "probe_block", "static_tree_tokens"]
+__all__ = ["ESPDrafter", "ESPState", "MaskModel", "MaskSettings", "candidate_pool", "ProbeSpec", "ProbeStage",
+           "probe_block", "static_tree_tokens"]
 
 
-class ESPDrafter(Drafter, DraftSizer, KernelHooks):
+class ESPDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
     state_type = ESPState
     name = "esp"
     reads_slot_logits = False
@@ -69,8 +71,28 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks):
     def observe(self, view: RowsView, record: PassRecord) -> None:
         self._pools.clear()  # the probe changes the candidates
         logits = self.probe.observe(view, record)
-        if logits is not None:  # the next pass can use a block prepared now when every row is probed
+        if record.probe is not None:  # the replayed pass ran the probe (`step_probe`)
+            self._take_probe(view, record.probe)
+        elif logits is not None:  # the next pass can use a block prepared now when every row is probed
             self._candidates(view, logits, prepare=self.probe.all_probed and not record.prefill)
+
+    def step_probe(self, view: RowsView, block: Block) -> Optional[StepProbe]:
+        """A replayed pass that feeds every tree slot its masks ends with the probe (`ProbeStage`): the EMA over its
+        kept tokens, the candidates and, for the configured static tree, the next pass's tree."""
+        if block.aux_embeds is None or block.mask_owner is not None or self.probe.owes:
+            return None
+        branches = self._branches_for(self.num_nodes) or []
+        spec = ProbeSpec(self.probe.num_cand, self.prune, tuple(branches), self.num_masks, self.probe.dtype)
+        return StepProbe(ProbeStage(spec, max(self.probe.ema_lambda, 0.0)), view.state.m)
+
+    def _take_probe(self, view: RowsView, probe: ProbeOut) -> None:
+        """The candidates a replayed pass's probe stage computed, and its next tree as a block prepared for these
+        rows (`propose` takes it while they are unchanged)."""
+        st = view.state
+        st.cand_lp, st.cand_ids = probe.cand_lp, probe.cand_ids
+        self._ready = None
+        if probe.tokens is not None:
+            self._ready = _Prepared(view.version, self._branches_for(self.num_nodes), probe.tokens, probe.valid, None)
 
     def _candidates(self, view: RowsView, logits: torch.Tensor, prepare: bool) -> None:
         """The candidates of the probe's logits [B, k, V] (`probe_candidates`). Under engine.compile_host, when
@@ -134,11 +156,14 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks):
         ready = self._ready
         if (ready is not None and ready.version == view.version and self.probe.all_probed and not self.probe.owes
                 and ready.branches == branches):
-            # the block the last probe's kernel prepared (`_probe`): its tree and every input embedding
+            # the block the last probe prepared (its kernel, or a replayed pass's probe stage): its tree, and with
+            # the kernel every input embedding
             tokens, valid, embeds = ready.tokens, ready.valid, ready.embeds
             b, t = tokens.shape
             tree = DraftTree(tokens, self._parents_for(b, tokens.device, branches), valid, static_key=("esp", tuple(branches)))
-            block = self.blocks.build(tree, embeds.narrow(1, t, t * self.num_masks), self.num_masks, max_depth=len(branches))
+            count = t * self.num_masks
+            aux = self.probe.mask_inputs(view, count) if embeds is None else embeds.narrow(1, t, count)
+            block = self.blocks.build(tree, aux, self.num_masks, max_depth=len(branches))
             block.embeds = embeds
             self.prepared_blocks += 1
             return block
@@ -291,14 +316,52 @@ def probe_block(logits: torch.Tensor, root: torch.Tensor, m: torch.Tensor, embed
     return cand_lp, cand_ids, tokens, valid, embeds
 
 
+@dataclass(frozen=True)
+class ProbeStage:
+    """ESP's probe as the last stage of a replayed decode pass (engine.cuda_graphs, `graphs.hooks.StepHooks`): what
+    `observe` and the next `propose` compute eagerly after a pass that fed every tree slot its masks, from the same
+    functions, so the candidates are the eager ones: m moved by the EMA over the kept tokens (`ema_apply`), the LM
+    head at the masks of the last accepted slot, their candidates (`probe_candidates`) and, with `spec.branches`,
+    the next static tree (`static_tree_tokens`). The next pass's masks are m, which the host expands as it does
+    after an eager probe; no input embedding is made here."""
+
+    spec: ProbeSpec  # spec.branches () = candidates only (the drafter builds its tree)
+    ema_lambda: float  # the EMA's weight of a new token (0 = m stays)
+
+    @property
+    def ema(self) -> bool:
+        return self.ema_lambda > 0
+
+    def ema_columns(self, width: int, device: torch.device) -> torch.Tensor:
+        """[width + 1, 1, 1 + width] the EMA's weights by tokens kept, up to `width` (`StepInputs.ema_cols`)."""
+        return ema_table(self.ema_lambda, width, device).unsqueeze(1)
+
+    def run(self, model, inp, hidden: torch.Tensor, verified, last_token: torch.Tensor, n_fin: torch.Tensor
+            ) -> ProbeOut:
+        """From the step's model (`embed`, `head`), inputs (`tokens`, `m`, `ema_cols`), hidden states [B, Q, D],
+        verification (`committed`, `last_slot`), last committed tokens [B] and tokens kept [B]."""
+        spec = self.spec
+        m = inp.m
+        if self.ema:  # (the clamp: a padding row's inputs never index out of the weights, a device-side fault)
+            kept = n_fin.clamp(0, inp.ema_cols.shape[0] - 1)
+            m = ema_apply(m, model.embed(verified.committed), inp.ema_cols, kept)
+        mask_hidden = gather_slots(hidden, mask_indices(verified.last_slot, inp.tokens.shape[1], spec.num_masks))
+        cand_lp, cand_ids = probe_candidates(model.head(mask_hidden), last_token, spec.num_cand, spec.prune)
+        if not spec.branches:
+            return ProbeOut(m, cand_lp, cand_ids)
+        tokens, valid = static_tree_tokens(last_token, cand_lp, cand_ids, list(spec.branches), spec.prune)
+        return ProbeOut(m, cand_lp, cand_ids, tokens, valid)
+
+
 class _Prepared(NamedTuple):
-    """A block `probe_block` prepared, valid for the rows it was built for (`RowsView.version`)."""
+    """A block prepared with the last probe (`probe_block`, or a replayed pass's `ProbeStage`), valid for the rows it
+    was built for (`RowsView.version`)."""
 
     version: int
     branches: list[int]
     tokens: torch.Tensor  # [B, T]
     valid: torch.Tensor  # [B, T]
-    embeds: torch.Tensor  # [B, T * (1 + k), D]
+    embeds: Optional[torch.Tensor]  # [B, T * (1 + k), D] (the kernel's); None = the masks are m, expanded
 
 
 class _ProbeBlock(torch.nn.Module):

@@ -141,10 +141,11 @@ class MaskProbe:
 
     def observe(self, view: RowsView, result: PassRecord) -> Optional[torch.Tensor]:
         """The probe's flags and the EMA after a pass; returns the probe's logits [B, k, V] when masks were fed
-        (the drafter turns them into candidates: `candidates`, or its kernel), else None."""
+        (the drafter turns them into candidates: `candidates`, or its kernel), else None. When the replayed pass
+        ran the probe (`result.probe`) the EMA is its m and there are no logits: the candidates came with it."""
         st = view.state
         committed = result.committed.shape[1]  # host bound on the tokens this pass committed per row
-        if result.mask_hidden is not None:
+        if result.mask_hidden is not None or result.probe is not None:
             if result.mask_ok is not None:
                 st.has_probe = result.mask_ok.clone()
             elif not (self._all_probed and not result.prefill):  # else every row holds a probe already
@@ -160,8 +161,9 @@ class MaskProbe:
                 self.catch_up(view, self._lag + committed)
                 self._lag = 0
             else:  # m was up to date before this pass: it owes exactly the tokens just committed
-                self.catch_up(view, committed, fresh=(result.committed, result.num_committed, result.ema_m))
-            return self.logits(result.mask_hidden)
+                done = result.probe.m if result.probe is not None else result.ema_m
+                self.catch_up(view, committed, fresh=(result.committed, result.num_committed, done))
+            return None if result.probe is not None else self.logits(result.mask_hidden)
         if not result.prefill:
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
             # until masks are fed again (_catch_up replays the committed tokens from the history). After a plain
@@ -250,13 +252,19 @@ class MaskProbe:
         old m's weight) and table[n, 1+i] = lam (1-lam)^(n-1-i) for i < n, else 0; steps = 0 .. N-1. Built on
         the device (no host data), once per size."""
         if self._ema is None or self._ema[1].shape[0] < g or self._ema[1].device != dev:
-            lam, size = self.ema_lambda, max(8, 1 << (g - 1).bit_length())
-            n = torch.arange(size + 1, device=dev, dtype=torch.float64)
-            i = torch.arange(size, device=dev, dtype=torch.float64)
-            weights = torch.where(i[None] < n[:, None], lam * (1 - lam) ** (n[:, None] - 1 - i[None]).clamp(min=0), 0.0)
-            table = torch.cat([((1 - lam) ** n)[:, None], weights], 1).float()
-            self._ema, self._ema_cols = (table, torch.arange(size, device=dev)), {}
+            size = max(8, 1 << (g - 1).bit_length())
+            self._ema, self._ema_cols = (ema_table(self.ema_lambda, size, dev), torch.arange(size, device=dev)), {}
         return self._ema
+
+
+def ema_table(lam: float, size: int, dev: torch.device) -> torch.Tensor:
+    """[size + 1, 1 + size] float32 EMA weights for gaps up to `size`: row n is [(1-lam)^n, w_0 .. w_{size-1}] with
+    w_i = lam (1-lam)^(n-1-i) for i < n, else 0 (`ema_apply`'s table). Each entry depends on (n, i) alone, so a
+    table of any size holds the same values where they overlap."""
+    n = torch.arange(size + 1, device=dev, dtype=torch.float64)
+    i = torch.arange(size, device=dev, dtype=torch.float64)
+    weights = torch.where(i[None] < n[:, None], lam * (1 - lam) ** (n[:, None] - 1 - i[None]).clamp(min=0), 0.0)
+    return torch.cat([((1 - lam) ** n)[:, None], weights], 1).float()
 
 
 def probe_candidates(logits: torch.Tensor, root: torch.Tensor, num_cand: int, prune: bool

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+
+from ..passes import ProbeOut
 
 # the packed integer outputs, one row each (`StepOutput.ints`)
 INTS = ("num_committed", "last_slot", "last_token", "n_fin", "reason")
@@ -33,6 +35,9 @@ class ShapeClass:
     in_place: bool  # root-only trees and chains: the accepted path is already where it belongs in the cache
     shared_layout: bool  # one in-block layout for every row ([1, ..]), else one per row ([B, ..])
     sampling: bool  # some row samples (temperature > 0): sampled verification with the rows' uniforms
+    # the drafter's work after the pass, run as the step's last stage (`graphs.hooks.StepHooks.step_probe`: ESP's
+    # probe, a hashable `drafters.esp.ProbeStage`); None = the drafter runs it on the host
+    probe: Optional[Any] = None
 
     @property
     def num_inputs(self) -> int:
@@ -90,6 +95,10 @@ class StepInputs:
     # length, a tensor size that a compiled step can hold symbolic (`mark_dynamic`), not a Python int it would
     # compile anew for each capacity bucket
     key_slots: Optional[torch.Tensor] = None
+    # [B, 1, D] float32 the rows' mask vector before the pass (classes with a probe stage)
+    m: Optional[torch.Tensor] = None
+    # [S + 1, 1, 1 + S] the EMA's weights by kept tokens (a probe stage with the EMA on; constant per class)
+    ema_cols: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, shape: ShapeClass, dims: ModelDims) -> "StepInputs":
@@ -111,6 +120,8 @@ class StepInputs:
             top_k=zeros(b) if sampled else None,
             uniforms=zeros(b, s, dtype=torch.float32) if sampled else None,
             key_slots=torch.arange(shape.capacity, device=dev),
+            m=zeros(b, 1, dims.hidden, dtype=torch.float32) if shape.probe is not None else None,
+            ema_cols=shape.probe.ema_columns(s, dev) if shape.probe is not None and shape.probe.ema else None,
         )
         inp.parents.fill_(-1)
         inp.valid[:, 0] = True
@@ -126,7 +137,7 @@ class StepInputs:
         batch = self.hist_len.shape[0]
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
-            if t is not None and batch > 1 and t.shape[0] == batch:  # rows first (the layouts: when per row)
+            if t is not None and batch > 1 and t.shape[0] == batch and f.name != "ema_cols":  # rows first
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(self.key_slots, 0)
 
@@ -152,13 +163,20 @@ class StepOutput:
     # [5, B] `INTS`: tokens committed before the stops, deepest accepted slot, last committed token, tokens kept
     # after the stops, finish reason
     ints: torch.Tensor
+    # the probe stage's results (classes with one): the drafter's next candidates and tree
+    probe: Optional[ProbeOut] = None
 
     def copy_(self, other: "StepOutput") -> "StepOutput":
         """Write `other` into these buffers (the eager static path keeps a graph's semantics: one set of output
         buffers per class, overwritten by every pass)."""
-        for f in dataclasses.fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name))
+        for name in ("hidden", "committed", "path_slots", "ints"):
+            getattr(self, name).copy_(getattr(other, name))
+        if self.probe is not None:
+            for mine, theirs in zip(self.probe.tensors(), other.probe.tensors()):
+                if mine is not None:
+                    mine.copy_(theirs)
         return self
 
     def clone(self) -> "StepOutput":
-        return StepOutput(**{f.name: getattr(self, f.name).clone() for f in dataclasses.fields(self)})
+        return StepOutput(self.hidden.clone(), self.committed.clone(), self.path_slots.clone(), self.ints.clone(),
+                          None if self.probe is None else self.probe.map(torch.Tensor.clone))

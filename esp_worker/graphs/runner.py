@@ -35,10 +35,11 @@ from ..batch import Rows
 from ..consts import steps
 from ..grad import inference
 from ..kv_cache import KVCache
-from ..passes import Block, ForwardOut
+from ..passes import Block, ForwardOut, ProbeOut
 from ..stats import GraphStats
 from ..verify import VerifyResult
 from .buffers import INTS, ModelDims, ShapeClass, StepInputs, StepOutput
+from .hooks import StepProbe
 from .step import StepFn, StepModel, decode_step
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class GraphPass:
     verified: VerifyResult
     num_kept: torch.Tensor  # [b] tokens committed after the stops
     reason: torch.Tensor  # [b] finish reason code
+    probe: Optional[ProbeOut] = None  # the probe stage's results, a copy the drafter keeps (classes with one)
 
 
 @dataclass
@@ -190,11 +192,11 @@ class GraphRunner:
         return (self.compiled or decode_step)(self.model, self._slab, inp, shape)
 
     # ---- the pass ----------------------------------------------------------------------------------
-    def run(self, rows: Rows, block: Block) -> Optional[GraphPass]:
+    def run(self, rows: Rows, block: Block, probe: Optional[StepProbe] = None) -> Optional[GraphPass]:
         """The pass over its class's buffers (replayed, or on a CPU run eagerly), or None: the caller runs it
-        eagerly (counted by reason)."""
+        eagerly (counted by reason). probe: the stage the pass ends with (`StepHooks.step_probe`), or None."""
         self.last_uncaptured, self._declined = False, None
-        shape = self._shape(rows, block)
+        shape = self._shape(rows, block, probe)
         if isinstance(shape, str):
             self._decline(shape)
             return None
@@ -206,6 +208,8 @@ class GraphRunner:
                 return None
         b = len(rows)
         self._fill(entry, rows, block, shape)
+        if probe is not None:
+            entry.inp.m.narrow(0, 0, b).copy_(probe.m)
         if entry.graph is None:  # capture pending on CUDA (filled now), or the eager static path on a CPU
             if self.capture:
                 self._capture(shape, entry)
@@ -224,7 +228,11 @@ class GraphRunner:
         verified = VerifyResult(out.committed.narrow(0, 0, b), num, out.path_slots.narrow(0, 0, b), last_slot,
                                 last_token)
         fwd = ForwardOut(out.hidden.narrow(0, 0, b), None)
-        return GraphPass(fwd, verified, n_fin, reason)
+        got = None
+        if out.probe is not None:  # the drafter's state from here: its own copy (the next replay overwrites these)
+            got = out.probe.map(lambda t: t.narrow(0, 0, b).clone())
+            self.stats.probe_passes += 1
+        return GraphPass(fwd, verified, n_fin, reason, got)
 
     def _decline(self, reason: str) -> None:
         self.stats.eager_passes[reason] += 1
@@ -239,7 +247,7 @@ class GraphRunner:
                 del counts[reason]
             self._declined = None
 
-    def _shape(self, rows: Rows, block: Block):
+    def _shape(self, rows: Rows, block: Block, probe: Optional[StepProbe]):
         """The pass's class, or why it has none (a reason string)."""
         if rows.has_stop_strings:
             return "stop_strings"
@@ -263,7 +271,7 @@ class GraphRunner:
         sampling = rows.sampling
         return ShapeClass(batch=batch, num_slots=tree.num_slots, num_aux=q - tree.num_slots, capacity=capacity,
                           max_depth=block.max_depth, in_place=tree.num_slots == 1 or tree.path_in_place,
-                          shared_layout=lead == {1}, sampling=sampling)
+                          shared_layout=lead == {1}, sampling=sampling, probe=None if probe is None else probe.stage)
 
     def _admit(self, shape: ShapeClass) -> Optional[_Entry]:
         """The class's entry, made now when it may have one (on CUDA, its capture follows in `run`)."""

@@ -8,7 +8,9 @@
 3. every layer (`DirectDecoder.run`), its keys and values written into the KV slab at each row's slots;
 4. the LM head at the tree slots;
 5. the settle: verification (greedy, or sampled with each row's next uniforms), stops (stop ids, limits), and the
-   accepted nodes' KV slots moved behind each row's root.
+   accepted nodes' KV slots moved behind each row's root;
+6. in classes with a probe stage (`ShapeClass.probe`: ESP, `graphs/hooks.py`), the drafter's probe: the mask EMA,
+   the candidates of the last accepted slot's masks and the next static tree.
 
 No Python branch on a tensor's value, no shape that depends on one, no host read: the same calls run eagerly,
 under `torch.compile(fullgraph=True)` and inside a CUDA graph capture. The step is made of the eager pass's own
@@ -17,7 +19,8 @@ length) where the eager pass reads max(length) + Q: the same keys, but a differe
 in another order, so floats agree to rounding and are bitwise equal where both read the same count.
 
 What it leaves to the host, after the replay (`graphs/runner.py`): the history write and the statistics counters
-(their tensors belong to the rows and change shape as rows come and go), and the drafter's observe. Its outputs
+(their tensors belong to the rows and change shape as rows come and go), and the drafter's observe (for ESP, taking
+the probe stage's results). Its outputs
 hold no logits ([B, T, V] per class would hold gigabytes): the logits are an intermediate.
 """
 from __future__ import annotations
@@ -202,4 +205,5 @@ def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: Shap
     if last_token is None:  # sampled: the last committed token
         last_token = res.committed.gather(1, (res.num_committed - 1).unsqueeze(1)).squeeze(1)
     ints = torch.stack([res.num_committed, res.last_slot, last_token, n_fin, reason])  # [5, B]
-    return StepOutput(hidden=hidden, committed=res.committed, path_slots=res.path_slots, ints=ints)
+    probe = None if shape.probe is None else shape.probe.run(model, inp, hidden, res, last_token, n_fin)
+    return StepOutput(hidden=hidden, committed=res.committed, path_slots=res.path_slots, ints=ints, probe=probe)

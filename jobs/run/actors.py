@@ -248,7 +248,8 @@ class ActorPool:
                 "capture_s": round(sum(r["capture_s"] for r in records), 3),
                 "graph_mb": round(sum(r["graph_bytes"] for r in records) / 2**20, 1),
                 "graph_passes": sum(r["graph_passes"] for r in records),
-                "ahead_passes": sum(r.get("ahead_passes", 0) for r in records), "eager_passes": dict(eager)}
+                "ahead_passes": sum(r.get("ahead_passes", 0) for r in records),
+                "probe_passes": sum(r.get("probe_passes", 0) for r in records), "eager_passes": dict(eager)}
 
     # ---- waiting -------------------------------------------------------------------------------------
     def wait(self, refs: list[Any], timeout: float) -> list[Any]:
