@@ -107,6 +107,10 @@ class EngineConfig:
     # copies behind it: the host's work between passes overlaps the device's. A pass found to have ended a row
     # makes the next one (run for it too, committing nothing there) be read at once. esp_worker/engine.py
     cuda_graphs_run_ahead: Union[bool, str] = "auto"  # auto = wherever passes are replayed | true | false
+    # ESP's probe (the mask EMA, the candidates and the next static tree) as the last stage of a replayed pass that
+    # fed masks, instead of on the host after it: the same drafts, less host work between passes.
+    # esp_worker/graphs/hooks.py, docs/design/cuda-graphs.md
+    cuda_graphs_probe: bool = True
     # the SDPA kernel of decode passes' attention (the direct forward with sdpa attention; a prefill keeps torch's
     # choice): torch = PyTorch's own priority (cuDNN's on an H100/H200 in bfloat16, the fastest there at every
     # decode shape measured: docs/design/cuda-graphs.md), or cudnn | efficient | math (math where the one named

@@ -613,7 +613,7 @@ class Engine:
     def _replay(self, rows: Rows, block: Block) -> Optional[GraphPass]:
         """The pass's forward and settle from its shape class's graph (`graphs/runner.py`), timed as model time;
         None = it runs eagerly."""
-        hooks = self.drafter if isinstance(self.drafter, StepHooks) else None
+        hooks = self.drafter if isinstance(self.drafter, StepHooks) and self.cfg.cuda_graphs_probe else None
         probe = hooks.step_probe(rows.view(), block) if hooks is not None else None
         with self.runner.timing("model.graph"):
             graphed = self.graphs.run(rows, block, probe)

@@ -32,6 +32,7 @@ class Setting:
     autotune: bool = False
     run_ahead: bool = False  # engine.cuda_graphs_run_ahead=true ("ar:1:run_ahead")
     no_run_ahead: bool = False  # engine.cuda_graphs_run_ahead=false ("ar:1:no_run_ahead": every pass read at once)
+    host_probe: bool = False  # engine.cuda_graphs_probe=false ("esp:BC:host_probe": the probe on the host)
     # engine.attention_backend=cudnn / efficient / math / flex ("METHOD:BC:attention_math"; flex with compiled_graphs)
     attention_cudnn: bool = False
     attention_efficient: bool = False
@@ -48,6 +49,7 @@ class Setting:
             + (" compiled graphs" if self.compiled_graphs else "") + (" autotuned" if self.autotune else "") \
             + (" run ahead" if self.run_ahead else "") \
             + (" no run ahead" if self.no_run_ahead else "") \
+            + (" host probe" if self.host_probe else "") \
             + (f" {self.attention} attention" if self.attention else "")
 
     @property
@@ -98,7 +100,8 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
     METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so), METHOD:BC:eager with
     engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's), METHOD:BC:compiled_graphs
     with engine.cuda_graphs_compile=true (METHOD:BC:compiled_graphs+autotune: and
-    engine.compile_mode=max-autotune-no-cudagraphs), ar:1:run_ahead with engine.cuda_graphs_run_ahead=true (options join with
+    engine.compile_mode=max-autotune-no-cudagraphs), ar:1:run_ahead with engine.cuda_graphs_run_ahead=true, esp:BC:host_probe
+    with engine.cuda_graphs_probe=false (options join with
     "+": ar:1:compiled_graphs+run_ahead). dmtd:TAU runs
     each DMTD model of `bench.dmtd_paths` trained with that tau (none given: the bench's model, split by
     engine.dmtd_decoding_layers); dmtd_verified:TAU each trained copy there, drafting TAU - 1 tokens per pass.

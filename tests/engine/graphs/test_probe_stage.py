@@ -15,7 +15,6 @@ import pytest
 
 from engine_helpers import ARCHS, PROMPTS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request
-from esp_worker.drafters.esp import ESPDrafter
 from esp_worker.model.load import load_model
 from shared_data import TINY_LLAMA, TINY_PROMPTS, shared
 
@@ -27,19 +26,17 @@ SETTINGS = [
 ]
 
 
-def _outputs(lm, setting: dict, batch: int, params: list[GenerationParams], prompts, stage: bool, monkeypatch):
-    with monkeypatch.context() as patch:
-        if not stage:  # the drafter probes on the host after each replay, as before the stage existed
-            patch.setattr(ESPDrafter, "step_probe", lambda self, view, block: None)
-        eng = Engine(lm, EngineConfig(max_batch_size=batch, cuda_graphs=True, **setting))
-        outs = eng.generate([Request(id=str(i), prompt=p, params=x) for i, (p, x) in enumerate(zip(prompts, params))])
+def _outputs(lm, setting: dict, batch: int, params: list[GenerationParams], prompts, stage: bool):
+    # engine.cuda_graphs_probe=false: the drafter probes on the host after each replay
+    eng = Engine(lm, EngineConfig(max_batch_size=batch, cuda_graphs=True, cuda_graphs_probe=stage, **setting))
+    outs = eng.generate([Request(id=str(i), prompt=p, params=x) for i, (p, x) in enumerate(zip(prompts, params))])
     assert all(o.error is None for o in outs)
     return outs, eng.stats.graphs
 
 
-def _same_drafts(lm, setting: dict, batch: int, params: list[GenerationParams], prompts, monkeypatch):
-    staged, graphs = _outputs(lm, setting, batch, params, prompts, True, monkeypatch)
-    host, host_graphs = _outputs(lm, setting, batch, params, prompts, False, monkeypatch)
+def _same_drafts(lm, setting: dict, batch: int, params: list[GenerationParams], prompts):
+    staged, graphs = _outputs(lm, setting, batch, params, prompts, True)
+    host, host_graphs = _outputs(lm, setting, batch, params, prompts, False)
     assert host_graphs.probe_passes == 0
     if setting["block_complexity"] != "auto":  # (auto may decode plainly throughout where it measures no gain)
         assert graphs.probe_passes > 0
@@ -59,18 +56,18 @@ CASES = [(setting, batch, 0.0) for setting in range(len(SETTINGS)) for batch in 
 
 
 @pytest.mark.parametrize("setting, batch, temperature", CASES)
-def test_the_probe_stage_drafts_what_the_host_probe_drafts(trained, monkeypatch, setting, batch, temperature):
+def test_the_probe_stage_drafts_what_the_host_probe_drafts(trained, setting, batch, temperature):
     rows = [json.loads(line) for line in open(shared(TINY_PROMPTS))][:6]
     params = [GenerationParams(max_new_tokens=40, temperature=temperature, seed=5 + i) for i in range(len(rows))]
-    outs = _same_drafts(trained, SETTINGS[setting], batch, params, [r["prompt"] for r in rows], monkeypatch)
+    outs = _same_drafts(trained, SETTINGS[setting], batch, params, [r["prompt"] for r in rows])
     if SETTINGS[setting]["block_complexity"] != "auto":  # drafts were accepted: the comparison has teeth
         assert sum(o.stats.num_accepted_drafts for o in outs) > len(outs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_probe_stage_on_every_architecture_keeps_generates_tokens(monkeypatch, arch):
+def test_the_probe_stage_on_every_architecture_keeps_generates_tokens(arch):
     lm = tiny(arch)
     params = [GenerationParams(max_new_tokens=64)] * len(PROMPTS)
-    outs = _same_drafts(lm, SETTINGS[1], 4, params, PROMPTS, monkeypatch)
+    outs = _same_drafts(lm, SETTINGS[1], 4, params, PROMPTS)
     for o, r in zip(outs, reference(arch, "sdpa")):
         assert tuple(o.token_ids) == r, (arch, o.id)

@@ -144,17 +144,19 @@ def test_run_ahead_and_attention_options_in_the_grid():
     from jobs.bench.settings import grid
 
     cfg = load_bench_config(None, ["bench.settings=[ar:1:no_run_ahead,ar:1:attention_math,esp:30:attention_efficient,"
-                                   "ar:1:compiled_graphs+autotune,ar:1:compiled_graphs+attention_flex]",
+                                   "ar:1:compiled_graphs+autotune,ar:1:compiled_graphs+attention_flex,esp:30:host_probe]",
                                    "bench.hf_baseline=false"])
     settings = grid(cfg.bench)
     assert [s.label for s in settings] == ["ar", "ar no run ahead", "ar math attention",
                                            "esp k1 static BC30 efficient attention", "ar compiled graphs autotuned",
-                                           "ar compiled graphs flex attention"]
-    assert [s.attention for s in settings] == ["", "", "math", "efficient", "", "flex"]
-    assert [s.no_run_ahead for s in settings] == [False, True, False, False, False, False]
-    assert [s.autotune for s in settings] == [False, False, False, False, True, False]
+                                           "ar compiled graphs flex attention", "esp k1 static BC30 host probe"]
+    assert [s.attention for s in settings] == ["", "", "math", "efficient", "", "flex", ""]
+    assert [s.no_run_ahead for s in settings] == [False, True, False, False, False, False, False]
+    assert [s.autotune for s in settings] == [False, False, False, False, True, False, False]
+    assert [s.host_probe for s in settings] == [False] * 6 + [True]
     for bad in ("ar:1:attention_math+attention_cudnn", "ar:1:run_ahead+no_run_ahead", "pld:10:no_run_ahead",
-                "ar:1:attention_flash", "ar:1:autotune", "esp:30:eager+autotune", "ar:1:attention_flex"):
+                "ar:1:attention_flash", "ar:1:autotune", "esp:30:eager+autotune", "ar:1:attention_flex",
+                "pld:10:host_probe", "ar:1:host_probe", "esp:30:eager+host_probe"):
         with pytest.raises(ConfigError):
             load_bench_config(None, [f"bench.settings=[{bad}]"])
 
@@ -164,19 +166,23 @@ def test_bench_graphs_against_the_eager_engine_and_compiled_generate(tmp_path):
     """The issue's comparison on a CPU: ar over the static-buffer path (engine.cuda_graphs=true), the eager
     engine's ar, eager generate and generate with a static cache and a compiled forward (asked for: on a CPU
     it is off by default); every row reproduces ar and the graph counters say which path ran (ar's plain passes
-    run ahead by default; ar:1:no_run_ahead reads each one before the next)."""
+    run ahead by default; ar:1:no_run_ahead reads each one before the next; ESP's passes end with its probe unless
+    esp:BC:host_probe)."""
     data = prompts(tmp_path, ["the cat sat on the mat, the cat", "def f(x):\n    return"])
     out = tmp_path / "out"
     code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=12", "engine.cuda_graphs=true",
-                 "bench.hf_compiled=true", "bench.settings=[ar:1:eager,ar:1:no_run_ahead]", "bench.warmup=1",
+                 "bench.hf_compiled=true", "bench.settings=[ar:1:eager,ar:1:no_run_ahead,esp:10,esp:10:host_probe]",
+                 "bench.warmup=1", "bench.num_masks=[1]", "bench.trees=[static]",
                  "bench.cost_curve=false"])
     assert code == 0
     records = {r["setting"]: r for r in json.loads((out / "bench.json").read_text()) if r["category"] == "all"}
-    assert list(records) == ["ar", "hf generate", "hf generate compiled", "ar eager", "ar no run ahead"]
+    assert list(records) == ["ar", "hf generate", "hf generate compiled", "ar eager", "ar no run ahead",
+                             "esp k1 static BC10", "esp k1 static BC10 host probe"]
     assert all(r["exact_match_rate"] == 1.0 for r in records.values())
     assert records["ar"]["graph_passes"] > 0 and records["ar"]["eager_passes"] == 0
     assert records["ar"]["ahead_passes"] > 0 and records["ar no run ahead"]["ahead_passes"] == 0
     assert records["ar eager"]["graph_passes"] is None
+    assert records["esp k1 static BC10"]["probe_passes"] > 0 and records["esp k1 static BC10 host probe"]["probe_passes"] == 0
 
 
 @pytest.mark.slow
