@@ -107,8 +107,9 @@ class EngineConfig:
     # copies behind it: the host's work between passes overlaps the device's. A pass found to have ended a row
     # makes the next one (run for it too, committing nothing there) be read at once. esp_worker/engine.py
     cuda_graphs_run_ahead: Union[bool, str] = "auto"  # auto = wherever passes are replayed | true | false
-    # ESP's probe (the mask EMA, the candidates and the next static tree) as the last stage of a replayed pass that
-    # fed masks, instead of on the host after it: the same drafts, less host work between passes.
+    # ESP's and the hybrid's probe (the mask EMA, the candidates, ESP's next static tree) and the hybrid's logit
+    # store (the top K along the accepted path) as the last stage of a replayed pass, instead of on the host after
+    # it: the same drafts, less host work between passes.
     # esp_worker/graphs/hooks.py, docs/design/cuda-graphs.md
     cuda_graphs_probe: bool = True
     # the SDPA kernel of decode passes' attention (the direct forward with sdpa attention; a prefill keeps torch's

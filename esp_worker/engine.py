@@ -619,7 +619,8 @@ class Engine:
             graphed = self.graphs.run(rows, block, probe)
         if graphed is not None:
             self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
-            if self.drafter.reads_slot_logits:  # the graph keeps no logits: the LM head again, at the tree slots
+            took = graphed.probe is not None and graphed.probe.path_lp is not None  # what the drafter reads of them
+            if self.drafter.reads_slot_logits and not took:  # the graph keeps no logits: the LM head again, at the slots
                 graphed.out.slot_logits = self.runner.logits(graphed.out.hidden.narrow(1, 0, block.tree.num_slots))
         return graphed
 
@@ -644,7 +645,10 @@ class Engine:
         owns (gathered here unless the compiled settle did, or the replayed pass ran the probe itself)."""
         res, k = settled.verified, self.drafter.num_masks
         mask_hidden, mask_ok = settled.mask_hidden, None  # [B, k, D], [B]
-        if k and block.aux_embeds is not None and mask_hidden is None and settled.probe is None:
+        probed = settled.probe is not None and settled.probe.probed
+        if probed:
+            mask_ok = settled.probe.mask_ok
+        elif k and block.aux_embeds is not None and mask_hidden is None:
             owner = res.last_slot
             if block.mask_owner is not None:  # masks on some slots only (hybrid)
                 owner = block.mask_owner.expand(len(owner), -1).gather(1, owner[:, None]).squeeze(1)

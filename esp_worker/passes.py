@@ -11,6 +11,7 @@ may commit (max depth + 1), D hidden size, V vocabulary, k masks per owning slot
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass, field
@@ -89,18 +90,32 @@ class ForwardOut:
 
 @dataclass
 class ProbeOut:
-    """ESP's probe computed inside a replayed decode pass (engine.cuda_graphs: `drafters.esp.ProbeStage`): what the
-    drafter's `observe` computes eagerly after a pass that fed masks, and the next pass's static tree."""
+    """A drafter's work after the pass, computed inside a replayed decode pass (engine.cuda_graphs:
+    `drafters.esp.ProbeStage`): what its `observe` computes eagerly from the pass, and ESP's next static tree.
+    A field is None where the stage did not compute it."""
 
-    m: torch.Tensor  # [B, 1, D] the mask vector after the pass's kept tokens (the EMA, when on)
-    cand_lp: torch.Tensor  # [B, k, C] each mask's top C candidates, log-probs, best first
-    cand_ids: torch.Tensor  # [B, k, C] their token ids
-    tokens: Optional[torch.Tensor] = None  # [B, T] the next pass's static tree (None: the drafter builds its tree)
+    # after a pass that fed masks (the probe): the mask vector after the pass's kept tokens (the EMA, when on),
+    # each mask's top C candidates (log-probs, best first) and their ids, and where masks hang on some slots only,
+    # whether the last accepted slot owned masks
+    m: Optional[torch.Tensor] = None  # [B, 1, D]
+    cand_lp: Optional[torch.Tensor] = None  # [B, k, C]
+    cand_ids: Optional[torch.Tensor] = None  # [B, k, C]
+    mask_ok: Optional[torch.Tensor] = None  # [B] bool
+    # the next pass's static tree (ESP; None: the drafter builds its tree)
+    tokens: Optional[torch.Tensor] = None  # [B, T]
     valid: Optional[torch.Tensor] = None  # [B, T] bool
+    # the model's top K at each slot of the accepted path, log-probs and ids (STAND's logit store, the hybrid's)
+    path_lp: Optional[torch.Tensor] = None  # [B, S, K]
+    path_ids: Optional[torch.Tensor] = None  # [B, S, K]
+
+    @property
+    def probed(self) -> bool:
+        """The stage ran the probe (the pass fed masks)."""
+        return self.cand_lp is not None
 
     def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
         """The fields in order (not `dataclasses.astuple`, which copies tensors)."""
-        return self.m, self.cand_lp, self.cand_ids, self.tokens, self.valid
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     def map(self, fn) -> "ProbeOut":
         """The same fields through `fn` (a view of some rows, a copy)."""

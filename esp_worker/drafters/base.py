@@ -28,8 +28,9 @@ class Drafter(ABC):
     num_masks: int = 0  # auxiliary mask inputs owned by each tree slot (their hidden states come back)
     # names of the proposers a Block.source indexes (hybrid); () = one proposer, the drafter itself
     proposers: tuple[str, ...] = ()
-    # whether `observe` reads PassRecord.slot_logits: a pass replayed from a CUDA graph keeps no logits (their
-    # [B, T, V] per shape class would hold gigabytes), so the engine computes them for such a drafter afterwards
+    # whether `observe` reads PassRecord.slot_logits (asked after `propose`, of the pass it proposed): a pass replayed
+    # from a CUDA graph keeps no logits (their [B, T, V] per shape class would hold gigabytes), so the engine computes
+    # them for such a drafter afterwards, unless the pass's stage took what it reads (`PassRecord.probe`)
     reads_slot_logits: bool = True
 
     def __init__(self) -> None:

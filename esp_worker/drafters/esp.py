@@ -28,6 +28,7 @@ from ..tree import DraftTree, gather_slots, mask_indices, static_branches, stati
 from .base import FULL, Drafter
 from .common import NEG, CandidatePool, Memo, ema_apply, topk_excluding
 from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings, ema_table, mask_inputs, probe_candidates
+from .stand import path_topk
 
 __all__ = ["ESPDrafter", "ESPState", "MaskModel", "MaskSettings", "candidate_pool", "ProbeSpec", "ProbeStage",
            "probe_block", "static_tree_tokens"]
@@ -71,7 +72,7 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
     def observe(self, view: RowsView, record: PassRecord) -> None:
         self._pools.clear()  # the probe changes the candidates
         logits = self.probe.observe(view, record)
-        if record.probe is not None:  # the replayed pass ran the probe (`step_probe`)
+        if record.probe is not None and record.probe.probed:  # the replayed pass ran the probe (`step_probe`)
             self._take_probe(view, record.probe)
         elif logits is not None:  # the next pass can use a block prepared now when every row is probed
             self._candidates(view, logits, prepare=self.probe.all_probed and not record.prefill)
@@ -83,7 +84,7 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
             return None
         branches = self._branches_for(self.num_nodes) or []
         spec = ProbeSpec(self.probe.num_cand, self.prune, tuple(branches), self.num_masks, self.probe.dtype)
-        return StepProbe(ProbeStage(spec, max(self.probe.ema_lambda, 0.0)), view.state.m)
+        return StepProbe(ProbeStage(spec, False, max(self.probe.ema_lambda, 0.0)), view.state.m)
 
     def _take_probe(self, view: RowsView, probe: ProbeOut) -> None:
         """The candidates a replayed pass's probe stage computed, and its next tree as a block prepared for these
@@ -318,39 +319,54 @@ def probe_block(logits: torch.Tensor, root: torch.Tensor, m: torch.Tensor, embed
 
 @dataclass(frozen=True)
 class ProbeStage:
-    """ESP's probe as the last stage of a replayed decode pass (engine.cuda_graphs, `graphs.hooks.StepHooks`): what
-    `observe` and the next `propose` compute eagerly after a pass that fed every tree slot its masks, from the same
-    functions, so the candidates are the eager ones: m moved by the EMA over the kept tokens (`ema_apply`), the LM
-    head at the masks of the last accepted slot, their candidates (`probe_candidates`) and, with `spec.branches`,
-    the next static tree (`static_tree_tokens`). The next pass's masks are m, which the host expands as it does
-    after an eager probe; no input embedding is made here."""
+    """A drafter's work after a pass as the last stage of the replayed pass (engine.cuda_graphs,
+    `graphs.hooks.StepHooks`): what `observe` and the next `propose` compute eagerly, from the same functions, so
+    the drafts are the eager ones. After a pass that fed masks, the probe: m moved by the EMA over the kept tokens
+    (`ema_apply`), the LM head at the masks of the last accepted slot (or of its mask owner: the hybrid), their
+    candidates (`probe_candidates`) and, with the probe's branches, ESP's next static tree (`static_tree_tokens`).
+    With `store_topk`, the model's top K along the accepted path (`stand.path_topk`: the hybrid's logit store), so
+    the engine need not run the LM head again at the tree slots. The next pass's masks are m, which the host expands
+    as after an eager probe; no input embedding is made here."""
 
-    spec: ProbeSpec  # spec.branches () = candidates only (the drafter builds its tree)
+    probe: Optional[ProbeSpec]  # the probe (the pass fed masks; branches () = candidates only), or None
+    owners: bool  # masks hang on some tree slots only (`StepInputs.mask_owner`), else every slot owns k, in order
     ema_lambda: float  # the EMA's weight of a new token (0 = m stays)
+    store_topk: int = 0  # K > 0: the top K along the accepted path
 
     @property
     def ema(self) -> bool:
-        return self.ema_lambda > 0
+        return self.probe is not None and self.ema_lambda > 0
 
     def ema_columns(self, width: int, device: torch.device) -> torch.Tensor:
         """[width + 1, 1, 1 + width] the EMA's weights by tokens kept, up to `width` (`StepInputs.ema_cols`)."""
         return ema_table(self.ema_lambda, width, device).unsqueeze(1)
 
-    def run(self, model, inp, hidden: torch.Tensor, verified, last_token: torch.Tensor, n_fin: torch.Tensor
-            ) -> ProbeOut:
-        """From the step's model (`embed`, `head`), inputs (`tokens`, `m`, `ema_cols`), hidden states [B, Q, D],
-        verification (`committed`, `last_slot`), last committed tokens [B] and tokens kept [B]."""
-        spec = self.spec
+    def run(self, model, inp, hidden: torch.Tensor, logits: torch.Tensor, verified, last_token: torch.Tensor,
+            n_fin: torch.Tensor) -> ProbeOut:
+        """From the step's model (`embed`, `head`), inputs (`tokens`, `m`, `ema_cols`, `mask_owner`), hidden states
+        [B, Q, D], the tree slots' logits [B, T, V], verification (`committed`, `last_slot`, `path_slots`), last
+        committed tokens [B] and tokens kept [B]."""
+        path_lp = path_ids = None
+        if self.store_topk:
+            path_lp, path_ids = path_topk(logits, verified.path_slots, self.store_topk)
+        spec = self.probe
+        if spec is None:
+            return ProbeOut(path_lp=path_lp, path_ids=path_ids)
         m = inp.m
         if self.ema:  # (the clamp: a padding row's inputs never index out of the weights, a device-side fault)
             kept = n_fin.clamp(0, inp.ema_cols.shape[0] - 1)
             m = ema_apply(m, model.embed(verified.committed), inp.ema_cols, kept)
-        mask_hidden = gather_slots(hidden, mask_indices(verified.last_slot, inp.tokens.shape[1], spec.num_masks))
+        owner, mask_ok = verified.last_slot, None
+        if self.owners:  # the masks of the last accepted slot's owner index (none: -1)
+            owner = inp.mask_owner.gather(1, owner.unsqueeze(1)).squeeze(1)
+            mask_ok = owner >= 0
+            owner = owner.clamp(min=0)
+        mask_hidden = gather_slots(hidden, mask_indices(owner, inp.tokens.shape[1], spec.num_masks))
         cand_lp, cand_ids = probe_candidates(model.head(mask_hidden), last_token, spec.num_cand, spec.prune)
-        if not spec.branches:
-            return ProbeOut(m, cand_lp, cand_ids)
-        tokens, valid = static_tree_tokens(last_token, cand_lp, cand_ids, list(spec.branches), spec.prune)
-        return ProbeOut(m, cand_lp, cand_ids, tokens, valid)
+        tokens = valid = None
+        if spec.branches:
+            tokens, valid = static_tree_tokens(last_token, cand_lp, cand_ids, list(spec.branches), spec.prune)
+        return ProbeOut(m, cand_lp, cand_ids, mask_ok, tokens, valid, path_lp, path_ids)
 
 
 class _Prepared(NamedTuple):

@@ -51,10 +51,11 @@ from .calibration import AcceptanceCalibration
 from .common import NEG, CandidatePool, Memo, pool_depth
 from .corpus import CorpusNgrams
 from ..auto.sizer import DraftSizer
+from ..graphs.hooks import StepHooks, StepProbe
 from ..kernels.hooks import KernelHooks
 from .base import Drafter
 from .cp_heads import CPHeadsDrafter, CPHeadsState
-from .esp import candidate_pool
+from .esp import ProbeSpec, ProbeStage, candidate_pool
 from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings
 from .pld import PromptLookupDrafter
 from .stand import StandDrafter, StandState
@@ -137,7 +138,7 @@ class HybridSettings:
     expansion: str = "top1"  # the ESP pool's expansion (Algorithm 1)
 
 
-class HybridDrafter(Drafter, DraftSizer, KernelHooks):
+class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
     name = "hybrid"
     state_type = HybridState
     proposers = ("ngram", "store", "esp")
@@ -182,6 +183,10 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
         # previous read's hints): the look and the pass's propose read one pool
         self._pools: Memo[MergedPool] = Memo()
         self._last: Optional[Proposed] = None  # the tree last proposed, until its pass is observed
+
+    @property
+    def reads_slot_logits(self) -> bool:  # a pass of the n-gram set consults no logit store (`observe`)
+        return self.variant != "ngram"
 
     # ---- sizes -------------------------------------------------------------------------------------
     @property
@@ -247,8 +252,23 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks):
 
     def _probe(self, view: RowsView, result: PassRecord) -> None:
         logits = self.probe.observe(view, result)
-        if logits is not None:
+        if result.probe is not None and result.probe.probed:  # the replayed pass ran the probe (`step_probe`)
+            view.state.cand_lp, view.state.cand_ids = result.probe.cand_lp, result.probe.cand_ids
+        elif logits is not None:
             self.probe.candidates(view, logits)
+
+    def step_probe(self, view: RowsView, block: Block) -> Optional[StepProbe]:
+        """A replayed pass of the merged set ends with what `observe` reads of it: the model's top K along the
+        accepted path (the logit store), and after a pass that fed masks the probe (the EMA, the candidates of the
+        masks the last accepted slot's owner holds). The n-gram set's passes read neither."""
+        if self.variant == "ngram" or (block.aux_embeds is not None and self.probe.owes):
+            return None
+        probe = None
+        if block.aux_embeds is not None:
+            probe = ProbeSpec(self.probe.num_cand, self.prune, (), self.num_masks, self.probe.dtype)
+        owners = probe is not None and block.mask_owner is not None
+        stage = ProbeStage(probe, owners, max(self.probe.ema_lambda, 0.0), self.store.topk)
+        return StepProbe(stage, view.state.m if probe is not None else None, block.mask_owner if owners else None)
 
     def _calibrate(self, result: PassRecord) -> None:
         self.calibration.update(result.block.tree, result.path_slots, result.num_committed, self._last.cell,

@@ -145,7 +145,8 @@ class MaskProbe:
         ran the probe (`result.probe`) the EMA is its m and there are no logits: the candidates came with it."""
         st = view.state
         committed = result.committed.shape[1]  # host bound on the tokens this pass committed per row
-        if result.mask_hidden is not None or result.probe is not None:
+        staged = result.probe is not None and result.probe.probed
+        if result.mask_hidden is not None or staged:
             if result.mask_ok is not None:
                 st.has_probe = result.mask_ok.clone()
             elif not (self._all_probed and not result.prefill):  # else every row holds a probe already
@@ -161,9 +162,9 @@ class MaskProbe:
                 self.catch_up(view, self._lag + committed)
                 self._lag = 0
             else:  # m was up to date before this pass: it owes exactly the tokens just committed
-                done = result.probe.m if result.probe is not None else result.ema_m
+                done = result.probe.m if staged else result.ema_m
                 self.catch_up(view, committed, fresh=(result.committed, result.num_committed, done))
-            return None if result.probe is not None else self.logits(result.mask_hidden)
+            return None if staged else self.logits(result.mask_hidden)
         if not result.prefill:
             # a plain pass (block_complexity=auto) fed no masks: the probe is stale, and the EMA can wait
             # until masks are fed again (_catch_up replays the committed tokens from the history). After a plain

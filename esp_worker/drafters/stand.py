@@ -119,14 +119,10 @@ class StandDrafter(Drafter, DraftSizer):
             ids = result.committed[:, :1, None].expand(-1, -1, self.topk)  # [B, 1, K]
             lp = torch.full(ids.shape, NEG, device=ids.device)
             lp[..., 0] = 0.0
+        elif result.probe is not None and result.probe.path_lp is not None:  # the replayed pass's stage took them
+            lp, ids = result.probe.path_lp, result.probe.path_ids
         else:
-            logits = result.slot_logits.gather(
-                1, result.path_slots[..., None].expand(-1, -1, result.slot_logits.shape[-1])
-            )  # [B, S, V]
-            k = min(self.topk, logits.shape[-1])
-            top = torch.log_softmax(logits, -1).topk(k, dim=-1)
-            lp = torch.nn.functional.pad(top.values, (0, self.topk - k), value=NEG)  # [B, S, K]
-            ids = torch.nn.functional.pad(top.indices, (0, self.topk - k))
+            lp, ids = path_topk(result.slot_logits, result.path_slots, self.topk)
         pos = view.hist_len[:, None] - n[:, None] - 1 + torch.arange(ids.shape[1], device=n.device)[None]  # [B, S]
         keep = torch.arange(pos.shape[1], device=pos.device)[None] < n[:, None]  # [B, S]
         c = st.store_ids.shape[1]
@@ -185,3 +181,15 @@ class StandDrafter(Drafter, DraftSizer):
         rank = torch.where(is_chain & (score > NEG), 1.0, score)  # chain first, then branches by score
         tree, _ = best_nodes(view.root, rank, score > NEG, tok, par.expand(b, -1), self.num_nodes)
         return self.blocks.build(tree, max_depth=dep)
+
+
+def path_topk(slot_logits: torch.Tensor, path_slots: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's top K at each slot of the accepted path: (log-probs, ids) [B, S, K] from the tree slots' logits
+    [B, T, V] and the path [B, S] (a vocabulary smaller than K pads with NEG). What the logit store keeps; the same
+    function in a replayed pass's stage (`drafters.esp.ProbeStage`)."""
+    logits = slot_logits.gather(1, path_slots[..., None].expand(-1, -1, slot_logits.shape[-1]))  # [B, S, V]
+    k = min(topk, logits.shape[-1])
+    top = torch.log_softmax(logits, -1).topk(k, dim=-1)
+    lp = torch.nn.functional.pad(top.values, (0, topk - k), value=NEG)
+    ids = torch.nn.functional.pad(top.indices, (0, topk - k))
+    return lp, ids

@@ -35,8 +35,8 @@ class ShapeClass:
     in_place: bool  # root-only trees and chains: the accepted path is already where it belongs in the cache
     shared_layout: bool  # one in-block layout for every row ([1, ..]), else one per row ([B, ..])
     sampling: bool  # some row samples (temperature > 0): sampled verification with the rows' uniforms
-    # the drafter's work after the pass, run as the step's last stage (`graphs.hooks.StepHooks.step_probe`: ESP's
-    # probe, a hashable `drafters.esp.ProbeStage`); None = the drafter runs it on the host
+    # the drafter's work after the pass, run as the step's last stage (`graphs.hooks.StepHooks.step_probe`: ESP's and
+    # the hybrid's probe, the hybrid's logit store; a hashable `drafters.esp.ProbeStage`); None = on the host
     probe: Optional[Any] = None
 
     @property
@@ -99,6 +99,8 @@ class StepInputs:
     m: Optional[torch.Tensor] = None
     # [S + 1, 1, 1 + S] the EMA's weights by kept tokens (a probe stage with the EMA on; constant per class)
     ema_cols: Optional[torch.Tensor] = None
+    # [B, T] each tree slot's index among the mask owners, -1 = no masks (a stage whose masks hang on some slots)
+    mask_owner: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, shape: ShapeClass, dims: ModelDims) -> "StepInputs":
@@ -107,7 +109,7 @@ class StepInputs:
         lay = 1 if shape.shared_layout else b
         dev = dims.device
         zeros = lambda *size, dtype=torch.long: torch.zeros(size, dtype=dtype, device=dev)  # noqa: E731
-        sampled = shape.sampling
+        sampled, stage = shape.sampling, shape.probe
         inp = cls(
             tokens=zeros(b, t), parents=zeros(b, t), valid=zeros(b, t, dtype=torch.bool),
             aux=zeros(b, a, dims.hidden, dtype=dims.dtype) if a else None,
@@ -120,8 +122,10 @@ class StepInputs:
             top_k=zeros(b) if sampled else None,
             uniforms=zeros(b, s, dtype=torch.float32) if sampled else None,
             key_slots=torch.arange(shape.capacity, device=dev),
-            m=zeros(b, 1, dims.hidden, dtype=torch.float32) if shape.probe is not None else None,
-            ema_cols=shape.probe.ema_columns(s, dev) if shape.probe is not None and shape.probe.ema else None,
+            m=zeros(b, 1, dims.hidden, dtype=torch.float32) if stage is not None and stage.probe is not None else None,
+            ema_cols=stage.ema_columns(s, dev) if stage is not None and stage.ema else None,
+            mask_owner=torch.full((b, t), -1, dtype=torch.long, device=dev) if stage is not None and stage.owners
+            else None,
         )
         inp.parents.fill_(-1)
         inp.valid[:, 0] = True

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 class StepProbe:
     """A pass's probe stage and its per-row input."""
 
-    # hashable (part of the shape class), with `ema` (bool), `ema_columns(width, device)` -> [S + 1, 1, 1 + S] and
-    # `run(model, inp, hidden, verified, last_token, n_fin)` -> ProbeOut (`drafters.esp.ProbeStage`)
+    # hashable (part of the shape class): `drafters.esp.ProbeStage`
     stage: Any
-    m: torch.Tensor  # [B, 1, D] float32 the rows' mask vector before the pass
+    m: Optional[torch.Tensor] = None  # [B, 1, D] float32 the rows' mask vector before the pass (with a probe)
+    mask_owner: Optional[torch.Tensor] = None  # [B|1, T] the block's mask owners (`Block.mask_owner`; stage.owners)
 
 
 class StepHooks:

@@ -208,8 +208,10 @@ class GraphRunner:
                 return None
         b = len(rows)
         self._fill(entry, rows, block, shape)
-        if probe is not None:
+        if probe is not None and probe.m is not None:
             entry.inp.m.narrow(0, 0, b).copy_(probe.m)
+        if probe is not None and probe.mask_owner is not None:
+            entry.inp.mask_owner.narrow(0, 0, b).copy_(probe.mask_owner.expand(b, -1))
         if entry.graph is None:  # capture pending on CUDA (filled now), or the eager static path on a CPU
             if self.capture:
                 self._capture(shape, entry)

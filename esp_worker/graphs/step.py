@@ -205,5 +205,5 @@ def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: Shap
     if last_token is None:  # sampled: the last committed token
         last_token = res.committed.gather(1, (res.num_committed - 1).unsqueeze(1)).squeeze(1)
     ints = torch.stack([res.num_committed, res.last_slot, last_token, n_fin, reason])  # [5, B]
-    probe = None if shape.probe is None else shape.probe.run(model, inp, hidden, res, last_token, n_fin)
+    probe = None if shape.probe is None else shape.probe.run(model, inp, hidden, logits, res, last_token, n_fin)
     return StepOutput(hidden=hidden, committed=res.committed, path_slots=res.path_slots, ints=ints, probe=probe)

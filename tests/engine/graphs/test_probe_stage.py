@@ -1,10 +1,13 @@
-"""ESP's probe as the last stage of the replayed pass (`graphs.hooks.StepHooks`, `drafters.esp.ProbeStage`).
+"""A drafter's work after the pass as the last stage of the replayed pass (`graphs.hooks.StepHooks`,
+`drafters.esp.ProbeStage`): ESP's and the hybrid's probe, the hybrid's logit store.
 
-The stage computes, from the pass's own hidden states, what the drafter's `observe` and the next `propose`
-compute on the host after the replay: the mask EMA, the candidates and the next static tree. So an engine whose
-passes end with the stage drafts exactly what one whose drafter probes on the host drafts: the same tokens and
-the same per-request statistics (every accepted draft, every pass), greedy and sampled, at batch 1 and 4, on a
-model that accepts drafts (the trained `esp-tiny-llama`) and on tiny random models of every architecture.
+The stage computes, from the pass's own hidden states and logits, what the drafter's `observe` and the next
+`propose` compute on the host after the replay: the mask EMA, the candidates (of the masks of the last accepted
+slot, or of its mask owner), ESP's next static tree, the top K along the accepted path. So an engine whose passes
+end with the stage drafts exactly what one whose drafter works on the host drafts (engine.cuda_graphs_probe=false):
+the same tokens and the same per-request statistics (every accepted draft by proposer, every pass), greedy and
+sampled, at batch 1 and 4, on a model that accepts drafts (the trained `esp-tiny-llama`) and on tiny random models
+of every architecture.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ SETTINGS = [
     dict(method="esp", num_masks=2, block_complexity=60, tree="static"),  # the paper's deeper static tree
     dict(method="esp", num_masks=3, block_complexity=30, tree="dynamic"),  # candidates only: the host builds it
     dict(method="esp", num_masks=1, block_complexity="auto"),  # sizes other than the configured one
+    dict(method="hybrid", num_masks=1, block_complexity=30),  # masks on some slots; the logit store's top K
+    dict(method="hybrid", num_masks=2, block_complexity=30),
+    dict(method="hybrid", num_masks=1, block_complexity="auto"),  # the default: plain passes and the n-gram set too
 ]
 
 
@@ -65,9 +71,10 @@ def test_the_probe_stage_drafts_what_the_host_probe_drafts(trained, setting, bat
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_probe_stage_on_every_architecture_keeps_generates_tokens(arch):
+@pytest.mark.parametrize("setting", [1, 4])
+def test_the_probe_stage_on_every_architecture_keeps_generates_tokens(arch, setting):
     lm = tiny(arch)
     params = [GenerationParams(max_new_tokens=64)] * len(PROMPTS)
-    outs = _same_drafts(lm, SETTINGS[1], 4, params, PROMPTS)
+    outs = _same_drafts(lm, SETTINGS[setting], 4, params, PROMPTS)
     for o, r in zip(outs, reference(arch, "sdpa")):
         assert tuple(o.token_ids) == r, (arch, o.id)

@@ -19,15 +19,15 @@ pytestmark = pytest.mark.slow
 
 
 def _a_class(arch: str, batch: int, temperature: float, method: dict):
-    """(graph runner, shape class, its buffers) after a short job: the tree class of the largest bucket (for ESP,
-    one that ends with the probe stage)."""
+    """(graph runner, shape class, its buffers) after a short job: the tree class of the largest bucket (for ESP and
+    the hybrid, one that ends with the drafter's stage)."""
     eng = Engine(tiny(arch), EngineConfig(max_batch_size=batch, cuda_graphs=True, **method))
     params = GenerationParams(max_new_tokens=12, temperature=temperature, seed=5)
     eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
     g = eng.graphs
     shape = max((s for s in g._entries if s.num_slots > 1), key=lambda s: (s.batch, s.capacity))
     assert shape.sampling == (temperature > 0) and shape.batch == batch
-    assert (shape.probe is not None) == (method["method"] == "esp")
+    assert (shape.probe is not None) == (method["method"] in ("esp", "hybrid"))
     return g, shape, g._entries[shape].inp
 
 
@@ -43,7 +43,7 @@ def _compare(g, shape, inp, fn, bitwise: bool) -> None:
     for name in ("ints", "committed", "path_slots"):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     assert (got.probe is None) == (ref.probe is None) == (shape.probe is None)
-    if ref.probe is not None:  # ESP's probe stage: candidates and the next tree bitwise, m and log-probs to rounding
+    if ref.probe is not None:  # the drafter's stage: candidates, trees and ids bitwise, m and log-probs to rounding
         for a, b in zip(got.probe.tensors(), ref.probe.tensors()):
             if a is not None and (bitwise or not a.is_floating_point()):
                 assert torch.equal(a, b)
