@@ -47,8 +47,9 @@
 #              pass's time goes), batch 1
 #   profile64  op tables of replayed ar passes (eager kernels) at batch 64 over 64 prompts: where a full batch's
 #              pass goes (weights, attention over the rows' keys, the rest)
-#   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30 (its probe in
-#              the replayed pass, and on the host: esp:30:host_probe), esp auto, hybrid auto, with tau; then op tables of ar, pld and hybrid under torch.profiler (where a drafting
+#   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
+#              hybrid auto, with tau (esp k1 BC 30 and hybrid auto also with the probe on the host: host_probe, beside
+#              the default's probe in the replayed pass); then op tables of ar, pld and hybrid under torch.profiler (where a drafting
 #              pass's time goes once the forward is replayed)
 #   methods    the 1B shape: esp k1 BC 30 and hybrid auto beside ar at batch 1 (prompts4), 16 and 64,
 #              each run with the cost curve of replayed passes (Q = 1..128; batch 1, then 16 and 64; prompts128)
@@ -196,7 +197,7 @@ step profile64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DE
 step tiny tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
   bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
     generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false \
-    'bench.settings=[pld:10,esp:30,esp:30:host_probe,esp:auto,hybrid:auto]' \
+    'bench.settings=[pld:10,esp:30,esp:30:host_probe,esp:auto,hybrid:auto,hybrid:auto:host_probe]' \
     bench.hf_compiled=false bench.cost_curve=false 'bench.profile=[ar,pld:10,hybrid:auto]'"
 step methods64 methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big methods-b64 data.path=$P/prompts128.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \

@@ -72,8 +72,8 @@ class BenchSection:
     # "method:BC:compiled_graphs" (and "ar:1:compiled_graphs") with engine.cuda_graphs_compile=true;
     # "ar:1:run_ahead" with engine.cuda_graphs_run_ahead=true and "ar:1:no_run_ahead" with false (plain passes
     # only; the default, auto, runs them ahead wherever passes are replayed); "METHOD:BC:attention_math" (and
-    # _cudnn, _efficient) with that engine.attention_backend; "esp:BC:host_probe" with engine.cuda_graphs_probe=false
-    # (ESP's probe on the host after each replay); options join with "+" ("ar:1:compiled_graphs+run_ahead").
+    # _cudnn, _efficient) with that engine.attention_backend; "esp:BC:host_probe" (and hybrid) with
+    # engine.cuda_graphs_probe=false (the drafter's probe on the host after each replay); options join with "+" ("ar:1:compiled_graphs+run_ahead").
     settings: list[str] = field(default_factory=list)
     # settings to run once more under torch.profiler after the timed runs (over one batch of prompts),
     # "method:BC" as in `settings` (or ar, hf): op tables per setting and batch size in
@@ -132,7 +132,7 @@ def validate_bench(cfg: DictConfig) -> None:
         opts = options_of(opt)
         need(all(o in OPTIONS for o in opts), f"bench.settings: {spec!r}: the options after METHOD:BC are "
              ":compile_host, :eager, :compiled_graphs, :autotune (with compiled_graphs), :run_ahead or :no_run_ahead "
-             "(ar only), :host_probe (esp) and :attention_cudnn, :attention_efficient, :attention_math or :attention_flex (with "
+             "(ar only), :host_probe (esp, hybrid) and :attention_cudnn, :attention_efficient, :attention_math or :attention_flex (with "
              "compiled_graphs) (engine.attention_backend), or several joined by +")
         need(sum(o.startswith("attention_") for o in opts) <= 1,
              f"bench.settings: {spec!r}: one attention_ option at most")
@@ -143,8 +143,9 @@ def validate_bench(cfg: DictConfig) -> None:
              f"bench.settings: {spec!r}: FlexAttention runs in the compiled graphs: compiled_graphs+attention_flex")
         need(not ("eager" in opts and ({"compiled_graphs", "run_ahead", "no_run_ahead", "host_probe"} & set(opts))),
              f"bench.settings: {spec!r}: compiled_graphs, run_ahead and host_probe apply to replayed passes, not :eager")
-        need("host_probe" not in opts or method == "esp",
-             f"bench.settings: {spec!r}: host_probe moves ESP's probe out of the replayed pass: esp:BC:host_probe")
+        need("host_probe" not in opts or method in ("esp", "hybrid"),
+             f"bench.settings: {spec!r}: host_probe moves ESP's and the hybrid's probe out of the replayed pass: "
+             "esp:BC:host_probe, hybrid:BC:host_probe")
         if method == "ar":  # ar itself always runs first; an entry can only add it under an option
             need(bc == "1" and len(opts) > 0, f"bench.settings: {spec!r}: ar always runs; the ar entries are "
                  "ar:1:compile_host, ar:1:eager, ar:1:compiled_graphs, ar:1:no_run_ahead (or, e.g., "

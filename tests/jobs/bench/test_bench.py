@@ -156,7 +156,7 @@ def test_run_ahead_and_attention_options_in_the_grid():
     assert [s.host_probe for s in settings] == [False] * 6 + [True]
     for bad in ("ar:1:attention_math+attention_cudnn", "ar:1:run_ahead+no_run_ahead", "pld:10:no_run_ahead",
                 "ar:1:attention_flash", "ar:1:autotune", "esp:30:eager+autotune", "ar:1:attention_flex",
-                "pld:10:host_probe", "ar:1:host_probe", "esp:30:eager+host_probe"):
+                "pld:10:host_probe", "ar:1:host_probe", "esp:30:eager+host_probe", "stand:10:host_probe"):
         with pytest.raises(ConfigError):
             load_bench_config(None, [f"bench.settings=[{bad}]"])
 
