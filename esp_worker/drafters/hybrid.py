@@ -358,11 +358,10 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         merged = torch.where(dup, cond[:, p1:], 0.0)  # a merged node keeps the larger estimate
         into = torch.zeros_like(cond).scatter_reduce(1, alias[:, p1:], merged, reduce="amax", include_self=False)
         cond = torch.maximum(cond, into)
-        cum = cond
+        cum, root, up = cond, par < 0, par.clamp(min=0)
         for _ in range(self.depth_bound - 1):  # pool order is topological: a parent's score is final before its child's
-            up = par.clamp(min=0)
-            cum = torch.where(par < 0, cond, cond * cum.gather(1, up))
-            valid = valid & ((par < 0) | valid.gather(1, up))
+            cum = torch.where(root, cond, cond * cum.gather(1, up))
+            valid = valid & (root | valid.gather(1, up))
         return MergedPool(torch.where(valid, cum, -1.0), valid, tok, par, src, cell, q)
 
     def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
