@@ -3,6 +3,7 @@ model of the Llama-3.2-1B shape, and seeded sampling on a tiny model), replay wi
 captures and graph memory. Skipped without CUDA."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -49,6 +50,20 @@ def test_replayed_passes_are_the_eager_engines_float32_1b_shape(few_layer_1b, se
     assert g.captured > 0 and g.graph_bytes > 0 and g.graph_passes > 0
     assert g.graph_passes + sum(g.eager_passes.values()) == eng.stats.decode_passes
     assert set(g.eager_passes) <= {"new_shape"}  # nothing else keeps a pass from its graph here
+
+
+@pytest.mark.parametrize("setting", [1, 2, 4])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_probe_stage_drafts_what_the_host_probe_drafts_on_cuda(few_layer_1b, setting, temperature):
+    """ESP's and the hybrid's probe as the replayed pass's last stage (engine.cuda_graphs_probe) against the same
+    engine probing on the host after each replay: the same tokens and per-request statistics on CUDA."""
+    params = GenerationParams(max_new_tokens=40, ignore_eos=True, temperature=temperature, seed=3)
+    eng, staged = _generate(few_layer_1b, True, params, 4, **METHODS[setting])
+    host = _generate(few_layer_1b, True, params, 4, cuda_graphs_probe=False, **METHODS[setting])[1]
+    assert eng.stats.graphs.probe_passes > 0
+    for s, h in zip(staged, host):
+        assert s.token_ids == h.token_ids, METHODS[setting]
+        assert dataclasses.replace(s.stats, time_s=0.0) == dataclasses.replace(h.stats, time_s=0.0), METHODS[setting]
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "efficient", "math"])

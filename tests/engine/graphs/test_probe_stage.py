@@ -34,7 +34,8 @@ SETTINGS = [
 
 def _outputs(lm, setting: dict, batch: int, params: list[GenerationParams], prompts, stage: bool):
     # engine.cuda_graphs_probe=false: the drafter probes on the host after each replay
-    eng = Engine(lm, EngineConfig(max_batch_size=batch, cuda_graphs=True, cuda_graphs_probe=stage, **setting))
+    setting = {"cuda_graphs": True, **setting}
+    eng = Engine(lm, EngineConfig(max_batch_size=batch, cuda_graphs_probe=stage, **setting))
     outs = eng.generate([Request(id=str(i), prompt=p, params=x) for i, (p, x) in enumerate(zip(prompts, params))])
     assert all(o.error is None for o in outs)
     return outs, eng.stats.graphs
@@ -78,3 +79,15 @@ def test_the_probe_stage_on_every_architecture_keeps_generates_tokens(arch, sett
     outs = _same_drafts(lm, SETTINGS[setting], 4, params, PROMPTS)
     for o, r in zip(outs, reference(arch, "sdpa")):
         assert tuple(o.token_ids) == r, (arch, o.id)
+
+
+@pytest.mark.parametrize("setting", [1, 4])
+def test_staged_and_eager_passes_mix(trained, setting):
+    """A slab pinned at 48 slots: passes of rows that outgrow it run eagerly (the drafter probes on the host), the
+    slab grows and later passes end with the stage again; rows join and leave between them. The same drafts."""
+    rows = [json.loads(line) for line in open(shared(TINY_PROMPTS))][:5]
+    params = [GenerationParams(max_new_tokens=16 + 8 * i) for i in range(len(rows))]
+    small = dict(SETTINGS[setting], cuda_graph_max_len=48)
+    staged, graphs = _outputs(trained, small, 2, params, [r["prompt"] for r in rows], True)
+    _same_drafts(trained, small, 2, params, [r["prompt"] for r in rows])
+    assert graphs.eager_passes["capacity"] > 0 and graphs.probe_passes > 0
