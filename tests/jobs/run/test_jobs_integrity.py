@@ -293,9 +293,9 @@ def test_an_actor_dying_past_max_restarts_names_it_and_the_cause(ray_head, tmp_p
 
 
 def _job_with_a_bad_row(tmp_path: Path, caplog: Any, n: int, bad: str, *overrides: str) -> tuple[Any, dict, list[str]]:
-    """A one-actor job of n rows in shards of 2 whose row `bad` takes down its actor every time (the fault in
-    `overrides`): it completes, `bad` has the error of a row found running alone, every other row its generation.
-    Returns the result, the rows by id and the driver's log."""
+    """A job of n rows in shards of 2 (one actor, unless `overrides` say otherwise) whose row `bad` takes down its
+    actor every time (the fault in `overrides`): it completes, `bad` has the error of a row found running alone,
+    every other row its generation. Returns the result, the rows by id and the driver's log."""
     data = write_jsonl(tmp_path / "in.jsonl", _prompts(n))
     out = tmp_path / "out"
     with caplog.at_level(logging.INFO, logger="esp_batch"):
@@ -320,6 +320,16 @@ def test_a_row_that_kills_its_actor_every_time_gets_an_error_and_the_job_finishe
     assert any(m.startswith("row 'p003' (shard 1 row 1) took down the engine actor each of the 2 times") for m in log), log
     assert sum("a new actor takes its place (2 of ray.max_restarts=2 used)" in m for m in log) == 2, log
     assert 1 in res.summary["this_run"]["isolated_shards"]  # (the shards beside it, maybe too)
+
+
+@pytest.mark.slow
+def test_a_row_that_kills_its_actor_is_found_while_another_actor_works_on(ray_head, tmp_path, caplog):
+    """Two actors, shards of 2: p009 kills whichever actor runs it. Its shard splits and its pieces run alone (no
+    other work goes to that actor meanwhile); the other actor runs the rest. p009 alone gets the error."""
+    res, _, log = _job_with_a_bad_row(tmp_path, caplog, 12, "p009", "ray.num_actors=2", "ray.num_cpus_per_actor=1",
+                                      "ray.max_restarts=6", "fault.kill_row=p009")
+    assert 4 in res.summary["this_run"]["isolated_shards"], res.summary["this_run"]
+    assert any(m.startswith("row 'p009' (shard 4 row 1) took down the engine actor each of the 2 times") for m in log), log
 
 
 @pytest.mark.slow
