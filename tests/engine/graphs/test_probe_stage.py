@@ -59,9 +59,11 @@ def trained():
     return load_model(ModelConfig(name_or_path=str(shared(TINY_LLAMA))))
 
 
-CASES = [(setting, batch, 0.0) for setting in range(len(SETTINGS)) for batch in (1, 4)] + [(0, 4, 1.0), (1, 1, 1.0)]
+CASES = [(setting, batch, 0.0) for setting in range(len(SETTINGS)) for batch in (1, 4)] + \
+    [(0, 4, 1.0), (1, 1, 1.0), (4, 4, 1.0)]  # seeded sampling
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting, batch, temperature", CASES)
 def test_the_probe_stage_drafts_what_the_host_probe_drafts(trained, setting, batch, temperature):
     rows = [json.loads(line) for line in open(shared(TINY_PROMPTS))][:6]
@@ -81,6 +83,7 @@ def test_the_probe_stage_on_every_architecture_keeps_generates_tokens(arch, sett
         assert tuple(o.token_ids) == r, (arch, o.id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", [1, 4])
 def test_staged_and_eager_passes_mix(trained, setting):
     """A slab pinned at 48 slots: passes of rows that outgrow it run eagerly (the drafter probes on the host), the
