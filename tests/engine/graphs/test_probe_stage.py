@@ -19,7 +19,9 @@ import pytest
 from engine_helpers import ARCHS, PROMPTS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request
 from esp_worker.model.load import load_model
-from shared_data import TINY_LLAMA, TINY_PROMPTS, shared
+from shared_data import REPO, TINY_LLAMA, TINY_PROMPTS, shared
+
+HEADS = REPO / "heads" / "esp-tiny-llama-rank4-warm"  # CP heads trained on the trained model (heads/README.md)
 
 SETTINGS = [
     dict(method="esp", num_masks=1, block_complexity=30, tree="static"),  # the benchmark's ESP: a fan of 14
@@ -29,6 +31,7 @@ SETTINGS = [
     dict(method="hybrid", num_masks=1, block_complexity=30),  # masks on some slots; the logit store's top K
     dict(method="hybrid", num_masks=2, block_complexity=30),
     dict(method="hybrid", num_masks=1, block_complexity="auto"),  # the default: plain passes and the n-gram set too
+    dict(method="hybrid", num_masks=1, block_complexity=30, heads_path=str(HEADS)),  # trained heads as a proposer
 ]
 
 
