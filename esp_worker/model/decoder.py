@@ -88,6 +88,7 @@ class DirectDecoder:
             self.attend = sdpa_packed_gqa
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")  # Qwen3
         self.qkv = [_Fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in base.layers]
+        self.parts = [_LayerParts.of(layer) for layer in base.layers]
         self.gate_up = [_Fused(layer.mlp, ("gate_proj", "up_proj")) for layer in base.layers]
         self.norm = _norm_fn(base.norm)
         # per layer: input norm, post-attention norm, and Qwen3's q / k norms
@@ -221,11 +222,11 @@ class DirectDecoder:
         if keep is not None and b * k < MIN_ROWS:  # pad to a product of >= MIN_ROWS rows (extra rows: position 0)
             keep = torch.cat([keep, keep.new_zeros(b, -(-MIN_ROWS // b) - k)], 1)
         for i in range(start, stop):
-            layer = self.base.layers[i]
+            part = self.parts[i]
             sel = keep if i == last else None
-            a = self._attention(layer.self_attn, self.norms[i][0](h), rope, bias, cache, i, sel)
+            a = self._attention(part, self.norms[i][0](h), rope, bias, cache, i, sel)
             h = (h if sel is None else gather_slots(h, sel)) + a
-            h = h + self._mlp(layer.mlp, self.norms[i][1](h), self.gate_up[i])
+            h = h + self._mlp(part, self.norms[i][1](h), self.gate_up[i])
         return h
 
     def _rows_invariant(self) -> bool:
@@ -242,11 +243,11 @@ class DirectDecoder:
                     return False
         return True
 
-    def _attention(self, attn: Any, x: torch.Tensor, rope, bias, cache: Any, i: int,
+    def _attention(self, part: "_LayerParts", x: torch.Tensor, rope, bias, cache: Any, i: int,
                    keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, q, _ = x.shape
         nq, nk = self.heads
-        qkv = self.linear(x, self.qkv[i]).view(b, q, -1, attn.head_dim)  # [B, Q, H + 2 Hkv, hd]
+        qkv = self.linear(x, self.qkv[i]).view(b, q, -1, part.head_dim)  # [B, Q, H + 2 Hkv, hd]
         qs, ks, vs = qkv[:, :, :nq], qkv[:, :, nq: nq + nk], qkv[:, :, nq + nk:]
         if self.qk_norm:
             qs, ks = self.norms[i][2](qs), self.norms[i][3](ks)
@@ -261,17 +262,17 @@ class DirectDecoder:
             qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [B, H(kv), Q, hd]
         ks, vs = cache.update(ks, vs.transpose(1, 2), i)  # [B, Hkv, S, hd]
         if isinstance(bias, FlexMask):  # a compiled replayed pass under engine.attention_backend=flex
-            out = bias.attend(qs, ks, vs, attn.scaling)  # [B, Q, H, hd]
+            out = bias.attend(qs, ks, vs, part.scaling)  # [B, Q, H, hd]
         else:
-            out, _ = self.attend(attn, qs, ks, vs, bias, dropout=0.0, scaling=attn.scaling)  # [B, Q, H, hd]
+            out, _ = self.attend(part.attn, qs, ks, vs, bias, dropout=0.0, scaling=part.scaling)  # [B, Q, H, hd]
         out = out.reshape(b, q, -1)
         if keep is not None:
             out = gather_slots(out, keep)  # [B, K, H * hd]
-        return self.linear(out.contiguous(), attn.o_proj)
+        return self.linear(out.contiguous(), part.o_proj)
 
-    def _mlp(self, mlp: Any, x: torch.Tensor, gate_up: Any) -> torch.Tensor:
+    def _mlp(self, part: "_LayerParts", x: torch.Tensor, gate_up: Any) -> torch.Tensor:
         gate, up = self.linear(x, gate_up).chunk(2, dim=-1)
-        return self.linear(mlp.act_fn.forward(gate) * up, mlp.down_proj)
+        return self.linear(part.act(gate) * up, part.down_proj)
 
 
 # engine.attention_backend -> the SDPA kernels a decode pass may use, in torch's order of priority; math last, so
@@ -334,6 +335,12 @@ def _sdpa_packed_gqa(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         packed_bias = bias.packed  # tiled once for every layer (`DirectDecoder.pack`)
     elif bias is not None and packs(h, hkv, q, hd):
         packed_bias = pack_bias(bias, h // hkv)
+    elif bias is None and q == 1 and hd == value.shape[-1] <= 256 and query.device.type in ("cpu", "cuda"):
+        # one query token, every key visible: transformers' sdpa path (`sdpa_attention_forward`: no mask, not causal,
+        # grouped-query heads through SDPA's enable_gqa) as one call, without its ~20 us of Python per layer per pass
+        gqa = {"enable_gqa": True} if h != hkv else {}
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, **gqa)
+        return out.transpose(1, 2), None
     else:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -373,6 +380,37 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin in 3 ops instead of 7: x [..., hd]."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+@dataclass(frozen=True)
+class _LayerParts:
+    """What a layer's pass reads of its modules, looked up once: nn.Module attribute access costs ~1 us each, ~15 per
+    layer per pass. The weights stay the modules' own Parameters (loading a state dict copies into them)."""
+
+    attn: Any  # the attention module (transformers' attention functions read its settings)
+    head_dim: int
+    scaling: float
+    o_proj: "_Weights"
+    down_proj: "_Weights"
+    act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation
+
+    @classmethod
+    def of(cls, layer: Any) -> "_LayerParts":
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(attn, attn.head_dim, attn.scaling, _Weights.of(attn.o_proj), _Weights.of(mlp.down_proj),
+                   mlp.act_fn.forward)
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """A Linear's weight and bias as plain attributes (`_linear` reads them)."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, linear: Any) -> "_Weights":
+        return cls(linear.weight, linear.bias)
 
 
 class _Fused:
