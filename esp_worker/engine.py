@@ -32,10 +32,10 @@ from .drafters.base import PlainDrafter
 from .feed import RequestFeed
 from .grad import inference
 from .graphs.buffers import ModelDims
+from .graphs.hooks import StepHooks
 from .graphs.runner import MAX_GRAPHS, GraphPass, GraphRunner
 from .graphs.step import StepModel, compiled_step, graph_support
 from .kernels.aot import AotKernels
-from .graphs.hooks import StepHooks
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
 from .memory import kv_bytes_per_slot, require
