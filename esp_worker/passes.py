@@ -170,6 +170,11 @@ class PassRecord:
     # a drafter set one (dmtd_verified: the trunk's output under its drafting layers); None otherwise
     trunk: Optional[torch.Tensor] = None
 
+    @property
+    def staged_probe(self) -> Optional[ProbeOut]:
+        """The probe's results when the replayed pass ran it (the pass fed masks), else None."""
+        return self.probe if self.probe is not None and self.probe.probed else None
+
 
 @dataclass
 class RowsView:

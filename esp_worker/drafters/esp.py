@@ -72,8 +72,8 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
     def observe(self, view: RowsView, record: PassRecord) -> None:
         self._pools.clear()  # the probe changes the candidates
         logits = self.probe.observe(view, record)
-        if record.probe is not None and record.probe.probed:  # the replayed pass ran the probe (`step_probe`)
-            self._take_probe(view, record.probe)
+        if record.staged_probe is not None:  # the replayed pass ran the probe (`step_probe`)
+            self._take_probe(view, record.staged_probe)
         elif logits is not None:  # the next pass can use a block prepared now when every row is probed
             self._candidates(view, logits, prepare=self.probe.all_probed and not record.prefill)
 
@@ -305,13 +305,24 @@ class ProbeSpec:
     mask_dtype: torch.dtype  # the model's dtype
 
 
+def probe_tree(logits: torch.Tensor, root: torch.Tensor, spec: ProbeSpec
+               ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """A probe's candidates (`probe_candidates`, [B, k, C] each) from its logits [B, k, V] under the roots [B], and
+    with `spec.branches` the next pass's static tree (`static_tree_tokens`: tokens, valid [B, T]; else None, None).
+    engine.compile_host's kernel (`probe_block`) and a replayed pass's stage (`ProbeStage`) both run it."""
+    cand_lp, cand_ids = probe_candidates(logits, root, spec.num_cand, spec.prune)
+    if not spec.branches:
+        return cand_lp, cand_ids, None, None
+    tokens, valid = static_tree_tokens(root, cand_lp, cand_ids, list(spec.branches), spec.prune)
+    return cand_lp, cand_ids, tokens, valid
+
+
 def probe_block(logits: torch.Tensor, root: torch.Tensor, m: torch.Tensor, embed_weight: torch.Tensor,
                 spec: ProbeSpec) -> tuple[torch.Tensor, ...]:
     """engine.compile_host's kernel after a probe: the candidates (`probe_candidates`), the next pass's static tree
     (`static_tree_tokens`) and its input embeddings [B, T * (1 + k), D]: the tree tokens' rows of embed_weight
     [V, D], then the T * k mask inputs (`mask_inputs`), as the engine joins them (`Engine._forward`)."""
-    cand_lp, cand_ids = probe_candidates(logits, root, spec.num_cand, spec.prune)
-    tokens, valid = static_tree_tokens(root, cand_lp, cand_ids, list(spec.branches), spec.prune)
+    cand_lp, cand_ids, tokens, valid = probe_tree(logits, root, spec)
     masks = mask_inputs(m, tokens.shape[1] * spec.num_masks, spec.mask_dtype).to(embed_weight.dtype)
     embeds = torch.cat([torch.nn.functional.embedding(tokens, embed_weight), masks], 1)
     return cand_lp, cand_ids, tokens, valid, embeds
@@ -362,10 +373,7 @@ class ProbeStage:
             mask_ok = owner >= 0
             owner = owner.clamp(min=0)
         mask_hidden = gather_slots(hidden, mask_indices(owner, inp.tokens.shape[1], spec.num_masks))
-        cand_lp, cand_ids = probe_candidates(model.head(mask_hidden), last_token, spec.num_cand, spec.prune)
-        tokens = valid = None
-        if spec.branches:
-            tokens, valid = static_tree_tokens(last_token, cand_lp, cand_ids, list(spec.branches), spec.prune)
+        cand_lp, cand_ids, tokens, valid = probe_tree(model.head(mask_hidden), last_token, spec)
         return ProbeOut(m, cand_lp, cand_ids, mask_ok, tokens, valid, path_lp, path_ids)
 
 

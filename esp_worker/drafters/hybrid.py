@@ -252,8 +252,9 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
 
     def _probe(self, view: RowsView, result: PassRecord) -> None:
         logits = self.probe.observe(view, result)
-        if result.probe is not None and result.probe.probed:  # the replayed pass ran the probe (`step_probe`)
-            view.state.cand_lp, view.state.cand_ids = result.probe.cand_lp, result.probe.cand_ids
+        staged = result.staged_probe
+        if staged is not None:  # the replayed pass ran the probe (`step_probe`)
+            view.state.cand_lp, view.state.cand_ids = staged.cand_lp, staged.cand_ids
         elif logits is not None:
             self.probe.candidates(view, logits)
 

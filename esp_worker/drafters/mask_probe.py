@@ -145,7 +145,7 @@ class MaskProbe:
         ran the probe (`result.probe`) the EMA is its m and there are no logits: the candidates came with it."""
         st = view.state
         committed = result.committed.shape[1]  # host bound on the tokens this pass committed per row
-        staged = result.probe is not None and result.probe.probed
+        staged = result.staged_probe is not None
         if result.mask_hidden is not None or staged:
             if result.mask_ok is not None:
                 st.has_probe = result.mask_ok.clone()

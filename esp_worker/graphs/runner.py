@@ -207,11 +207,7 @@ class GraphRunner:
                 self.last_uncaptured = True
                 return None
         b = len(rows)
-        self._fill(entry, rows, block, shape)
-        if probe is not None and probe.m is not None:
-            entry.inp.m.narrow(0, 0, b).copy_(probe.m)
-        if probe is not None and probe.mask_owner is not None:
-            entry.inp.mask_owner.narrow(0, 0, b).copy_(probe.mask_owner.expand(b, -1))
+        self._fill(entry, rows, block, shape, probe)
         if entry.graph is None:  # capture pending on CUDA (filled now), or the eager static path on a CPU
             if self.capture:
                 self._capture(shape, entry)
@@ -291,10 +287,10 @@ class GraphRunner:
         entry = self._new_entry(shape)
         return entry
 
-    def _fill(self, entry: _Entry, rows: Rows, block: Block, shape: ShapeClass) -> None:
+    def _fill(self, entry: _Entry, rows: Rows, block: Block, shape: ShapeClass, probe: Optional[StepProbe]) -> None:
         """Copy the pass's inputs into rows 0 .. b-1 of the class's buffers: the rows' own (stop table, limits,
-        sampling parameters) when the rows changed, the block's every pass (a shared layout and constant parents
-        only when they are not the ones copied last)."""
+        sampling parameters) when the rows changed, the block's and the probe stage's every pass (a shared layout and
+        constant parents only when they are not the ones copied last)."""
         inp, t, b = entry.inp, rows.t, len(rows)
         if entry.rows_of is not t.stop_table or entry.live != b:
             if b < entry.live:
@@ -320,6 +316,10 @@ class GraphRunner:
             inp.depth.copy_(lay.depth)
             entry.layout_of = lay
         inp.hist_len.narrow(0, 0, b).copy_(t.hist_len)
+        if probe is not None and probe.m is not None:
+            inp.m.narrow(0, 0, b).copy_(probe.m)
+        if probe is not None and probe.mask_owner is not None:
+            inp.mask_owner.narrow(0, 0, b).copy_(probe.mask_owner.expand(b, -1))
         if shape.sampling:
             s = shape.commit_width
             rows.uniforms.ensure(s, rows.consumed())
