@@ -89,7 +89,9 @@ class Rows:
     uniforms: UniformStreams
     cache: KVCache
     reason: Optional[torch.Tensor] = None  # [B] finish reason code (0 = running)
-    lens: list[int] = field(default_factory=list)  # host copy of hist_len
+    lens: list[int] = field(default_factory=list)  # host copy of hist_len (a bound while `lens_exact` is False)
+    # False while a drafting pass runs ahead of its read (engine.cuda_graphs_run_ahead): `lens` are then upper bounds
+    lens_exact: bool = True
     limits: list[int] = field(default_factory=list)  # host copy of t.limit (fixed per row)
     done: list[int] = field(default_factory=list)  # host copy of reason
     hints: Optional[list[int]] = None  # host copy of the drafter's row_hints (None: it gives none)
@@ -124,9 +126,10 @@ class Rows:
         self.version = new_version()
 
     def common_length(self) -> Optional[int]:
-        """The length every row has (host mirror), or None when lengths differ (batch 1: always one length)."""
+        """The length every row has (host mirror), or None when lengths differ or are bounds only (batch 1: one
+        length, known unless a drafting pass is in flight)."""
         lens = self.lens
-        return lens[0] if lens and min(lens) == max(lens) else None
+        return lens[0] if lens and self.lens_exact and min(lens) == max(lens) else None
 
     def keep_path(self, tree: DraftTree, path_slots: torch.Tensor) -> None:
         """Cache: the accepted nodes move right behind each row's root (the root and a chain are in place), before
@@ -159,7 +162,7 @@ class Rows:
             b = len(parts[0])
             flat = torch.cat([torch.stack(parts).to(torch.float64).flatten(), extra.to(torch.float64)]).tolist()
             got = [[int(x) for x in flat[i * b: (i + 1) * b]] for i in range(len(parts))] + [flat[len(parts) * b:]]
-        self.lens, self.done = got[0], got[1]
+        self.lens, self.done, self.lens_exact = got[0], got[1], True
         self.hints = None if hints is None else got[2]
         return None if extra is None else got[-1]
 
@@ -242,6 +245,8 @@ def count_pass(hists: torch.Tensor, width: int, drafted_total: torch.Tensor, n_f
     (drafted [B], drafted > 0) (None: no draft this pass); only in the `live` rows [B] bool where given. Tensor ops
     only (also inside the compiled settle, `settle.py`)."""
     if drafted is not None:
+        if live is not None:
+            drafted = drafted * live
         drafted_total += torch.stack((drafted, drafted.gt(0).to(drafted.dtype)), 1)
     idx = n_fin.add(n_raw, alpha=width).unsqueeze(1)  # [B, 1]
     add = ones(idx.shape, hists.dtype, idx.device) if live is None else live.to(hists.dtype).unsqueeze(1)

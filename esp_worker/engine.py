@@ -5,7 +5,7 @@ Each row has its own cache length, mask vector / drafter state, sampling stream 
 rows leave the batch and waiting requests take their slots (continuous batching up to max_batch_size).
 A decode pass never reads the device between propose and commit; at its end the host reads one small
 tensor (every row's length and finish reason, `Rows.read_back`). Under engine.cuda_graphs_run_ahead a replayed
-plain pass is launched before the last one's read (`_step_ahead`), so that the host's work overlaps the device's.
+pass is launched before the last one's read (`_step_ahead`), so that the host's work overlaps the device's.
 """
 from __future__ import annotations
 
@@ -79,11 +79,12 @@ def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[in
 
 @dataclasses.dataclass
 class _InFlight:
-    """A plain pass launched and not yet read (engine.cuda_graphs_run_ahead)."""
+    """A pass launched and not yet read (engine.cuda_graphs_run_ahead)."""
 
     read: PendingRead  # its lengths and finish reasons, on their way to the host
-    lens: list[int]  # the rows' host lengths before it
+    lens: list[int]  # the rows' lengths before it (exact once the pass before it is read)
     size: int  # its block size (tokens fed per row)
+    width: int  # the most tokens it commits to a row (1: a plain pass)
 
 
 class Engine:
@@ -439,19 +440,21 @@ class Engine:
         self.drafter.observe(view, self._record(block, out, settled))
         self._end_pass(rows, view, block, clock)
 
-    # ---- plain passes run ahead of their reads (engine.cuda_graphs_run_ahead) ----------------------------
+    # ---- passes run ahead of their reads (engine.cuda_graphs_run_ahead) ----------------------------------
     def _runs_ahead(self, rows: Rows) -> bool:
-        """Whether this batch's passes may run ahead: replayed plain passes (method ar), which need nothing from a
-        pass before the next is launched but their tokens (on the device) and their lengths (each row that goes on
-        gains exactly one token), and nothing the host must check between passes (stop strings)."""
+        """Whether this batch's passes may run ahead: replayed passes at a fixed block complexity, which need nothing
+        from the pass before but what is on the device (its tokens, lengths, the drafter's state) and a bound on its
+        lengths (the most it can commit), with nothing the host must check between passes (stop strings). Drafting
+        passes run ahead over greedy rows only: a sampling row's uniforms are refilled at a host-known position."""
         return (self.cfg.cuda_graphs_run_ahead is not False and self.graphs is not None and self.policy is None
-                and self.cycle is None and isinstance(self.drafter, PlainDrafter) and not rows.has_stop_strings)
+                and self.cycle is None and not rows.has_stop_strings
+                and (isinstance(self.drafter, PlainDrafter) or not rows.sampling))
 
     def _step_ahead(self, rows: Rows) -> None:
-        """A plain pass launched before the host reads the one in flight, then that one's read. The pass in flight
-        may have ended rows: this one runs over them too, committing and counting nothing there (its settle is
-        masked by their finish reasons, on the device), and is then read at once. The host's lengths run one pass
-        ahead meanwhile: every row that goes on gains exactly one token."""
+        """A pass launched before the host reads the one in flight, then that one's read. The pass in flight may have
+        ended rows: this one runs over them too, committing and counting nothing there (its settle is masked by their
+        finish reasons, on the device), and is then read at once. Meanwhile the host's lengths are bounds, one pass
+        ahead: each row that goes on gains at most the pass's width (a plain pass: exactly one token)."""
         before = self._in_flight
         clock = self.stats.start(self.runner.model_s, 0.0, rows.lens)
         view = rows.view()
@@ -469,10 +472,14 @@ class Engine:
             return
         live = None if before is None else rows.reason.eq(0)  # [B] rows the pass in flight did not end
         settled = self._finish(rows, block, graphed.verified, graphed.num_kept, graphed.reason, live)
-        self.drafter.observe(rows.view(), self._record(block, graphed.out, settled))
+        settled.probe = graphed.probe
+        self.drafter.observe(rows.view(), self._record(block, graphed.out, settled, live))
         self.stats.blocks.add(block.num_inputs)
-        self._in_flight = _InFlight(PendingRead.of(rows), rows.lens, block.num_inputs)
-        rows.lens = [n + 1 for n in rows.lens]  # what the pass commits in every row that goes on
+        width = block.max_depth + 1
+        self._in_flight = _InFlight(PendingRead.of(rows), rows.lens, block.num_inputs, width)
+        rows.lens = [n + width for n in rows.lens]  # the most the pass commits in every row that goes on
+        rows.lens_exact = rows.lens_exact and width == 1
+        rows.hints = None  # the drafter's row hints come with reads: the next pass is proposed before this one's
         if before is not None:
             self.stats.graphs.ahead_passes += 1
             self._read(rows, before, None)
@@ -489,8 +496,9 @@ class Engine:
 
     def _read(self, rows: Rows, sent: _InFlight, ended: Optional[list[int]]) -> None:
         """Take pass `sent`'s read. `ended`: the rows that had ended before it (a pass read at once after them):
-        it gave them nothing, and their requests do not count it. Else the rows' lengths stay one pass ahead,
-        for the pass launched after `sent`, unless `sent` ended rows."""
+        it gave them nothing, and their requests do not count it. Else, with a pass still in flight after `sent`,
+        the rows' lengths stay bounds one pass ahead (`sent`'s lengths are that pass's start), unless `sent` ended
+        rows."""
         lens, done = sent.read.get()
         if self._in_flight is sent:
             self._in_flight = None
@@ -500,8 +508,12 @@ class Engine:
                 s.sizes0[sent.size] = s.sizes0.get(sent.size, 0) + 1
             else:
                 s.stats.committed_per_pass.append(new - old)
-        ahead = self._in_flight is not None and not any(done)
-        rows.lens = [n + 1 for n in lens] if ahead else lens
+        nxt = self._in_flight
+        if nxt is not None:
+            nxt.lens = lens
+        ahead = nxt is not None and not any(done)
+        rows.lens = [n + nxt.width for n in lens] if ahead else lens
+        rows.lens_exact = not ahead or nxt.width == 1
         rows.done = done
         rows.hints = None
 
@@ -640,9 +652,10 @@ class Engine:
             return verify(block.tree, slot_logits, block.max_depth, self._chooser(rows))
         return verify_greedy(block.tree, slot_logits, block.layout.visible, block.layout.depth, block.max_depth)
 
-    def _record(self, block: Block, out: ForwardOut, settled: Settled) -> PassRecord:
+    def _record(self, block: Block, out: ForwardOut, settled: Settled, live: Optional[torch.Tensor] = None) -> PassRecord:
         """What the drafter learns from the pass: with masks, the hidden states of those the last accepted slot
-        owns (gathered here unless the compiled settle did, or the replayed pass ran the probe itself)."""
+        owns (gathered here unless the compiled settle did, or the replayed pass ran the probe itself). live [B]:
+        the rows the pass counted for (a pass run ahead over rows the one before ended; None: all)."""
         res, k = settled.verified, self.drafter.num_masks
         mask_hidden, mask_ok = settled.mask_hidden, None  # [B, k, D], [B]
         probed = settled.probe is not None and settled.probe.probed
@@ -657,7 +670,8 @@ class Engine:
             mask_hidden = gather_slots(out.hidden, mask_indices(owner, block.tree.num_slots, k))
         return PassRecord(res.committed, settled.num_kept, hidden=out.hidden, mask_hidden=mask_hidden,
                           slot_logits=out.slot_logits, path_slots=res.path_slots, last_slot=res.last_slot, block=block,
-                          mask_ok=mask_ok, ema_m=settled.ema_m, probe=settled.probe, trunk=self.runner.tapped)
+                          mask_ok=mask_ok, ema_m=settled.ema_m, probe=settled.probe, trunk=self.runner.tapped,
+                          live=live)
 
     def _end_pass(self, rows: Rows, view: RowsView, block: Block, clock: PassClock) -> None:
         """The pass's one host read (lengths, finish reasons, the drafter's row hints and the planner's next look),

@@ -169,6 +169,9 @@ class PassRecord:
     # [B, Q, D] the hidden states entering the model's layer `runner.tap_layer` at every input of the forward, when
     # a drafter set one (dmtd_verified: the trunk's output under its drafting layers); None otherwise
     trunk: Optional[torch.Tensor] = None
+    # [B] bool: the rows the pass committed to and counted for; None = all. A pass run ahead of the last one's read
+    # (engine.cuda_graphs_run_ahead) also runs over the rows that pass ended: learning across rows skips them
+    live: Optional[torch.Tensor] = None
 
     @property
     def staged_probe(self) -> Optional[ProbeOut]:

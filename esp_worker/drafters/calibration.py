@@ -14,6 +14,8 @@ Example: a cell whose candidates are predicted 0.5 and accepted every time drift
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..tree import DraftTree
@@ -38,10 +40,11 @@ class AcceptanceCalibration:
         return (self.acc + self.prior) / (self.pred + 1.0)
 
     def update(self, tree: DraftTree, path_slots: torch.Tensor, num_committed: torch.Tensor,
-               cell: torch.Tensor, q: torch.Tensor) -> None:
+               cell: torch.Tensor, q: torch.Tensor, live: Optional[torch.Tensor] = None) -> None:
         """One pass: tree [B, T] slots, path_slots [B, S] (root first, valid up to num_committed [B] entries,
         the last of which is the bonus), cell [B, T] (any value for the root), q [B, T] the estimates the
-        tree was built from."""
+        tree was built from. live [B] bool: the rows the pass counted for (None: all); a pass that counted for
+        none (run ahead over rows that had all ended) neither counts nor decays."""
         b, t = tree.tokens.shape
         dev = tree.tokens.device
         self.to(dev)
@@ -50,7 +53,11 @@ class AcceptanceCalibration:
         accepted = torch.zeros((b, t), dtype=torch.long, device=dev).scatter_add_(1, path_slots, on_path) > 0
         reached = tree.valid & accepted.gather(1, tree.parents.clamp(min=0))
         reached[:, 0] = False
+        decay = self.decay
+        if live is not None:
+            reached &= live[:, None]
+            decay = torch.where(live.any(), decay, 1.0)
         idx = cell.clamp(0, self.pred.shape[0] - 1).reshape(-1)
-        self.pred = self.decay * self.pred + torch.zeros_like(self.pred).scatter_add_(0, idx, (q * reached).reshape(-1))
-        self.acc = self.decay * self.acc + torch.zeros_like(self.acc).scatter_add_(
+        self.pred = decay * self.pred + torch.zeros_like(self.pred).scatter_add_(0, idx, (q * reached).reshape(-1))
+        self.acc = decay * self.acc + torch.zeros_like(self.acc).scatter_add_(
             0, idx, (reached & accepted).float().reshape(-1))

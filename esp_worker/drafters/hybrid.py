@@ -273,7 +273,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
 
     def _calibrate(self, result: PassRecord) -> None:
         self.calibration.update(result.block.tree, result.path_slots, result.num_committed, self._last.cell,
-                                self._last.q)
+                                self._last.q, result.live)
 
     # ---- candidates --------------------------------------------------------------------------------
     def _merged_pool(self, view: RowsView) -> MergedPool:

@@ -31,7 +31,8 @@ class Setting:
     # Inductor's matrix-product kernels chosen by timing its candidates at each shape
     autotune: bool = False
     run_ahead: bool = False  # engine.cuda_graphs_run_ahead=true ("ar:1:run_ahead")
-    no_run_ahead: bool = False  # engine.cuda_graphs_run_ahead=false ("ar:1:no_run_ahead": every pass read at once)
+    # engine.cuda_graphs_run_ahead=false ("ar:1:no_run_ahead", "esp:30:no_run_ahead": every pass read at once)
+    no_run_ahead: bool = False
     host_probe: bool = False  # engine.cuda_graphs_probe=false ("esp:BC:host_probe", hybrid: the probe on the host)
     # engine.attention_backend=cudnn / efficient / math / flex ("METHOD:BC:attention_math"; flex with compiled_graphs)
     attention_cudnn: bool = False

@@ -120,3 +120,16 @@ def test_common_length_follows_the_host_lengths():
     assert rows.common_length() is None
     rows.lens = [7]
     assert rows.common_length() == 7
+    rows.lens_exact = False  # bounds while a drafting pass runs ahead of its read: never one known length
+    assert rows.common_length() is None
+
+
+def test_a_pass_counts_nothing_in_rows_it_does_not_count_for():
+    """A pass run ahead over a row the pass before ended (live False) adds no pass and no drafts there."""
+    rows = rows_with(new_counters(2, torch.device("cpu"), num_proposers=2))
+    live = torch.tensor([True, False])
+    rows.count(torch.tensor([3, 0]), torch.tensor([3, 2]), torch.tensor([4, 4]), 4, torch.tensor([[0], [1]]),
+               torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]]), live)
+    t = rows.t
+    assert t.drafted.tolist() == [[4, 1], [0, 0]] and t.hists[1].sum() == 0 and t.hists[0].sum() == 1
+    assert t.accepted_by.tolist() == [[2, 0], [0, 0]]

@@ -104,6 +104,25 @@ def test_calibration_learns_per_proposer_and_depth():
     assert mass[0] > 0.9 and d.alpha()[0] < 0.1
 
 
+def test_calibration_skips_rows_a_pass_did_not_count_for():
+    """A pass run ahead over rows the pass before ended (engine.cuda_graphs_run_ahead) teaches nothing there, and a
+    pass over no live row does not even decay the counts."""
+    from esp_worker.drafters.calibration import AcceptanceCalibration
+    from esp_worker.tree import DraftTree
+
+    tree = DraftTree(tokens=torch.tensor([[1, 2, 3], [1, 2, 3]]), parents=torch.tensor([[-1, 0, 1], [-1, 0, 1]]),
+                     valid=torch.ones((2, 3), dtype=torch.bool))
+    path, n = torch.tensor([[0, 1, 2], [0, 1, 2]]), torch.tensor([3, 3])  # both drafts accepted in both rows
+    cell, q = torch.tensor([[0, 0, 1], [0, 0, 1]]), torch.full((2, 3), 0.5)
+    one, both = AcceptanceCalibration(torch.tensor([0.5, 0.5])), AcceptanceCalibration(torch.tensor([0.5, 0.5]))
+    one.update(DraftTree(tree.tokens[:1], tree.parents[:1], tree.valid[:1]), path[:1], n[:1], cell[:1], q[:1])
+    both.update(tree, path, n, cell, q, live=torch.tensor([True, False]))
+    assert torch.equal(one.pred, both.pred) and torch.equal(one.acc, both.acc)
+    before = both.pred.clone(), both.acc.clone()
+    both.update(tree, path, n, cell, q, live=torch.tensor([False, False]))
+    assert torch.equal(both.pred, before[0]) and torch.equal(both.acc, before[1])
+
+
 def test_best_nodes_orphans_are_invalid():
     # equal ranks: entry 2 (child of 1) cannot be kept without its parent -> it hangs under the root, invalid
     rank = torch.tensor([[1.0, -1.0, -1.0]])

@@ -1,15 +1,19 @@
-"""engine.cuda_graphs_run_ahead: plain passes launched before the last one's read (on a CPU over the static buffers,
-eagerly). The tokens, finish reasons and per-request statistics are those of the engine that reads every pass
-before the next, through stop ids that end rows mid-batch, limits, continuous batching, seeded sampling, the
-context limit and rows that outgrow the pinned slab."""
+"""engine.cuda_graphs_run_ahead: replayed passes launched before the last one's read (on a CPU over the static
+buffers, eagerly). The tokens, finish reasons and per-request statistics are those of the engine that reads every
+pass before the next, through stop ids that end rows mid-batch, limits, continuous batching, seeded sampling, the
+context limit and rows that outgrow the pinned slab; for plain passes and for every drafter at a fixed block
+complexity (greedy rows), on a model that accepts drafts too."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from engine_helpers import ARCHS, PROMPTS, reference, tiny
-from esp_worker import Engine, EngineConfig, GenerationParams, Request
+from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request
+from esp_worker.model.load import load_model
+from shared_data import REPO, TINY_LLAMA, TINY_PROMPTS, shared
 
 MORE = PROMPTS + tuple(p[::-1] for p in PROMPTS) + ("a b c", "def f(x):")  # 10 prompts: rows come and go
 
@@ -86,16 +90,89 @@ def test_context_limit_and_a_slab_that_grows():
     assert g.graph_passes + sum(g.eager_passes.values()) == eng.stats.decode_passes
 
 
-def test_other_methods_and_stop_strings_read_every_pass():
+def test_auto_sampled_drafting_and_stop_strings_read_every_pass():
+    """What a pass run ahead could not know: `auto`'s next size (from the pass's read), a sampling row's uniforms
+    after a drafting pass (refilled at a host-known position), stop strings (checked on the host)."""
     lm = tiny("llama")
     reqs = [Request(id="0", prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=24))]
-    eng = Engine(lm, EngineConfig(method="pld", block_complexity=10, cuda_graphs=True, cuda_graphs_run_ahead=True))
+    eng = Engine(lm, EngineConfig(method="pld", block_complexity="auto", cuda_graphs=True, cuda_graphs_run_ahead=True))
     eng.generate(reqs)
+    assert eng.stats.graphs.ahead_passes == 0 and eng.stats.graphs.graph_passes > 0
+    sampled = [Request(id="0", prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=24, temperature=1.0, seed=3))]
+    eng = Engine(lm, EngineConfig(method="pld", block_complexity=10, cuda_graphs=True, cuda_graphs_run_ahead=True))
+    eng.generate(sampled)
     assert eng.stats.graphs.ahead_passes == 0 and eng.stats.graphs.graph_passes > 0
     text = Engine(lm, EngineConfig(method="ar")).generate(reqs)[0].text
     stop = [Request(id="0", prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=24, stop_strings=[text[8:11]]))]
     eng, outs = _generate(lm, True, stop, 1)
     assert eng.stats.graphs.ahead_passes == 0 and outs[0].finish_reason == "stop"
+
+
+DRAFTING = [dict(method="pld", block_complexity=6), dict(method="esp", num_masks=1, block_complexity=10),
+            dict(method="esp", num_masks=2, block_complexity=12, tree="dynamic"),
+            dict(method="hybrid", num_masks=1, block_complexity=16), dict(method="stand", block_complexity=10),
+            dict(method="lade", block_complexity=10)]
+
+
+def _same_ahead(lm, setting: dict, batch: int, reqs):
+    """Run-ahead against reading every pass: the same outputs and statistics; returns the run-ahead engine's."""
+    runs = []
+    for ahead in (True, False):
+        eng = Engine(lm, EngineConfig(max_batch_size=batch, cuda_graphs=True, cuda_graphs_run_ahead=ahead, **setting))
+        runs.append((eng, eng.generate(reqs)))
+    _same(runs[0][1], runs[1][1])
+    return runs[0]
+
+
+@pytest.mark.parametrize("setting", range(len(DRAFTING)))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_drafting_passes_run_ahead_with_generates_tokens(setting, batch):
+    """A drafting pass's lengths are bounds until its read (it commits 1 .. depth + 1 tokens a row): the next pass
+    is launched over them, the history written at device lengths."""
+    lm = tiny("llama")
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=64)) for i, p in enumerate(PROMPTS)]
+    eng, outs = _same_ahead(lm, DRAFTING[setting], batch, reqs)
+    assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
+    assert eng.stats.graphs.ahead_passes > 0.5 * eng.stats.decode_passes
+
+
+@pytest.mark.parametrize("arch", ARCHS[1:])
+def test_drafting_passes_run_ahead_on_every_architecture(arch):
+    lm = tiny(arch)
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=64)) for i, p in enumerate(PROMPTS)]
+    for setting in (DRAFTING[1], DRAFTING[3]):
+        _, outs = _same_ahead(lm, setting, 4, reqs)
+        assert [tuple(o.token_ids) for o in outs] == list(reference(arch, "sdpa")), setting
+
+
+HEADS = REPO / "heads" / "esp-tiny-llama-rank4-warm"  # CP heads trained on the trained model (heads/README.md)
+TRAINED = [dict(method="pld", block_complexity=10), dict(method="esp", num_masks=1, block_complexity=30),
+           dict(method="esp", num_masks=2, block_complexity=30), dict(method="hybrid", num_masks=1, block_complexity=30),
+           dict(method="hybrid", num_masks=1, block_complexity=30, heads_path=str(HEADS)),
+           dict(method="cp_heads", block_complexity=10, heads_path=str(HEADS))]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return load_model(ModelConfig(name_or_path=str(shared(TINY_LLAMA))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", range(len(TRAINED)))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_drafting_run_ahead_on_a_model_that_accepts_drafts(trained, setting, batch):
+    """Ten requests through `batch` rows, stop ids ending rows where the host cannot foresee it (the pass after runs
+    over them, masked, and the drafters learn nothing there: the hybrid's calibration, its corpus hints) and
+    limits where it can: the same tokens and statistics, drafts accepted."""
+    prompts = [json.loads(line)["prompt"] for line in open(shared(TINY_PROMPTS))][:10]
+    first = Engine(trained, EngineConfig(method="ar")).generate(
+        [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=40)) for i, p in enumerate(prompts[:4])])
+    stops = [first[0].token_ids[15], first[3].token_ids[9]]
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=10 + 4 * i, stop_token_ids=stops))
+            for i, p in enumerate(prompts)]
+    eng, outs = _same_ahead(trained, TRAINED[setting], batch, reqs)
+    assert {o.finish_reason for o in outs} == {"length", "stop"}
+    assert sum(o.stats.num_accepted_drafts for o in outs) > len(outs) and eng.stats.graphs.ahead_passes > 0
 
 
 def test_run_ahead_needs_graphs():
