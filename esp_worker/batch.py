@@ -270,29 +270,38 @@ def count_by_proposer(accepted_by: torch.Tensor, source: torch.Tensor, path_slot
 @dataclass
 class PendingRead:
     """A pass's host read enqueued behind it instead of waited for (engine.cuda_graphs_run_ahead): the rows'
-    lengths and finish reasons copied into host memory by the device's stream, so that the host can launch the
-    next pass first and take these values when that one is queued."""
+    lengths and finish reasons (and the policy's look, as `Rows.read_back` takes it) copied into host memory by
+    the device's stream, so that the host can launch the next pass first and take these values when that one is
+    queued."""
 
-    values: torch.Tensor  # [2, B] lengths, finish reasons (pinned host memory on CUDA)
+    values: torch.Tensor  # [2, B] lengths, finish reasons; with a look, [2 * B + E] float64 (pinned on CUDA)
+    rows: int  # B
     copied: Optional[Any] = None  # torch.cuda.Event recorded after the copy; None: the copy is complete (CPU)
 
     @classmethod
-    def of(cls, rows: "Rows") -> "PendingRead":
+    def of(cls, rows: "Rows", extra: Optional[torch.Tensor] = None) -> "PendingRead":
+        """extra: [E] float, the policy's next look (`Planner.prepare`), read with the lengths."""
         both = torch.stack([rows.t.hist_len, rows.reason])
+        if extra is not None:  # one float64 vector: lengths and ids are exact in it
+            both = torch.cat([both.to(torch.float64).flatten(), extra.to(torch.float64)])
         if both.device.type != "cuda":
-            return cls(both)
+            return cls(both, len(rows))
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
         host.copy_(both, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(host, event)
+        return cls(host, len(rows), event)
 
-    def get(self) -> tuple[list[int], list[int]]:
-        """(lengths, finish reasons), once the device has copied them (waits for that pass only)."""
+    def get(self) -> tuple[list[int], list[int], Optional[list[float]]]:
+        """(lengths, finish reasons, the look's values or None), once the device has copied them (waits for that
+        pass only)."""
         if self.copied is not None:
             self.copied.synchronize()
-        lens, done = self.values.tolist()
-        return lens, done
+        if self.values.dim() == 2:
+            lens, done = self.values.tolist()
+            return lens, done, None
+        flat, b = self.values.tolist(), self.rows
+        return [int(x) for x in flat[:b]], [int(x) for x in flat[b: 2 * b]], flat[2 * b:]
 
 
 def write_history(hist: torch.Tensor, hist_len: torch.Tensor, committed: torch.Tensor) -> None:

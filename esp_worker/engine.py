@@ -85,6 +85,18 @@ class _InFlight:
     lens: list[int]  # the rows' lengths before it (exact once the pass before it is read)
     size: int  # its block size (tokens fed per row)
     width: int  # the most tokens it commits to a row (1: a plain pass)
+    timing: Optional["_PassTiming"] = None  # for block_complexity=auto's policy
+
+
+@dataclasses.dataclass(frozen=True)
+class _PassTiming:
+    """What a pass run ahead of its read cost, for the policy: the host's seconds launching it (on a CPU, where the
+    static path runs eagerly, its model's too; None: it compiled or captured, and says nothing of its mode's cost),
+    and the model clock's marks around its calls (their seconds are known at its read). With the host building a
+    pass while the device runs the one before, a pass costs the longer of the two."""
+
+    host_s: Optional[float]
+    marks: tuple[int, int]
 
 
 class Engine:
@@ -442,11 +454,12 @@ class Engine:
 
     # ---- passes run ahead of their reads (engine.cuda_graphs_run_ahead) ----------------------------------
     def _runs_ahead(self, rows: Rows) -> bool:
-        """Whether this batch's passes may run ahead: replayed passes at a fixed block complexity, which need nothing
-        from the pass before but what is on the device (its tokens, lengths, the drafter's state) and a bound on its
-        lengths (the most it can commit), with nothing the host must check between passes (stop strings). Drafting
-        passes run ahead over greedy rows only: a sampling row's uniforms are refilled at a host-known position."""
-        return (self.cfg.cuda_graphs_run_ahead is not False and self.graphs is not None and self.policy is None
+        """Whether this batch's passes may run ahead: replayed passes, which need nothing from the pass before but
+        what is on the device (its tokens, lengths, the drafter's state) and a bound on its lengths (the most it can
+        commit), with nothing the host must check between passes (stop strings). Under block_complexity=auto the
+        policy plans each pass from the read before the one in flight (`BlockPolicy.plan`). Drafting passes run
+        ahead over greedy rows only: a sampling row's uniforms are refilled at a host-known position."""
+        return (self.cfg.cuda_graphs_run_ahead is not False and self.graphs is not None
                 and self.cycle is None and not rows.has_stop_strings
                 and (isinstance(self.drafter, PlainDrafter) or not rows.sampling))
 
@@ -456,7 +469,13 @@ class Engine:
         finish reasons, on the device), and is then read at once. Meanwhile the host's lengths are bounds, one pass
         ahead: each row that goes on gains at most the pass's width (a plain pass: exactly one token)."""
         before = self._in_flight
-        clock = self.stats.start(self.runner.model_s, 0.0, rows.lens)
+        if before is not None and self.planner.wants_read():  # the plan needs the look that rides in that read
+            self._land(rows)
+            before = None
+            if any(rows.done):
+                return  # rows ended: they retire before the next pass
+        clock = self.stats.start(self.runner.model_s, self.compile_s if self.policy is not None else 0.0, rows.lens)
+        mark = self.runner.clock.mark() if self.policy is not None else None
         view = rows.view()
         block = self.drafter.propose(view, self.planner.plan(view, rows.lens))
         graphed = self._replay(rows, block)
@@ -476,7 +495,12 @@ class Engine:
         self.drafter.observe(rows.view(), self._record(block, graphed.out, settled, live))
         self.stats.blocks.add(block.num_inputs)
         width = block.max_depth + 1
-        self._in_flight = _InFlight(PendingRead.of(rows), rows.lens, block.num_inputs, width)
+        look = self.planner.prepare(rows.view(), rows.lens)  # a coming pass's look: its mass rides in this read
+        timing = None
+        if mark is not None:
+            timed = self.compile_s == clock.compile_s and not self.graphs.last_uncaptured
+            timing = _PassTiming(clock.seconds() if timed else None, (mark, self.runner.clock.mark()))
+        self._in_flight = _InFlight(PendingRead.of(rows, look), rows.lens, block.num_inputs, width, timing)
         rows.lens = [n + width for n in rows.lens]  # the most the pass commits in every row that goes on
         rows.lens_exact = rows.lens_exact and width == 1
         rows.hints = None  # the drafter's row hints come with reads: the next pass is proposed before this one's
@@ -499,15 +523,28 @@ class Engine:
         it gave them nothing, and their requests do not count it. Else, with a pass still in flight after `sent`,
         the rows' lengths stay bounds one pass ahead (`sent`'s lengths are that pass's start), unless `sent` ended
         rows."""
-        lens, done = sent.read.get()
+        lens, done, look = sent.read.get()
+        self.planner.receive(look)
         if self._in_flight is sent:
             self._in_flight = None
+        committed = 0
         for r, (s, new, old) in enumerate(zip(rows.seqs, lens, sent.lens)):
             if ended is not None and ended[r]:
                 s.passes0 += 1  # this pass is not the request's
                 s.sizes0[sent.size] = s.sizes0.get(sent.size, 0) + 1
             else:
                 s.stats.committed_per_pass.append(new - old)
+                committed += new - old
+        if self.policy is not None:
+            masked = ended is not None and any(ended)  # its count holds rows it could not commit to: it says nothing
+            seconds = model_s = None
+            if sent.timing is not None:
+                model_s = self.runner.clock.between(*sent.timing.marks)
+                if sent.timing.host_s is None or model_s is None:
+                    model_s = None
+                else:
+                    seconds = max(sent.timing.host_s, model_s)
+            self.policy.observe_pass(None if masked else committed, seconds, model_s)
         nxt = self._in_flight
         if nxt is not None:
             nxt.lens = lens

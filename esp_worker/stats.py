@@ -20,6 +20,10 @@ class PassClock:
     compile_s: float  # seconds compiled so far (a pass that compiles a kernel is not timed for the policy)
     tokens: int  # the rows' total length at the start (host mirror)
 
+    def seconds(self) -> float:
+        """Wall seconds since the start."""
+        return time.perf_counter() - self.wall
+
 
 @dataclass
 class GraphStats:

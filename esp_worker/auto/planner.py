@@ -21,7 +21,10 @@ class Planner(Protocol):
         """At the end of a pass: a device vector to read with the pass's one host read, or None."""
 
     def receive(self, values: Optional[list[float]]) -> None:
-        """That vector's host copy."""
+        """That vector's host copy (with passes run ahead of their reads: a pass or two later, in order)."""
+
+    def wants_read(self) -> bool:
+        """With a pass in flight, before `plan`: the plan needs that pass's read first."""
 
     def next_is_plain(self) -> bool:
         """The next pass is known to decode plainly (the drafter's row hints would go unused)."""
@@ -41,6 +44,9 @@ class FixedPlanner:
 
     def receive(self, values: Optional[list[float]]) -> None:
         pass
+
+    def wants_read(self) -> bool:
+        return False
 
     def next_is_plain(self) -> bool:
         return False

@@ -68,6 +68,8 @@ class _Planned:
     batch: int
     arm: "_Arm"  # the proposer set in charge
     looked: bool  # a look chose it (its host time holds the look's work)
+    mass: Optional[list[float]] = None  # [max_nodes + 1] the look's cumulative mass (host), when it had one
+    nodes: int = -1  # the draft nodes it chose
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,15 @@ _PLAIN, _PROBE = _Decision("plain"), _Decision("probe")
 
 @dataclass
 class _Prepared:
-    """The next pass's decision, made at the end of this one (`prepare`)."""
+    """A coming pass's decision, made at the end of a pass (`prepare`): the next one's, or with passes run ahead of
+    their reads, the one after it."""
 
     decision: _Decision
+    arm: "_Arm"  # the proposer set it picked, and its name
+    variant: str
     # [max_nodes + 1] the look's cumulative mass on the host (`receive`), _NO_MASS, or None: read it at `plan`
     host_mass: Optional[list[float]] = None
+    waiting: bool = False  # its mass rides in a pass's read not yet taken (`receive` brings it)
 
 
 class _Arm:
@@ -177,11 +183,15 @@ class BlockPolicy:
         self._wait = 0  # plain passes left before the next look
         self._next_wait = 0  # wait after the next look that chooses plain
         self._looks = 0
-        self._last: Optional[_Planned] = None  # the planned pass
-        # the next pass's decision, made at the end of this one (`prepare`)
-        self._prepared: Optional[_Prepared] = None
+        # the passes planned and not yet observed, oldest first: one, or two while a pass runs ahead of its read
+        self._unobserved: collections.deque[_Planned] = collections.deque()
+        # decisions made at the end of a pass (`prepare`), oldest first: the next pass's, or while passes run ahead
+        # of their reads, also the one after it (its look's mass comes with a read still to be taken)
+        self._prepared: collections.deque[_Prepared] = collections.deque()
+        # the last plan's look with its mass on the host, while nothing newer is: a pass planned before the read
+        # that brings its own look's mass looks with this one (a pass staler) rather than wait for that read
+        self._reuse: Optional[_Prepared] = None
         self._mass: Optional[list[float]] = None  # [max_nodes + 1] cumulative mass of the last plan (host)
-        self._n = -1
 
     @property
     def sizes(self) -> list[int]:
@@ -196,26 +206,46 @@ class BlockPolicy:
         proposer set in charge.
         lens: the rows' history lengths on the host (the engine's mirror); read from view.hist_len if None.
 
-        A look needs the draft mass on the host. When the previous pass prepared this one (`prepare`, the
-        engine's way) for the same rows, the mass came with that pass's one host read and this pass reads
-        nothing; otherwise (the first pass after rows joined or left, or a caller that does not prepare)
-        the look reads it here."""
+        A look needs the draft mass on the host. When a pass before prepared this one (`prepare`, the engine's
+        way) for the same rows, the mass came with that pass's one host read and this pass reads nothing. While
+        passes run ahead of their reads, the decision prepared at the end of the pass in flight waits for its read:
+        this pass takes the one before it (made a pass earlier, its mass a pass staler: the drafts of the pass in
+        flight, not of this one); with none, it looks with the last plan's mass (`wants_read` says when the engine
+        must take the read first). Otherwise (the first pass after rows joined or left, or a caller that does not
+        prepare) the look reads the mass here."""
         self._mass = None
         batch = len(view.seeds)
         cache_len = self._cache_len(view, lens)
-        prepared, self._prepared = self._prepared, None
+        prepared = self._prepared.popleft() if self._prepared and not self._prepared[0].waiting else None
+        if prepared is None and self._prepared and self._reuse is not None:
+            prepared = self._reuse  # the head waits for its read: the last look's mass, a pass staler
+        self._reuse = None
+        if prepared is not None:
+            self.variant, self.arm = prepared.variant, prepared.arm
         decision = prepared.decision if prepared is not None else self._decide(view, batch, cache_len)
         if decision.kind != "look":
             return PassPlan(self._planned(-1 if decision.kind == "plain" else 0, batch, cache_len), self.variant)
         fresh = prepared is not None and prepared.host_mass is not None
         mass = prepared.host_mass if fresh else self.sizer.draft_mass(view, self.variant)
         n = self.choose(mass, batch, cache_len, measured=not self._exploring())
+        if self._mass is not None:
+            self._reuse = _Prepared(_Decision("look"), self.arm, self.variant, self._mass)
         return PassPlan(self._after_look(n, decision.trial, batch, cache_len), self.variant)
 
+    def wants_read(self) -> bool:
+        """With a pass in flight, before `plan`: True when the next plan needs that pass's read first (the decision
+        it prepared is a look whose mass rides in it, and no earlier look's mass is on the host to use instead)."""
+        return bool(self._prepared) and self._prepared[0].waiting and self._reuse is None
+
     def rows_changed(self) -> None:
-        """Rows joined or left the batch since `prepare`: its draft mass was the old rows' (the decision stands)."""
-        if self._prepared is not None:
-            self._prepared.host_mass = None
+        """Rows joined or left the batch since `prepare` (every pass before was read): the prepared draft mass was
+        the old rows' (the next decision stands, and reads its mass at `plan`), and every plan was observed."""
+        while len(self._prepared) > 1:
+            self._prepared.pop()
+        for p in self._prepared:
+            p.host_mass, p.waiting = None, False
+        self._reuse = None
+        self._unobserved.clear()  # a pass planned and then withdrawn before it ran (rows had ended)
 
     def prepare(self, view, lens: Optional[list[int]] = None) -> Optional[torch.Tensor]:
         """At the end of a pass (its rows committed and observed), decide the next pass's kind now, and for a
@@ -233,20 +263,26 @@ class BlockPolicy:
             if mass is not None:
                 total = mass.float().sum(0).cumsum(0)
                 cum = torch.cat([total.new_zeros(1), total])
-        self._prepared = _Prepared(decision, _NO_MASS if decision.kind == "look" and cum is None else None)
+        self._prepared.append(_Prepared(decision, self.arm, self.variant,
+                                        _NO_MASS if decision.kind == "look" and cum is None else None, cum is not None))
         return cum
 
     def next_is_plain(self) -> bool:
         """Known now, at the end of a pass: the next pass decodes plainly (its decision was prepared, or a back-off
         wait is running), so it looks nothing up and the drafter's row hints for it would go unused."""
-        if self._prepared is not None:
-            return self._prepared.decision.kind == "plain"
+        if self._prepared:
+            return self._prepared[0].decision.kind == "plain"
         return self._wait > 0
 
     def receive(self, cum: Optional[list[float]]) -> None:
-        """The host copy of the mass `prepare` returned (read with the pass's lengths; None: it returned none)."""
-        if self._prepared is not None and cum is not None:
-            self._prepared.host_mass = cum
+        """The host copy of the mass `prepare` returned (read with its pass's lengths, passes in order; None: it
+        returned none)."""
+        if cum is None:
+            return
+        for p in self._prepared:
+            if p.waiting:
+                p.host_mass, p.waiting = cum, False
+                return
 
     @staticmethod
     def _cache_len(view, lens: Optional[list[int]]) -> int:
@@ -289,7 +325,6 @@ class BlockPolicy:
             self._next_wait = min(2 * self._wait, 64 * base)
         else:  # nothing to draft right now (no match, no probe): look again soon
             self._wait = base
-        self._n = n
         return self._planned(n, batch, cache_len, looked=True)
 
     def _may_pay(self, batch: int, cache_len: int) -> bool:
@@ -344,19 +379,23 @@ class BlockPolicy:
         else:
             model_s = self.curve.time(batch, float(arm.block_tokens(n)), cache_len)
         mode = "plain" if n < 0 else "draft"
-        self._last = _Planned(mode, model_s, self.costs(batch, cache_len)[0], batch, arm, looked)  # sizes[0]: plain
+        plain_s = self.costs(batch, cache_len)[0]  # sizes[0]: plain
+        self._unobserved.append(_Planned(mode, model_s, plain_s, batch, arm, looked, self._mass, n))
         for m in self._since:
             self._since[m] = 0 if m == mode else self._since[m] + 1
         return n
 
-    def observe_pass(self, num_committed: "torch.Tensor | int", seconds: Optional[float] = None,
+    def observe_pass(self, num_committed: "torch.Tensor | int | None", seconds: Optional[float] = None,
                      model_seconds: Optional[float] = None) -> None:
-        """Calibrate with the pass just verified (tokens committed: [B] per row, or their sum as a host int,
-        which costs no device read), its wall time and the part of it the model took (without it, the wall
-        time beyond the curve's prediction counts as host time and no drift is tracked)."""
-        if self._last is None:
+        """Calibrate with the oldest pass planned and not yet observed, once it is read (tokens committed: [B] per
+        row, or their sum as a host int, which costs no device read; None: the pass says nothing, as one that ran
+        over rows the pass before had ended), its wall time and the part of it the model took (without it, the
+        wall time beyond the curve's prediction counts as host time and no drift is tracked)."""
+        if not self._unobserved:
             return
-        last, self._last = self._last, None
+        last = self._unobserved.popleft()
+        if num_committed is None:
+            return
         # the pass's own proposer set: `prepare` may already have picked the next pass's
         current, self.arm = self.arm, last.arm
         try:
@@ -368,8 +407,8 @@ class BlockPolicy:
                       model_seconds: Optional[float]) -> None:
         arm, mode, model_s, plain_s, batch = last.arm, last.mode, last.model_s, last.plain_s, last.batch
         committed = num_committed if isinstance(num_committed, int) else int(num_committed.sum())
-        if self._mass is not None and self._n > 0:
-            self.observe(self._mass[min(self._n, len(self._mass) - 1)], float(committed - batch))
+        if last.mass is not None and last.nodes > 0:
+            self.observe(last.mass[min(last.nodes, len(last.mass) - 1)], float(committed - batch))
         if seconds is None:
             return
         excess = self.model_excess() if mode == "draft" else 1.0

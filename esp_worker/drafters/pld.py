@@ -172,6 +172,8 @@ class PromptLookupDrafter(Drafter, DraftSizer):
         if result.block is None or not self.mass_wanted:  # the rates only feed draft_mass
             return
         valid = result.block.tree.valid[:, 1:].float()  # [B, depth]
+        if result.live is not None:  # rows the pass could not commit to (run ahead over rows that had ended)
+            valid = valid * result.live[:, None]
         accepted = (result.num_committed - 1).clamp(min=0)  # [B]
         d = valid.shape[1]
         if d == 0:

@@ -79,6 +79,11 @@ class ModelRunner:
         pass's one host read are all of that pass's)."""
         return self._clock.seconds()
 
+    @property
+    def clock(self) -> "ModelClock":
+        """The model's clock (its marks time the calls of one pass run ahead of its read)."""
+        return self._clock
+
 
     @property
     def embed_weight(self) -> Optional[torch.Tensor]:
@@ -172,6 +177,9 @@ class ModelClock:
         self.done_s = 0.0
         self._pending: collections.deque = collections.deque()  # (start, end) events not read yet, in order
         self._free: list = []  # events to record again
+        self.calls = 0  # calls timed so far
+        self._summed = 0  # of which in done_s
+        self._at: dict[int, Optional[float]] = {}  # mark -> done_s once the calls before it are summed
 
     def start(self) -> Any:
         if not self.cuda:
@@ -179,17 +187,41 @@ class ModelClock:
         return self._record()
 
     def stop(self, mark: Any) -> None:
+        self.calls += 1
         if not self.cuda:
-            self.done_s += time.perf_counter() - mark
+            self._summed_one(time.perf_counter() - mark)
             return
         self._pending.append((mark, self._record()))
 
     def seconds(self) -> float:
         while self._pending and self._pending[0][1].query():  # query() asks, it does not wait
             start, end = self._pending.popleft()
-            self.done_s += start.elapsed_time(end) / 1000.0
+            self._summed_one(start.elapsed_time(end) / 1000.0)
             self._free += [start, end]
         return self.done_s
+
+    def mark(self) -> int:
+        """A point between calls: `between(a, b)` is then the seconds of the calls from mark a to mark b, known once
+        the device has passed them (a pass run ahead of its read: its own model time, at its read)."""
+        self._at[self.calls] = self.done_s if self._summed == self.calls else None
+        return self.calls
+
+    def between(self, a: int, b: int) -> Optional[float]:
+        """Seconds of the calls from mark a to mark b (both taken with `mark`), or None while the device has not
+        passed them; the marks before b are then forgotten (b may start the next pass's calls)."""
+        self.seconds()
+        start, end = self._at.get(a), self._at.get(b)
+        if start is None or end is None:
+            return None
+        for m in [m for m in self._at if m < b]:
+            del self._at[m]
+        return end - start
+
+    def _summed_one(self, seconds: float) -> None:
+        self.done_s += seconds
+        self._summed += 1
+        if self._summed in self._at:
+            self._at[self._summed] = self.done_s
 
     def _record(self) -> Any:
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)

@@ -70,8 +70,8 @@ class BenchSection:
     # "method:BC:compile_host" (and "ar:1:compile_host") runs that setting with engine.compile_host=true;
     # "method:BC:eager" (and "ar:1:eager") with engine.cuda_graphs=false (the eager engine beside the default's);
     # "method:BC:compiled_graphs" (and "ar:1:compiled_graphs") with engine.cuda_graphs_compile=true;
-    # "ar:1:run_ahead" with engine.cuda_graphs_run_ahead=true and "ar:1:no_run_ahead" (or "esp:30:no_run_ahead")
-    # with false (a fixed block complexity only; the default, auto, runs such passes ahead wherever they are replayed); "METHOD:BC:attention_math" (and
+    # "ar:1:run_ahead" with engine.cuda_graphs_run_ahead=true and "ar:1:no_run_ahead" (or "esp:30:no_run_ahead",
+    # "hybrid:auto:no_run_ahead") with false (the default, auto, runs passes ahead wherever they are replayed); "METHOD:BC:attention_math" (and
     # _cudnn, _efficient) with that engine.attention_backend; "esp:BC:host_probe" (and hybrid) with
     # engine.cuda_graphs_probe=false (the drafter's probe on the host after each replay); options join with "+" ("ar:1:compiled_graphs+run_ahead").
     settings: list[str] = field(default_factory=list)
@@ -131,8 +131,8 @@ def validate_bench(cfg: DictConfig) -> None:
             continue
         opts = options_of(opt)
         need(all(o in OPTIONS for o in opts), f"bench.settings: {spec!r}: the options after METHOD:BC are "
-             ":compile_host, :eager, :compiled_graphs, :autotune (with compiled_graphs), :run_ahead or :no_run_ahead "
-             "(not with BC auto), :host_probe (esp, hybrid) and :attention_cudnn, :attention_efficient, :attention_math or :attention_flex (with "
+             ":compile_host, :eager, :compiled_graphs, :autotune (with compiled_graphs), :run_ahead or :no_run_ahead, "
+             ":host_probe (esp, hybrid) and :attention_cudnn, :attention_efficient, :attention_math or :attention_flex (with "
              "compiled_graphs) (engine.attention_backend), or several joined by +")
         need(sum(o.startswith("attention_") for o in opts) <= 1,
              f"bench.settings: {spec!r}: one attention_ option at most")
@@ -151,9 +151,6 @@ def validate_bench(cfg: DictConfig) -> None:
                  "ar:1:compile_host, ar:1:eager, ar:1:compiled_graphs, ar:1:no_run_ahead (or, e.g., "
                  "ar:1:compiled_graphs+run_ahead)")
             continue
-        need(bc != "auto" or not {"run_ahead", "no_run_ahead"} & set(opts),
-             f"bench.settings: {spec!r}: run_ahead applies to passes of a fixed size (auto reads each pass before "
-             "choosing the next): e.g. ar:1:no_run_ahead, esp:30:no_run_ahead")
         heads = method == HYBRID_HEADS
         method = "hybrid" if heads else method
         need(method in METHODS and method != "ar" and bc != "" and (bc == "auto" or (bc.isdigit() and int(bc) >= 2)),

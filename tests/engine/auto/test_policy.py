@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from engine_helpers import ARCHS, reference, tiny
 from model_time import model_time
 from esp_worker import Engine, EngineConfig, GenerationParams
 from esp_worker.auto.cost_model import CostCurve
-from esp_worker.auto.policy import BlockPolicy, _Decision, _Prepared, calibrate
+from esp_worker.auto.policy import BlockPolicy, PolicySettings, _Decision, _Prepared, calibrate
 from esp_worker.auto.sizer import DraftSizer
 from esp_worker.passes import PassPlan
 
@@ -277,7 +278,7 @@ def _run_timed(p: BlockPolicy, passes: int, speed, draft_excess: float = 1.0) ->
     for i in range(passes):
         n = p.plan(view).num_nodes
         plans.append(n)
-        model_s = p._last.model_s * speed(i) * (draft_excess if n >= 0 else 1.0)
+        model_s = p._unobserved[-1].model_s * speed(i) * (draft_excess if n >= 0 else 1.0)
         host = (0.3 if n > 0 else 0.1) * speed(i)
         p.observe_pass(torch.full((2,), 1 + int(n > 0)), model_s + host, model_s)
     return plans
@@ -362,7 +363,7 @@ def _probes(c: CostCurve, passes: int = 2000) -> int:
         n = p.plan(view, [100, 100]).num_nodes
         probes += n == 0
         d.fresh = n >= 0  # a probe or a tree feeds masks; a plain pass leaves the probe stale
-        model_s = p._last.model_s
+        model_s = p._unobserved[-1].model_s
         p.observe_pass(torch.full((2,), 1), model_s, model_s)
     return probes
 
@@ -425,11 +426,11 @@ def test_next_is_plain_during_a_back_off_and_after_a_prepared_plain_decision():
     p._wait = 2  # a back-off: the next pass decodes plainly whatever happens
     assert p.next_is_plain()
     p._wait = 0
-    p._prepared = _Prepared(_Decision("plain"))
+    p._prepared = deque([_Prepared(_Decision("plain"), p.arm, p.variant)])
     assert p.next_is_plain()
-    p._prepared = _Prepared(_Decision("look"))
+    p._prepared = deque([_Prepared(_Decision("look"), p.arm, p.variant)])
     assert not p.next_is_plain()
-    p._prepared = _Prepared(_Decision("probe"))
+    p._prepared = deque([_Prepared(_Decision("probe"), p.arm, p.variant)])
     assert not p.next_is_plain()  # a probe pass is no lookup either, but only a plain one is promised
 
 
@@ -499,7 +500,7 @@ def test_a_costly_look_is_not_charged_to_plain_decoding():
         sizer.looked = False
         n = p.plan(view).num_nodes
         plans.append(n)
-        model_s = p._last.model_s
+        model_s = p._unobserved[-1].model_s
         host = 2.2 if n > 0 else (2.0 if sizer.looked else 0.1)
         p.observe_pass(torch.full((2,), 1 + int(n > 0)), model_s + host, model_s)
     assert p.overhead("plain") == pytest.approx(0.1)
@@ -509,3 +510,58 @@ def test_a_costly_look_is_not_charged_to_plain_decoding():
     later = plans[100:]
     assert sum(n > 0 for n in later) < 0.05 * len(later)
     assert any(n > 0 for n in later)  # drafting is still re-measured now and then
+
+
+class _MassSizer(_Sizer):
+    """A stand-in whose every node is half likely to be accepted (no probe needed): a flat curve drafts."""
+
+    def draft_mass(self, view, variant: str = ""):
+        return torch.full((len(view.seeds), self.max_nodes), 0.5)
+
+
+def _view(b: int = 1):
+    return type("View", (), {"seeds": [0] * b, "hist_len": torch.full((b,), 40)})()
+
+
+def test_passes_run_ahead_plan_from_the_read_before_the_one_in_flight():
+    """With a pass in flight, the decision it prepared waits for its read: the plan takes the one prepared before it
+    (a pass staler), or with none, the last look's mass; only with neither does the engine take the read first."""
+    p = BlockPolicy(FLAT, _MassSizer(), max_block=64, settings=PolicySettings(prepare_looks=True))
+    view = _view()
+    assert p.plan(view, [40]).num_nodes == 29  # no decision prepared: a look that reads its mass here
+    look = p.prepare(view, [41])  # the end of pass 0, launched: its look's mass rides in its read
+    assert look is not None and p._prepared[0].waiting
+    assert not p.wants_read()  # pass 1 can look with pass 0's mass (the last look's)
+    assert p.plan(view, [41]).num_nodes == 29
+    assert len(p._prepared) == 1  # pass 0's decision still waits for its read
+    p.prepare(view, [42])  # pass 1 launched: two decisions wait
+    p.receive(look.tolist())  # pass 0's read
+    p.observe_pass(2, 0.01, 0.01)
+    assert [d.waiting for d in p._prepared] == [False, True]
+    assert p.plan(view, [42]).num_nodes == 29  # pass 2 takes pass 0's decision, pass 1's still waits
+    assert [d.waiting for d in p._prepared] == [True]
+    assert len(p._unobserved) == 2  # passes 1 and 2, observed in order at their reads
+    p.observe_pass(None)  # a pass that ran over rows the one before ended says nothing
+    assert len(p._unobserved) == 1
+    p.rows_changed()  # every pass was read: the decision stands, its mass is the old rows'
+    assert [(d.waiting, d.host_mass) for d in p._prepared] == [(False, None)] and not p._unobserved
+    p._prepared.clear()
+    p._wait = 1  # a back-off: the next pass decodes plainly
+    p.prepare(view, [43])
+    assert p.plan(view, [43]).num_nodes == -1
+    p.prepare(view, [44])  # then a look, whose mass rides in the read of the plain pass in flight
+    assert p._prepared[0].waiting and p.wants_read()  # no look's mass on the host to use instead: read first
+
+
+def test_a_pass_run_ahead_is_timed_by_its_own_model_calls():
+    from esp_worker.model.runner import ModelClock
+
+    clock = ModelClock(torch.device("cpu"))
+    a = clock.mark()
+    clock.stop(clock.start())
+    b = clock.mark()
+    clock.stop(clock.start())
+    c = clock.mark()
+    first, second = clock.between(a, b), clock.between(b, c)
+    assert first is not None and second is not None and first + second == pytest.approx(clock.seconds())
+    assert clock.between(a, b) is None  # forgotten once read

@@ -164,13 +164,15 @@ def test_the_rotary_table_grows_with_the_slab():
 
 
 @pytest.mark.parametrize("setting, ahead", [(i, False) for i, s in enumerate(SETTINGS) if s["method"] != "dmtd"]
-                         + [(i, True) for i, s in enumerate(SETTINGS) if s["method"] == "ar"])  # dmtd: eager
+                         + [(i, True) for i, s in enumerate(SETTINGS)
+                            if s["method"] == "ar" or s.get("block_complexity") == "auto"])  # dmtd: eager
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_at_most_one_host_read_per_captured_pass(capturing, monkeypatch, setting, temperature, ahead):
     """tests/engine/test_host_sync.py's count (tests/host_reads.py) over the capture path: the copies into a class's buffers, its
     capture and replay, and the eager end of the pass read nothing from the device but the pass's one read. Plain
     passes run ahead (engine.cuda_graphs_run_ahead, on by default) read the pass before instead; a pass after
-    which rows ended is read at once as well, so a pass that ends rows makes two reads."""
+    which rows ended is read at once as well, so a pass that ends rows makes two reads. Under `auto` run ahead, the
+    looks' masses ride in those reads too."""
     from host_reads import count_reads_per_pass
 
     from esp_worker import sampling
@@ -186,7 +188,8 @@ def test_at_most_one_host_read_per_captured_pass(capturing, monkeypatch, setting
     auto = SETTINGS[setting].get("block_complexity") == "auto"
     over = [(i, n, changed) for i, (n, changed) in enumerate(seen["per_pass"]) if n > 1 + (auto and changed)]
     if ahead:  # the passes of two reads are those that ended rows: at most one per request
-        assert eng.stats.graphs.ahead_passes > 0 and all(n == 2 for _, n, _ in over), over
+        sampled_drafting = temperature > 0 and SETTINGS[setting]["method"] != "ar"  # read every pass
+        assert (eng.stats.graphs.ahead_passes > 0) != sampled_drafting and all(n == 2 for _, n, _ in over), over
         assert len(over) <= len(PROMPTS), over
     else:
         assert not over, (over[:5], seen["where"])

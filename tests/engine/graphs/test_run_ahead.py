@@ -5,13 +5,17 @@ context limit and rows that outgrow the pinned slab; for plain passes and for ev
 complexity (greedy rows), on a model that accepts drafts too."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 
 import pytest
 
+from cost_curves import FLAT
 from engine_helpers import ARCHS, PROMPTS, reference, tiny
+from model_time import model_time
 from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request
+from esp_worker import engine as engine_module
 from esp_worker.model.load import load_model
 from shared_data import REPO, TINY_LLAMA, TINY_PROMPTS, shared
 
@@ -90,14 +94,11 @@ def test_context_limit_and_a_slab_that_grows():
     assert g.graph_passes + sum(g.eager_passes.values()) == eng.stats.decode_passes
 
 
-def test_auto_sampled_drafting_and_stop_strings_read_every_pass():
-    """What a pass run ahead could not know: `auto`'s next size (from the pass's read), a sampling row's uniforms
-    after a drafting pass (refilled at a host-known position), stop strings (checked on the host)."""
+def test_sampled_drafting_and_stop_strings_read_every_pass():
+    """What a pass run ahead could not know: a sampling row's uniforms after a drafting pass (refilled at a
+    host-known position), stop strings (checked on the host)."""
     lm = tiny("llama")
     reqs = [Request(id="0", prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=24))]
-    eng = Engine(lm, EngineConfig(method="pld", block_complexity="auto", cuda_graphs=True, cuda_graphs_run_ahead=True))
-    eng.generate(reqs)
-    assert eng.stats.graphs.ahead_passes == 0 and eng.stats.graphs.graph_passes > 0
     sampled = [Request(id="0", prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=24, temperature=1.0, seed=3))]
     eng = Engine(lm, EngineConfig(method="pld", block_complexity=10, cuda_graphs=True, cuda_graphs_run_ahead=True))
     eng.generate(sampled)
@@ -173,6 +174,58 @@ def test_drafting_run_ahead_on_a_model_that_accepts_drafts(trained, setting, bat
     eng, outs = _same_ahead(trained, TRAINED[setting], batch, reqs)
     assert {o.finish_reason for o in outs} == {"length", "stop"}
     assert sum(o.stats.num_accepted_drafts for o in outs) > len(outs) and eng.stats.graphs.ahead_passes > 0
+
+
+AUTO = [dict(method="pld"), dict(method="esp", num_masks=1), dict(method="esp", num_masks=2, tree="dynamic"),
+        dict(method="hybrid", num_masks=1)]
+
+
+def _auto(lm, setting: dict, batch: int, reqs, ahead: bool = True):
+    """block_complexity=auto over a free block (FLAT: every size costs a plain pass), the looks' masses riding in
+    the reads as on an accelerator, each pass costing what the curve says (the same decisions on any machine)."""
+    eng = Engine(lm, EngineConfig(block_complexity="auto", max_batch_size=batch, cuda_graphs=True,
+                                  cuda_graphs_run_ahead=ahead, **setting), cost_curve=FLAT)
+    with pytest.MonkeyPatch.context() as mp, model_time(lambda b, q, prefill: FLAT.time(b, q, 100)):
+        mp.setattr(engine_module, "PREPARE_LOOKS", True)
+        outs = eng.generate(reqs)
+    sizes = collections.Counter()
+    for o in outs:
+        sizes.update(o.stats.block_size_histogram)
+    return eng, outs, sizes
+
+
+@pytest.mark.parametrize("setting", range(len(AUTO)))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_auto_passes_run_ahead_with_generates_tokens(setting, batch):
+    """block_complexity=auto plans a pass before the read of the one in flight, from the look that came with the
+    read before (`BlockPolicy.plan`): its sizes may differ from reading every pass, never its tokens."""
+    lm = tiny("llama")
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=64)) for i, p in enumerate(PROMPTS)]
+    eng, outs, sizes = _auto(lm, AUTO[setting], batch, reqs)
+    assert [tuple(o.token_ids) for o in outs] == list(reference("llama", "sdpa"))
+    assert eng.stats.graphs.ahead_passes > 0.5 * eng.stats.decode_passes
+    assert max(sizes) > 1, sizes  # it drafted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [*AUTO, dict(method="hybrid", num_masks=1, heads_path=str(HEADS))])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_auto_run_ahead_on_a_model_that_accepts_drafts(trained, setting, batch):
+    """`auto` run ahead through rows that stop where the host cannot foresee it: the tokens of the engine that
+    reads every pass, drafts accepted, most passes run ahead (but those that may reach a row's limit: a tree's
+    depth is the most it commits)."""
+    prompts = [json.loads(line)["prompt"] for line in open(shared(TINY_PROMPTS))][:10]
+    first = Engine(trained, EngineConfig(method="ar")).generate(
+        [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=40)) for i, p in enumerate(prompts[:4])])
+    stops = [first[0].token_ids[15], first[3].token_ids[9]]
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=32 + 8 * i, stop_token_ids=stops))
+            for i, p in enumerate(prompts)]
+    eng, outs, _ = _auto(trained, setting, batch, reqs)
+    base = _auto(trained, setting, batch, reqs, ahead=False)[1]
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(b.token_ids, b.finish_reason) for b in base]
+    assert {o.finish_reason for o in outs} == {"length", "stop"}
+    assert sum(o.stats.num_accepted_drafts for o in outs) > 0
+    assert eng.stats.graphs.ahead_passes > 0.3 * eng.stats.decode_passes
 
 
 def test_run_ahead_needs_graphs():

@@ -154,9 +154,10 @@ def test_run_ahead_and_attention_options_in_the_grid():
     assert [s.no_run_ahead for s in settings] == [False, True, False, False, False, False, False]
     assert [s.autotune for s in settings] == [False, False, False, False, True, False, False]
     assert [s.host_probe for s in settings] == [False] * 6 + [True]
-    drafting = grid(load_bench_config(None, ["bench.settings=[pld:10:no_run_ahead]"]).bench)
-    assert [(s.label, s.no_run_ahead) for s in drafting][-1] == ("pld BC10 no run ahead", True)
-    for bad in ("ar:1:attention_math+attention_cudnn", "ar:1:run_ahead+no_run_ahead", "pld:auto:no_run_ahead",
+    drafting = grid(load_bench_config(None, ["bench.settings=[pld:10:no_run_ahead,hybrid:auto:no_run_ahead]"]).bench)
+    assert [(s.label, s.no_run_ahead) for s in drafting][-2:] == [("pld BC10 no run ahead", True),
+                                                                 ("hybrid BCauto no run ahead", True)]
+    for bad in ("ar:1:attention_math+attention_cudnn", "ar:1:run_ahead+no_run_ahead",
                 "ar:1:attention_flash", "ar:1:autotune", "esp:30:eager+autotune", "ar:1:attention_flex",
                 "pld:10:host_probe", "ar:1:host_probe", "esp:30:eager+host_probe", "stand:10:host_probe"):
         with pytest.raises(ConfigError):
@@ -207,9 +208,8 @@ def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch
 @pytest.mark.parametrize("spec,words", [
     ("pld", "METHOD:BC"), ("ar:10", "ar:1:compile_host"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
     ("pld:10:fast", ":compile_host"), ("ar:1:fast", ":compiled_graphs"),
-    ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"), ("pld:auto:run_ahead", "a fixed size"),
+    ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"),
     ("ar:1:eager+run_ahead", "not :eager"), ("ar:1:run_ahead+fast", "joined by +"),
-    ("pld:auto:compiled_graphs+no_run_ahead", "esp:30:no_run_ahead"),
 ])
 def test_bench_rejects_bad_settings(tmp_path, monkeypatch, capsys, spec, words):
     monkeypatch.chdir(tmp_path)  # a default output.dir would land here, not in the checkout
