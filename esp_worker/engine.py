@@ -43,7 +43,7 @@ from .model.attention import StaticBlockBias, attention_bias
 from .model.dmtd import CycleForward, CycleStarts, resolve as resolve_dmtd
 from .model.errors import ModelLoadError
 from .model.load import LoadedModel, load_model
-from .model.runner import ModelRunner
+from .model.runner import ModelClock, ModelRunner
 from .passes import Block, ForwardOut, PassRecord, Placement, RowsView, Settled
 from .prefill_plan import CPU_FORWARD_TOKENS, plan_chunks
 from .sampling import UniformStreams, choose_tokens
@@ -97,6 +97,13 @@ class _PassTiming:
 
     host_s: Optional[float]
     marks: tuple[int, int]
+
+    def read(self, clock: ModelClock) -> tuple[Optional[float], Optional[float]]:
+        """At the pass's read: (its seconds, its model seconds), or (None, None) when it says nothing."""
+        model_s = clock.between(*self.marks)  # forgets the marks either way
+        if self.host_s is None or model_s is None:
+            return None, None
+        return max(self.host_s, model_s), model_s
 
 
 class Engine:
@@ -537,13 +544,7 @@ class Engine:
                 committed += new - old
         if self.policy is not None:
             masked = ended is not None and any(ended)  # its count holds rows it could not commit to: it says nothing
-            seconds = model_s = None
-            if sent.timing is not None:
-                model_s = self.runner.clock.between(*sent.timing.marks)
-                if sent.timing.host_s is None or model_s is None:
-                    model_s = None
-                else:
-                    seconds = max(sent.timing.host_s, model_s)
+            seconds, model_s = (None, None) if sent.timing is None else sent.timing.read(self.runner.clock)
             self.policy.observe_pass(None if masked else committed, seconds, model_s)
         nxt = self._in_flight
         if nxt is not None:

@@ -49,10 +49,11 @@
 #              pass goes (weights, attention over the rows' keys, the rest)
 #   tiny       esp-tiny-llama, float32, batch 1 (prompts16): ar, hf generate, pld BC 10, esp k1 BC 30, esp auto,
 #              hybrid auto, hybrid BC 30, with tau (esp k1 BC 30 and hybrid auto also with the probe on the host:
-#              host_probe, beside the default's probe in the replayed pass; pld BC 10, esp k1 BC 30 and hybrid BC 30 also
-#              reading each pass before the next: no_run_ahead, beside drafting passes run ahead); then op tables of ar, pld and hybrid under torch.profiler (where a drafting
+#              host_probe, beside the default's probe in the replayed pass; pld BC 10, esp k1 BC 30, hybrid BC 30 and
+#              hybrid auto also reading each pass before the next: no_run_ahead, beside drafting passes run ahead);
+#              then op tables of ar, pld and hybrid under torch.profiler (where a drafting
 #              pass's time goes once the forward is replayed)
-#   methods    the 1B shape: esp k1 BC 30 and hybrid auto beside ar at batch 1 (prompts4; esp also reading each pass:
+#   methods    the 1B shape: esp k1 BC 30 and hybrid auto beside ar at batch 1 (prompts4; both also reading each pass:
 #              no_run_ahead), 16 and 64,
 #              each run with the cost curve of replayed passes (Q = 1..128; batch 1, then 16 and 64; prompts128)
 #   dmtd       issue 41 on a GPU: the 1B shape split with D = 4 untrained (PLT against speed at tau 2, 3, 4, beside ar
@@ -196,16 +197,16 @@ step profile ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV 
 step profile64 ar.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-profile-b64 data.path=$P/prompts128.jsonl 'bench.methods=[ar]' 'bench.batch_sizes=[64]' bench.repeats=1 \
     bench.warmup_rounds=0 bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false 'bench.profile=[ar]'"
-step tiny tiny.txt 130 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
+step tiny tiny.txt 145 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS); \
   bench tiny-b1 model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/$TINY_PROMPTS.jsonl \
     generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false \
-    'bench.settings=[pld:10,pld:10:no_run_ahead,esp:30,esp:30:host_probe,esp:30:no_run_ahead,esp:auto,hybrid:auto,hybrid:auto:host_probe,hybrid:30,hybrid:30:no_run_ahead]' \
+    'bench.settings=[pld:10,pld:10:no_run_ahead,esp:30,esp:30:host_probe,esp:30:no_run_ahead,esp:auto,hybrid:auto,hybrid:auto:host_probe,hybrid:auto:no_run_ahead,hybrid:30,hybrid:30:no_run_ahead]' \
     bench.hf_compiled=false bench.cost_curve=false 'bench.profile=[ar,pld:10,hybrid:auto]'"
 step methods64 methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big methods-b64 data.path=$P/prompts128.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
 step methods methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big methods-b1 data.path=$P/prompts4.jsonl 'bench.settings=[esp:30,esp:30:no_run_ahead,hybrid:auto]' bench.hf_baseline=false \
+  big methods-b1 data.path=$P/prompts4.jsonl 'bench.settings=[esp:30,esp:30:no_run_ahead,hybrid:auto,hybrid:auto:no_run_ahead]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'; \
   big methods-b16-b64 data.path=$P/prompts128.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false 'bench.batch_sizes=[16,64]' bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'"

@@ -223,6 +223,9 @@ class BlockPolicy:
         if prepared is not None:
             self.variant, self.arm = prepared.variant, prepared.arm
         decision = prepared.decision if prepared is not None else self._decide(view, batch, cache_len)
+        if decision.kind != "plain" and self._wait > 0:  # decided before a later look started a back-off
+            self._wait -= 1
+            decision = _PLAIN
         if decision.kind != "look":
             return PassPlan(self._planned(-1 if decision.kind == "plain" else 0, batch, cache_len), self.variant)
         fresh = prepared is not None and prepared.host_mass is not None

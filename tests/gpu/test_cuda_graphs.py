@@ -115,12 +115,13 @@ def test_no_synchronisation_inside_a_replayed_pass(monkeypatch, setting, tempera
     assert g.graph_passes > eng.stats.decode_passes // 2, (g.graph_passes, dict(g.eager_passes))
 
 
-@pytest.mark.parametrize("setting", [0, 1, 3, 4])
+@pytest.mark.parametrize("setting", [0, 1, 3, 4, 5])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_passes_run_ahead_are_the_engines_that_reads_each_float32_1b_shape(few_layer_1b, batch, setting):
     """engine.cuda_graphs_run_ahead: passes launched before the last one's read (its values copied to pinned host
-    memory behind it), plain and drafting (a fixed block complexity). Stop ids that end rows mid-batch and
-    per-request limits: the same tokens, finish reasons and statistics as reading every pass; passes ran ahead."""
+    memory behind it), plain and drafting. Stop ids that end rows mid-batch and per-request limits: the same tokens,
+    finish reasons and (at a fixed block complexity) statistics as reading every pass; passes ran ahead. Under
+    `auto` (the hybrid's) the policy plans from the read before, so its sizes may differ, never its tokens."""
     lm = few_layer_1b
     first = _generate(lm, True, GenerationParams(max_new_tokens=40, ignore_eos=True), batch, method="ar")[1]
     stops = [first[0].token_ids[6], first[1].token_ids[15]]  # within rows 0 and 1's limits (10 and 19 tokens)
@@ -131,13 +132,15 @@ def test_passes_run_ahead_are_the_engines_that_reads_each_float32_1b_shape(few_l
         eng = Engine(lm, EngineConfig(max_batch_size=batch, cuda_graphs=True, cuda_graphs_run_ahead=ahead,
                                       **METHODS[setting]))
         outs[ahead] = eng.generate(reqs)
+    auto = METHODS[setting].get("block_complexity") == "auto"
     for a, b in zip(outs[True], outs[False]):
         assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
-        assert a.stats.committed_histogram == b.stats.committed_histogram
-        assert a.stats.num_decode_passes == b.stats.num_decode_passes
+        if not auto:
+            assert a.stats.committed_histogram == b.stats.committed_histogram
+            assert a.stats.num_decode_passes == b.stats.num_decode_passes
     assert "stop" in {o.finish_reason for o in outs[True]}
     # a drafting pass that may reach a row's limit is read before the next: fewer run ahead in these short rows
-    assert eng.stats.graphs.ahead_passes > eng.stats.decode_passes // (2 if setting == 0 else 4)
+    assert eng.stats.graphs.ahead_passes > (0 if auto else eng.stats.decode_passes // (2 if setting == 0 else 4))
 
 
 @pytest.mark.parametrize("setting", [0, 4])
