@@ -158,6 +158,17 @@ def trained():
     return load_model(ModelConfig(name_or_path=str(shared(TINY_LLAMA))))
 
 
+def _stopping(trained, limit) -> list[Request]:
+    """Ten development prompts, request i with limit(i) new tokens and two stop ids the first and fourth prompts'
+    plain decoding meets (rows that end where the host cannot foresee it)."""
+    prompts = [json.loads(line)["prompt"] for line in open(shared(TINY_PROMPTS))][:10]
+    first = Engine(trained, EngineConfig(method="ar")).generate(
+        [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=40)) for i, p in enumerate(prompts[:4])])
+    stops = [first[0].token_ids[15], first[3].token_ids[9]]
+    return [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=limit(i), stop_token_ids=stops))
+            for i, p in enumerate(prompts)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", range(len(TRAINED)))
 @pytest.mark.parametrize("batch", [1, 4])
@@ -165,13 +176,7 @@ def test_drafting_run_ahead_on_a_model_that_accepts_drafts(trained, setting, bat
     """Ten requests through `batch` rows, stop ids ending rows where the host cannot foresee it (the pass after runs
     over them, masked, and the drafters learn nothing there: the hybrid's calibration, its corpus hints) and
     limits where it can: the same tokens and statistics, drafts accepted."""
-    prompts = [json.loads(line)["prompt"] for line in open(shared(TINY_PROMPTS))][:10]
-    first = Engine(trained, EngineConfig(method="ar")).generate(
-        [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=40)) for i, p in enumerate(prompts[:4])])
-    stops = [first[0].token_ids[15], first[3].token_ids[9]]
-    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=10 + 4 * i, stop_token_ids=stops))
-            for i, p in enumerate(prompts)]
-    eng, outs = _same_ahead(trained, TRAINED[setting], batch, reqs)
+    eng, outs = _same_ahead(trained, TRAINED[setting], batch, _stopping(trained, lambda i: 10 + 4 * i))
     assert {o.finish_reason for o in outs} == {"length", "stop"}
     assert sum(o.stats.num_accepted_drafts for o in outs) > len(outs) and eng.stats.graphs.ahead_passes > 0
 
@@ -214,12 +219,7 @@ def test_auto_run_ahead_on_a_model_that_accepts_drafts(trained, setting, batch):
     """`auto` run ahead through rows that stop where the host cannot foresee it: the tokens of the engine that
     reads every pass, drafts accepted, most passes run ahead (but those that may reach a row's limit: a tree's
     depth is the most it commits)."""
-    prompts = [json.loads(line)["prompt"] for line in open(shared(TINY_PROMPTS))][:10]
-    first = Engine(trained, EngineConfig(method="ar")).generate(
-        [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=40)) for i, p in enumerate(prompts[:4])])
-    stops = [first[0].token_ids[15], first[3].token_ids[9]]
-    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=32 + 8 * i, stop_token_ids=stops))
-            for i, p in enumerate(prompts)]
+    reqs = _stopping(trained, lambda i: 32 + 8 * i)
     eng, outs, _ = _auto(trained, setting, batch, reqs)
     base = _auto(trained, setting, batch, reqs, ahead=False)[1]
     assert [(o.token_ids, o.finish_reason) for o in outs] == [(b.token_ids, b.finish_reason) for b in base]
