@@ -502,6 +502,7 @@ class Engine:
         self.drafter.observe(rows.view(), self._record(block, graphed.out, settled, live))
         self.stats.blocks.add(block.num_inputs)
         width = block.max_depth + 1
+        rows.hints = None  # the drafter's row hints come with reads: the next pass is proposed before this one's
         look = self.planner.prepare(rows.view(), rows.lens)  # a coming pass's look: its mass rides in this read
         timing = None
         if mark is not None:
@@ -510,7 +511,6 @@ class Engine:
         self._in_flight = _InFlight(PendingRead.of(rows, look), rows.lens, block.num_inputs, width, timing)
         rows.lens = [n + width for n in rows.lens]  # the most the pass commits in every row that goes on
         rows.lens_exact = rows.lens_exact and width == 1
-        rows.hints = None  # the drafter's row hints come with reads: the next pass is proposed before this one's
         if before is not None:
             self.stats.graphs.ahead_passes += 1
             self._read(rows, before, None)
