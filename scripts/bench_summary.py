@@ -42,13 +42,14 @@ def summarise(out: Path) -> str:
         rows = [r for r in overall if r["batch_size"] == batch]
         held = rows[0].get("max_rows", batch)
         lines.append(f"## batch {batch}" + (f" (at most {held} rows in flight: one category at a time)" if held < batch else ""))
-        lines.append("setting | tok/s | tau | vs ar | vs ar paired | vs hf | exact | graph/eager passes | capture+compile s"
+        lines.append("setting | tok/s | tau | vs ar | vs ar paired | vs hf | exact | graph (ahead)/eager passes | capture+compile s"
                      " | prefill forwards, s | blocks")
         for r in rows:
             lines.append(" | ".join([
                 r["setting"], _fmt(r["tokens_per_s"], 1), _fmt(r["tau"]), _fmt(r["speedup_vs_ar"]),
                 _fmt(r.get("speedup_vs_ar_paired")), _fmt(r.get("speedup_vs_hf")), _fmt(r["exact_match_rate"]),
-                f"{_fmt(r.get('graph_passes'))}/{_fmt(r.get('eager_passes'))}", _fmt(r.get("compile_s"), 1),
+                f"{_fmt(r.get('graph_passes'))} ({_fmt(r.get('ahead_passes'))})/{_fmt(r.get('eager_passes'))}",
+                _fmt(r.get("compile_s"), 1),
                 f"{_fmt(r.get('prefill_forwards'))}, {_fmt(r.get('prefill_s'))}", (r.get("block_sizes") or "")[:60]]))
         by = {r["setting"]: r for r in rows}
         for name in REPLAYED_AR:
