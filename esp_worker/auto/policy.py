@@ -251,11 +251,11 @@ class BlockPolicy:
         self._unobserved.clear()  # a pass planned and then withdrawn before it ran (rows had ended)
 
     def prepare(self, view, lens: Optional[list[int]] = None) -> Optional[torch.Tensor]:
-        """At the end of a pass (its rows committed and observed), decide the next pass's kind now, and for a
-        look start its draft mass: returns the batch's cumulative mass [max_nodes + 1] (device) for the engine
-        to read with the pass's one host read and hand back with `receive`, or None when the next pass does
-        not look. The decision uses the statistics up to the pass before (this pass's `observe_pass` comes
-        after the read)."""
+        """At the end of a pass (its rows committed and observed), decide a coming pass's kind now (the next one's,
+        or while passes run ahead of their reads, the one after it: `plan`), and for a look start its draft mass:
+        returns the batch's cumulative mass [max_nodes + 1] (device) for the engine to read with the pass's one
+        host read and hand back with `receive`, or None when that pass does not look. The decision uses the
+        statistics up to the passes already read (this pass's `observe_pass` comes after its read)."""
         if not self.prepare_looks:
             return None
         batch = len(view.seeds)
