@@ -323,6 +323,20 @@ def test_a_row_that_kills_its_actor_every_time_gets_an_error_and_the_job_finishe
 
 
 @pytest.mark.slow
+def test_an_engine_that_dies_in_every_pass_stops_the_job_with_one_line(ray_head, tmp_path):
+    """fault.kill_row='*': the process dies in every decode pass, whatever rows it holds (a driver bug, too little
+    host memory for the model). The search for a row that kills its actor blames three rows in a row with nothing
+    finishing between, and the job stops naming the engine: it neither hangs nor gives every row an error."""
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(6))
+    out = tmp_path / "out"
+    with pytest.raises(JobError, match=r"shard \d+ failed: 3 rows in a row took down their engine actor each time they "
+                                      r"ran alone, none finishing between: the engine fails, not a row \(the last: "):
+        run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=2", "engine.max_batch_size=2",
+                        "ray.max_restarts=1", "fault.kill_row='*'"))
+    assert _summary(out)["complete"] is False
+
+
+@pytest.mark.slow
 def test_a_row_that_kills_its_actor_is_found_while_another_actor_works_on(ray_head, tmp_path, caplog):
     """Two actors, shards of 2: p009 kills whichever actor runs it. Its shard splits and its pieces run alone (no
     other work goes to that actor meanwhile); the other actor runs the rest. p009 alone gets the error."""
