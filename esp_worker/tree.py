@@ -146,7 +146,7 @@ def block_layout(parents: torch.Tensor, num_masks: int, owners: Optional[torch.T
     visible[:, :t, :t] = anc
     if k:
         # mask rows see their owner's ancestors-or-self
-        visible[:, t:, :t] = own_anc.repeat_interleave(k, dim=1)
+        visible[:, t:, :t] = own_anc[:, :, None].expand(-1, -1, k, -1).reshape(b, m * k, t)  # each owner k times
         # and their own earlier masks (block-diagonal lower-triangular k x k)
         chain = torch.tril(torch.ones((k, k), dtype=torch.bool, device=dev))
         visible[:, t:, t:] = torch.block_diag(*([chain] * m))[None] if m > 1 else chain[None]

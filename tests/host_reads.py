@@ -1,15 +1,40 @@
 """Counting a decode pass's host reads (tests/engine/test_host_sync.py, tests/engine/graphs/test_capture_path.py):
-the Tensor methods that copy a value to the host, tensors made from host data on a device, and Python numbers
-stored at one integer index, inside Engine._step."""
+the Tensor methods that copy a value to the host, tensors made from host data on a device, Python numbers
+stored at one integer index, and operations whose output's size depends on the data (on a GPU each waits for the
+device to learn it: boolean-mask indexing, nonzero, unique, ...), inside Engine._step."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from esp_worker.engine import Engine
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+# operations whose output size depends on the data (repeat_interleave with a tensor of repeats: the Tensor overload)
+DATA_SIZED = ("nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
+              "argwhere", "masked_scatter")
+
+
+class _DataSized(TorchDispatchMode):
+    """Counts the operations inside a pass whose output size depends on the data, as reads."""
+
+    def __init__(self, seen: dict):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        sized = name in DATA_SIZED or func is torch.ops.aten.repeat_interleave.Tensor
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):  # indexing with a boolean mask
+            sized = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+        if sized:
+            self.seen["reads"] += 1
+            if len(self.seen["where"]) < 5:
+                import traceback
+                self.seen["where"].append((name, "".join(traceback.format_stack(limit=8)[:-2])))
+        return func(*args, **(kwargs or {}))
 
 SETTINGS = [
     dict(method="ar"),
@@ -53,7 +78,8 @@ def count_reads_per_pass(monkeypatch):
         before = seen["reads"]
         seen["inside"] = True
         try:
-            return step(self, rows)
+            with _DataSized(seen):
+                return step(self, rows)
         finally:
             seen["inside"] = False
             seen["per_pass"].append((seen["reads"] - before, changed))
