@@ -283,12 +283,17 @@ def test_a_device_lost_mid_job_costs_a_restart_not_rows(ray_head, tmp_path):
 def test_an_actor_dying_past_max_restarts_names_it_and_the_cause(ray_head, tmp_path):
     """Deaths not charged to a row (here a shard that kills its actor, never run alone) count toward
     ray.max_restarts: past them the actor is gone, and with none left the job stops with one line."""
-    data = write_jsonl(tmp_path / "in.jsonl", _prompts(8))
+    _job_that_stops(tmp_path, 8, r"no engine actor is left: actor 0 \(last on node \w+ \([\d.]+\)\) is dead and Ray "
+                                 r"will not restart it \(ray.max_restarts=0; 1 death\(s\) seen\): \w*Actor",
+                    "data.shard_size=4", "ray.max_restarts=0", "fault.kill_shard=1", "fault.kill_attempts=5")
+
+
+def _job_that_stops(tmp_path: Path, n: int, match: str, *overrides: str) -> None:
+    """A job of n rows on one actor that stops with the one line `match`, its summary incomplete."""
+    data = write_jsonl(tmp_path / "in.jsonl", _prompts(n))
     out = tmp_path / "out"
-    with pytest.raises(JobError, match=r"no engine actor is left: actor 0 \(last on node \w+ \([\d.]+\)\) is dead and Ray "
-                                      r"will not restart it \(ray.max_restarts=0; 1 death\(s\) seen\): \w*Actor"):
-        run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=4", "ray.max_restarts=0",
-                        "fault.kill_shard=1", "fault.kill_attempts=5"))
+    with pytest.raises(JobError, match=match):
+        run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", *overrides))
     assert _summary(out)["complete"] is False
 
 
@@ -327,13 +332,9 @@ def test_an_engine_that_dies_in_every_pass_stops_the_job_with_one_line(ray_head,
     """fault.kill_row='*': the process dies in every decode pass, whatever rows it holds (a driver bug, too little
     host memory for the model). The search for a row that kills its actor blames three rows in a row with nothing
     finishing between, and the job stops naming the engine: it neither hangs nor gives every row an error."""
-    data = write_jsonl(tmp_path / "in.jsonl", _prompts(6))
-    out = tmp_path / "out"
-    with pytest.raises(JobError, match=r"shard \d+ failed: 3 rows in a row took down their engine actor each time they "
-                                      r"ran alone, none finishing between: the engine fails, not a row \(the last: "):
-        run_job(job_cfg(out, f"data.path={data}", "ray.num_actors=1", "data.shard_size=2", "engine.max_batch_size=2",
-                        "ray.max_restarts=1", "fault.kill_row='*'"))
-    assert _summary(out)["complete"] is False
+    _job_that_stops(tmp_path, 6, r"shard \d+ failed: 3 rows in a row took down their engine actor each time they ran "
+                                 r"alone, none finishing between: the engine fails, not a row \(the last: ",
+                    "data.shard_size=2", "engine.max_batch_size=2", "ray.max_restarts=1", "fault.kill_row='*'")
 
 
 @pytest.mark.slow
