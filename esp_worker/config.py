@@ -127,6 +127,10 @@ class EngineConfig:
     # that minimise forwards * this + padded tokens (esp_worker/prefill_plan.py). auto: measured at start-up on
     # CUDA (an eager forward is bound by its launches there: thousands of tokens for a 1B model), 16 on a CPU
     prefill_forward_tokens: Union[float, str] = "auto"
+    # when waiting requests join the batch as rows finish: auto = once the slots left idle have cost what a prefill
+    # forward's fixed cost stalls the rows in flight (rent or buy; where that cost is measured: CUDA), eager = at
+    # once (esp_worker/admission.py)
+    admission: str = "auto"
     seed: int = 0  # base seed for requests that carry none
     # STAND (stand): logit store of the model's own past top-k, tree by cumulative probability (BC - 1 nodes)
     stand_max_ngram: int = 3  # suffix match lengths tried, longest first (as pld)
@@ -181,6 +185,8 @@ class EngineConfig:
         pft = self.prefill_forward_tokens
         if pft != "auto" and (isinstance(pft, bool) or not isinstance(pft, (int, float)) or not 0 <= pft < 1e9):
             bad(f"engine.prefill_forward_tokens={pft!r} must be auto or a number of tokens >= 0")
+        if self.admission not in ("auto", "eager"):
+            bad(f"engine.admission={self.admission!r} is unknown; choose auto or eager")
         if self.method not in METHODS:
             bad(f"engine.method={self.method!r} is unknown; choose one of {', '.join(METHODS)}")
         if self.tree not in TREES:

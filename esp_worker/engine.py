@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from . import kv_cache
+from .admission import Admission
 from .auto.cost_model import CostCurve, measure_prefill_cost
 from .auto.planner import FixedPlanner, Planner
 from .auto.policy import BlockPolicy, PolicySettings, calibrate
@@ -47,7 +48,7 @@ from .model.runner import ModelClock, ModelRunner
 from .passes import Block, ForwardOut, PassRecord, Placement, RowsView, Settled
 from .prefill_plan import CPU_FORWARD_TOKENS, plan_chunks
 from .sampling import UniformStreams, choose_tokens
-from .stats import EngineStats, PassClock
+from .stats import EngineStats, PassClock, now
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
 from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
@@ -154,6 +155,7 @@ class Engine:
             self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
         self.prefill_forward_tokens = self._forward_tokens()  # a prefill forward's cost in tokens (prefill_plan.py)
+        self.admission = self._admission()  # when waiting requests join (continuous batching)
         self._in_flight: Optional[_InFlight] = None  # engine.cuda_graphs_run_ahead: the pass not yet read
 
     def _graphs(self, shared: Optional[GraphRunner]) -> Optional[GraphRunner]:
@@ -218,6 +220,15 @@ class Engine:
                      self.loaded.prefill_cost.forward_tokens)
         return self.loaded.prefill_cost.forward_tokens
 
+    def _admission(self) -> Admission:
+        """engine.admission resolved: `auto` weighs idle slots against a prefill forward's fixed cost where that cost
+        is measured (on CUDA, once per loaded model), else requests join at once."""
+        if self.cfg.admission != "auto":
+            return Admission()
+        if self.loaded.prefill_cost is None and self.device.type == "cuda":
+            self.loaded.prefill_cost = measure_prefill_cost(self.runner)
+        return Admission(self.loaded.prefill_cost.fixed_s if self.loaded.prefill_cost is not None else 0.0)
+
     def _policy(self, cost_curve: Optional[CostCurve]) -> Optional[BlockPolicy]:
         """block_complexity=auto's policy over the drafter's sizes (None: a fixed size, or nothing to size)."""
         cfg = self.cfg
@@ -272,13 +283,15 @@ class Engine:
         cache.before_growth = self._may_grow
         rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device), cache)
         self._in_flight = None
+        self.admission.joined()
         exhausted = False
         while True:
             admit: list[Seq] = []
-            if not exhausted:
+            if not exhausted and len(rows) < self.max_rows and self.admission.due(len(rows)):
                 reqs, exhausted = take(self.max_rows - len(rows), not len(rows))
                 if reqs:  # rows join: the pass in flight is read first
                     self._land(rows)
+                    self.admission.joined()
                 for req in reqs:
                     prepared = self._prepare(req)
                     if isinstance(prepared, RequestOutput):
@@ -294,7 +307,9 @@ class Engine:
                     return
                 continue
             self.stats.batch_histogram[len(rows)] += 1
+            free, start = self.max_rows - len(rows), now()
             self._step(rows)
+            self.admission.passed(free, now() - start)
             yield from self._retire(rows)
 
     # ---- admission ---------------------------------------------------------------------------------

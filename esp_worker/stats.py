@@ -11,6 +11,11 @@ from typing import Any, Optional
 from .batch import PassCounter
 
 
+def now() -> float:
+    """The host clock the engine's timings read (tests swap this module's `time` for a model-driven one)."""
+    return time.perf_counter()
+
+
 @dataclass
 class PassClock:
     """A pass's start, read at its end (host clocks only: no device read)."""
