@@ -50,13 +50,17 @@ def test_bfloat16_on_cuda_finishes_every_row_with_consistent_statistics():
 
 def test_prefill_forward_tokens_is_measured_once_per_model_on_cuda():
     """engine.prefill_forward_tokens=auto on CUDA: timed once per loaded model (every engine over it then groups
-    prompts alike), and the engine's prompts of four lengths stay generate's whatever the grouping."""
+    prompts alike, and engine.admission weighs its fixed cost), and the engine's prompts of four lengths stay
+    generate's whatever the grouping."""
     lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda", dtype="float32"))
     first = Engine(lm, EngineConfig(method="ar", max_batch_size=4))
     cost = lm.prefill_cost
     assert cost is not None and cost.fixed_s > 0 and first.prefill_forward_tokens == cost.forward_tokens > 0
     second = Engine(lm, EngineConfig(method="ar", max_batch_size=4))
     assert lm.prefill_cost is cost and second.prefill_forward_tokens == first.prefill_forward_tokens
+    # engine.admission=auto weighs idle slots against that forward's fixed cost; eager joins at once
+    assert first.admission.fixed_s == cost.fixed_s
+    assert Engine(lm, EngineConfig(method="ar", max_batch_size=4, admission="eager")).admission.fixed_s == 0
     merged = _generate(lm, EngineConfig(method="ar", max_batch_size=4, prefill_forward_tokens=1e6))
     apart = _generate(lm, EngineConfig(method="ar", max_batch_size=4, prefill_forward_tokens=0))
     assert [o.token_ids for o in merged] == [o.token_ids for o in apart]
