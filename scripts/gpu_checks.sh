@@ -15,7 +15,8 @@
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
 # (own limits: env 60, gpu_tests 150, ar 270, ar64 230, attn 60, ar_flex 200, ar_flex64 200, ar_tune 240, ar_attn 200,
 # gpu_compiled 200, profile 120,
-# profile64 120, tiny 130, methods64 150, methods 150, dmtd 120 s; at 570 s the later ones do not fit: pick with STEPS).
+# profile64 120, tiny 145, methods64 150, methods 150, dmtd 120, admit 100 s; at 570 s the later ones do not fit: pick
+# with STEPS).
 # The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
 #   env        versions and what imports (torch with CUDA, transformers, omegaconf, pyarrow, pytest, matplotlib)
@@ -60,6 +61,9 @@
 #              eager: DMTD passes run eagerly), then the committed esp-tiny-llama DMTD model and its verified copy at
 #              batch 1 and 8
 #   methods64  esp k1 BC 30 and hybrid auto beside ar at batch 64 alone (no cost curve)
+#   admit      esp-tiny-llama, float32, batch 16 over 64 prompts that end at their own EOS (rows finish at different
+#              passes and waiting ones join): engine.admission=auto (requests join once the idle slots have cost a
+#              prefill forward's fixed cost) beside eager_admission (at once), for ar and hybrid auto
 # STEPS picks steps (default all; env always runs); T_<STEP> overrides a step's own limit; GPU_TESTS_K the gpu_tests'
 # pytest -k expression.
 set -uo pipefail
@@ -96,7 +100,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar ar64 attn ar_flex ar_flex64 ar_tune ar_attn gpu_compiled profile profile64 tiny methods64 methods dmtd} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar ar64 attn ar_flex ar_flex64 ar_tune ar_attn gpu_compiled profile profile64 tiny methods64 methods dmtd admit} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -210,6 +214,11 @@ step methods methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work
     bench.hf_compiled=false bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'; \
   big methods-b16-b64 data.path=$P/prompts128.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false 'bench.batch_sizes=[16,64]' bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'"
+step admit tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS TINY_NEW); \
+  bench tiny-b16-admission model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/prompts64.jsonl \
+    generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.batch_sizes=[16]' \
+    'bench.settings=[ar:1:eager_admission,hybrid:auto,hybrid:auto:eager_admission]' bench.hf_baseline=false \
+    bench.hf_compiled=false bench.cost_curve=false"
 step dmtd dmtd.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS DMTD_D TINY_NEW TINY_PROMPTS); \
   big dmtd-1b data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,dmtd:2,dmtd:3,dmtd:4]' \
     engine.dmtd_decoding_layers=$DMTD_D engine.cuda_graphs=auto bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false; \
