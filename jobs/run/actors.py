@@ -120,6 +120,8 @@ class ActorPool:
         self._noted = time.monotonic()
         self.graph_records: list[dict[str, Any]] = []  # the actors' engine.cuda_graphs counters (`batch_histogram`)
         self.engine_errors = 0  # batches whose engine raised, their rows run again in halves (`batch_histogram`)
+        # the live actors' engine time summed (`batch_histogram`): prefill forwards and seconds, decode seconds
+        self.engine_time: dict[str, float] = {}
 
     # ---- start and stop ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -217,7 +219,7 @@ class ActorPool:
         import ray
 
         total: collections.Counter[int] = collections.Counter()
-        self.graph_records, self.engine_errors = [], 0
+        self.graph_records, self.engine_errors, self.engine_time = [], 0, collections.Counter()
         asks = {a.handle.stats.remote(): a for a in self.live()}
         ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=30) if asks else ([], [])
         for ref, a in asks.items():
@@ -229,6 +231,7 @@ class ActorPool:
                 if stats.get("cuda_graphs"):
                     self.graph_records.append(stats["cuda_graphs"])
                 self.engine_errors += stats["engine_errors"]
+                self.engine_time.update(stats.get("engine_time", {}))
             except Exception:  # noqa: BLE001 - statistics only
                 log.warning("could not read actor %d's batch statistics", a.index)
         return dict(sorted(total.items()))

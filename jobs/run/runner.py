@@ -340,6 +340,8 @@ def run_job(cfg: DictConfig) -> JobResult:
         run["cuda_graphs"] = pool.cuda_graphs() if pool is not None and not lost else None
         # batches the engine raised in, whose rows then ran again in halves (rows that failed alone are errors)
         run["engine_errors"] = pool.engine_errors if pool is not None and not lost else None
+        run["engine_time"] = ({k: round(v, 3) for k, v in pool.engine_time.items()}
+                              if pool is not None and not lost else None)
         if failure is None and dispatcher is not None and dispatcher.failed:
             failure = dispatcher.failure_message()
         if failure is not None:

@@ -261,11 +261,14 @@ class ShardWorker:
         }
 
     def stats(self) -> dict[str, Any]:
-        """The engine's batch-size histogram (rows in the batch -> decode passes) since the actor started, its
-        CUDA graphs' counters (captures, capture seconds, graph memory, replayed and eager passes; None: off), and
-        how many batches raised an engine error (their rows run again in halves)."""
-        graphs = self.engine.stats.graphs
-        return {"pid": os.getpid(), "batch_histogram": dict(self.engine.stats.batch_histogram),
+        """The engine's batch-size histogram (rows in the batch -> decode passes) since the actor started, where
+        its time went (prefill forwards and seconds, decode seconds), its CUDA graphs' counters (captures, capture
+        seconds, graph memory, replayed and eager passes; None: off), and how many batches raised an engine error
+        (their rows run again in halves)."""
+        stats, graphs = self.engine.stats, self.engine.stats.graphs
+        return {"pid": os.getpid(), "batch_histogram": dict(stats.batch_histogram),
+                "engine_time": {"prefill_forwards": stats.prefill_forwards, "prefill_s": stats.prefill_s,
+                                "decode_s": stats.decode_s},
                 "cuda_graphs": None if graphs is None else graphs.record(), "engine_errors": self.engine_errors}
 
     def passes(self) -> int:

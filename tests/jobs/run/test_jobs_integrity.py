@@ -90,6 +90,8 @@ def test_small_shards_on_ray_write_every_row(ray_head, tmp_path):
     res = run_job(job_cfg(out, f"data.path={data}", "data.shard_size=4", "engine.max_batch_size=16",
                           "ray.num_actors=1", "generation.max_new_tokens=24", "generation.ignore_eos=true"))
     assert sum(res.summary["this_run"]["batch_histogram"].values()) > 0
+    spent = res.summary["this_run"]["engine_time"]  # where the engine's time went
+    assert spent["prefill_forwards"] >= 1 and spent["prefill_s"] > 0 and spent["decode_s"] > 0
     rows = {r["id"]: r for r in read_output(out).to_pylist()}
     assert len(rows) == 80 and res.summary["complete"] and len(list(out.glob("part-*.parquet"))) == 20
     assert all(len(rows[f"t{i}"]["generated_turns"]) == 2 for i in range(4))
