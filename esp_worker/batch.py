@@ -156,15 +156,10 @@ class Rows:
         """The one host read of a pass: lengths, finish reasons and the drafter's row hints [B] (or None), as
         one small tensor; with `extra` (the policy's next look, [E] float) the same read returns its values."""
         parts = [self.t.hist_len, self.reason] + ([] if hints is None else [hints])
-        if extra is None:
-            got = torch.stack(parts).tolist()
-        else:  # one float64 vector: lengths and ids are exact in it
-            b = len(parts[0])
-            flat = torch.cat([torch.stack(parts).to(torch.float64).flatten(), extra.to(torch.float64)]).tolist()
-            got = [[int(x) for x in flat[i * b: (i + 1) * b]] for i in range(len(parts))] + [flat[len(parts) * b:]]
-        self.lens, self.done, self.lens_exact = got[0], got[1], True
-        self.hints = None if hints is None else got[2]
-        return None if extra is None else got[-1]
+        rows, look = unpack_read(pack_read(parts, extra).tolist(), len(self), len(parts))
+        self.lens, self.done, self.lens_exact = rows[0], rows[1], True
+        self.hints = None if hints is None else rows[2]
+        return look
 
     def drop(self, gone: list[int]) -> None:
         """Rows `gone` leave the batch; the last rows that stay take their places (`drop_order`)."""
@@ -281,9 +276,7 @@ class PendingRead:
     @classmethod
     def of(cls, rows: "Rows", extra: Optional[torch.Tensor] = None) -> "PendingRead":
         """extra: [E] float, the policy's next look (`Planner.prepare`), read with the lengths."""
-        both = torch.stack([rows.t.hist_len, rows.reason])
-        if extra is not None:  # one float64 vector: lengths and ids are exact in it
-            both = torch.cat([both.to(torch.float64).flatten(), extra.to(torch.float64)])
+        both = pack_read([rows.t.hist_len, rows.reason], extra)
         if both.device.type != "cuda":
             return cls(both, len(rows))
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
@@ -297,11 +290,24 @@ class PendingRead:
         pass only)."""
         if self.copied is not None:
             self.copied.synchronize()
-        if self.values.dim() == 2:
-            lens, done = self.values.tolist()
-            return lens, done, None
-        flat, b = self.values.tolist(), self.rows
-        return [int(x) for x in flat[:b]], [int(x) for x in flat[b: 2 * b]], flat[2 * b:]
+        (lens, done), look = unpack_read(self.values.tolist(), self.rows, 2)
+        return lens, done, look
+
+
+def pack_read(parts: list[torch.Tensor], extra: Optional[torch.Tensor]) -> torch.Tensor:
+    """A pass's host read as one tensor: the per-row values `parts` ([B] each) stacked [P, B], or with `extra` (the
+    policy's look, [E] float) one float64 vector [P * B + E], in which lengths and ids are exact."""
+    stacked = torch.stack(parts)
+    if extra is None:
+        return stacked
+    return torch.cat([stacked.to(torch.float64).flatten(), extra.to(torch.float64)])
+
+
+def unpack_read(got: list, b: int, p: int) -> tuple[list[list[int]], Optional[list[float]]]:
+    """`pack_read`'s host copy (`.tolist()`) back into its P rows of B ints and the look's values (None: none)."""
+    if got and isinstance(got[0], list):  # stacked: no look
+        return got, None
+    return [[int(x) for x in got[i * b: (i + 1) * b]] for i in range(p)], got[p * b:]
 
 
 def write_history(hist: torch.Tensor, hist_len: torch.Tensor, committed: torch.Tensor) -> None:

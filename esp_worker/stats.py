@@ -27,7 +27,7 @@ class PassClock:
 
     def seconds(self) -> float:
         """Wall seconds since the start."""
-        return time.perf_counter() - self.wall
+        return now() - self.wall
 
 
 @dataclass
@@ -85,7 +85,7 @@ class EngineStats:
 
     @staticmethod
     def start(model_s: float, compile_s: float, lens: list[int]) -> PassClock:
-        return PassClock(time.perf_counter(), model_s, compile_s, sum(lens))
+        return PassClock(now(), model_s, compile_s, sum(lens))
 
     def finish(self, clock: PassClock, model_s: float) -> tuple[float, float]:
         """Count a decode pass that started at `clock`: (its seconds, its model seconds)."""

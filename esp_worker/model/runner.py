@@ -84,7 +84,6 @@ class ModelRunner:
         """The model's clock (its marks time the calls of one pass run ahead of its read)."""
         return self._clock
 
-
     @property
     def embed_weight(self) -> Optional[torch.Tensor]:
         """[V, D] the input embedding's weight when `embed_ids` is exactly a lookup in it (else None)."""
