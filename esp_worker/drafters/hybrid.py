@@ -39,6 +39,7 @@ nodes on). A fixed block complexity BC gets the largest n that fits; block_compl
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
@@ -76,6 +77,29 @@ def hybrid_tokens(num_nodes: int, num_masks: int, mask_every: int, mask_min_node
     return 1 + num_nodes + num_masks * mask_owners(num_nodes, mask_every, mask_min_nodes)
 
 
+def path_products(cond: torch.Tensor, valid: torch.Tensor, par: torch.Tensor, max_depth: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cum, ok) [B, P]: each node's product of `cond` along its path from the root, and whether every node on
+    that path is `valid`. par [B, P]: parent pool index, -1 under the root; no path deeper than max_depth.
+
+    By pointer doubling: each round multiplies a node's product with its current ancestor's and jumps that
+    ancestor twice as far, so ceil(log2(max_depth)) rounds of five operations cover every path (a loop over depths
+    takes max_depth - 1 rounds). The root's place is a sentinel column past the pool (product 1, valid, its own
+    parent), so a round needs no masking.
+    Example: cond [0.5, 0.4, 0.9], par [-1, 0, 1] -> cum [0.5, 0.2, 0.18]."""
+    b, p = cond.shape
+    cum = torch.nn.functional.pad(cond, (0, 1), value=1.0)  # [B, P + 1]
+    ok = torch.nn.functional.pad(valid, (0, 1), value=True)
+    up = torch.where(par < 0, p, par)
+    up = torch.nn.functional.pad(up, (0, 1), value=p)
+    for r in range(max(max_depth - 1, 0).bit_length()):
+        cum = cum * cum.gather(1, up)
+        ok = ok & ok.gather(1, up)
+        if r + 1 < max(max_depth - 1, 0).bit_length():
+            up = up.gather(1, up)
+    return cum[:, :p], ok[:, :p]
+
+
 def hybrid_nodes(block_complexity: int, num_masks: int, mask_every: int, mask_min_nodes: int = 0) -> int:
     """The most draft nodes a block of `block_complexity` tokens holds (tokens grow with n).
     k=1, every 4: BC 10/30/60 -> 7/23/47 nodes; with mask_min_nodes 32 -> 8/28/47."""
@@ -96,6 +120,27 @@ class MergedPool:
     source: torch.Tensor  # [B, P] proposer (NGRAM, STORE, ESP, CORPUS or the heads')
     cell: torch.Tensor  # [B, P] the calibration's (proposer, depth) index
     q: torch.Tensor  # [B, P] the proposer's own P(accepted | parent accepted)
+
+
+@dataclass(frozen=True)
+class _NgramLayout:
+    """What the depth-major n-gram pool [chain_1, alt_1.., chain_2, ...] of D depths and K entries each keeps fixed."""
+
+    parents: torch.Tensor  # [1, D*K] pool index of the parent, -1 under the root
+    depth: torch.Tensor  # [1, D*K] depth - 1
+    chain: torch.Tensor  # [1, D*K] bool: a chain entry (the n-gram's own token)
+    kind: torch.Tensor  # [1, D*K] NGRAM for chain entries, STORE for the stored alternatives
+    cell: torch.Tensor  # [1, D*K] the calibration's (proposer, depth) index
+
+
+@functools.lru_cache(maxsize=16)
+def _ngram_layout(depth: int, k: int, depth_bound: int, device: torch.device) -> _NgramLayout:
+    """Built once per shape: a pass reads it (ten operations fewer per merged pool)."""
+    d = torch.arange(depth, device=device)[:, None].expand(depth, k).reshape(1, -1)
+    chain = (torch.arange(depth * k, device=device) % k == 0)[None]
+    parents = torch.where(d == 0, -1, (d - 1) * k)  # every entry at depth d hangs under chain node d - 1
+    kind = torch.where(chain, NGRAM, STORE)
+    return _NgramLayout(parents, d, chain, kind, kind * depth_bound + d)
 
 
 @dataclass(frozen=True)
@@ -307,12 +352,12 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         tokens = torch.cat([chain[..., None], c.alt_ids], 2).reshape(b, p)
         q = torch.cat([ok.float()[..., None], c.alt_lp.exp()], 2).reshape(b, p)
         valid = torch.cat([ok[..., None], c.alt_lp > NEG], 2).reshape(b, p)
-        parents = self.store.pool_parents(dev).expand(b, -1)
-        d = torch.arange(dep, device=dev)[:, None].expand(dep, kk).reshape(-1)  # depth - 1
-        kind = torch.where(torch.arange(kk, device=dev) == 0, NGRAM, STORE).repeat(dep).expand(b, -1)  # [B, P]
-        if corpus:
-            kind = torch.where(from_corpus[:, None] & (kind == NGRAM), CORPUS, kind)
-        return _Candidates(tokens, parents, valid, q, kind * self.depth_bound + d, kind)
+        layout = _ngram_layout(dep, kk, self.depth_bound, dev)
+        kind, cell = layout.kind.expand(b, -1), layout.cell.expand(b, -1)
+        if corpus:  # the chain's entries of rows that took the corpus's
+            kind = torch.where(from_corpus[:, None] & layout.chain, CORPUS, kind)
+            cell = kind * self.depth_bound + layout.depth
+        return _Candidates(tokens, layout.parents.expand(b, -1), valid, q, cell, kind)
 
     def _from_pool(self, pool: CandidatePool, usable: torch.Tensor, source: int, offset: int) -> _Candidates:
         """A model proposer's pool (joint log-probs) as candidates: each node's conditional probability given its
@@ -339,8 +384,11 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         earlier = pos[None, :] < pos[p1:, None] if heads else None  # [P2, P] target below candidate
         alias = pos.expand(b, -1).clone()
         dup = torch.zeros((b, p2), dtype=torch.bool, device=dev)
-        for _ in range(max(self.num_masks, self.heads.depth if heads else 0)):  # the deepest merging pool
-            eff = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))  # [B, P2] effective parents
+        root, up = e_par < 0, e_par.clamp(min=0)
+        eff = e_par  # [B, P2] effective parents: a merged candidate's children hang under what it merged into
+        for r in range(max(self.num_masks, self.heads.depth if heads else 0)):  # the deepest merging pool
+            if r:  # (nothing has merged before the first round)
+                eff = torch.where(root, -1, alias.gather(1, up))
             if heads:  # live targets (not merged away themselves) below the candidate
                 t_par, live = torch.cat([ngram.parents, eff], 1), (valid & (alias == pos))[:, None, :] & earlier
             else:
@@ -349,7 +397,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
             same &= live & e_valid[:, :, None]
             dup = same.any(-1)
             alias[:, p1:] = torch.where(dup, same.long().argmax(-1), pos[p1:])
-        e_par = torch.where(e_par < 0, -1, alias.gather(1, e_par.clamp(min=0)))
+        e_par = torch.where(root, -1, alias.gather(1, up))
         par = torch.cat([ngram.parents, e_par], 1)
         q = torch.cat([ngram.q, model.q], 1)
         cell = torch.cat([ngram.cell, model.cell], 1)
@@ -359,10 +407,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         merged = torch.where(dup, cond[:, p1:], 0.0)  # a merged node keeps the larger estimate
         into = torch.zeros_like(cond).scatter_reduce(1, alias[:, p1:], merged, reduce="amax", include_self=False)
         cond = torch.maximum(cond, into)
-        cum, root, up = cond, par < 0, par.clamp(min=0)
-        for _ in range(self.depth_bound - 1):  # pool order is topological: a parent's score is final before its child's
-            cum = torch.where(root, cond, cond * cum.gather(1, up))
-            valid = valid & (root | valid.gather(1, up))
+        cum, valid = path_products(cond, valid, par, self.depth_bound)
         return MergedPool(torch.where(valid, cum, -1.0), valid, tok, par, src, cell, q)
 
     def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:

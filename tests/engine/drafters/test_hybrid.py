@@ -169,3 +169,31 @@ def test_heads_merge_into_the_probe_and_bring_their_children():
     view.state.cp_ok = torch.zeros(1, dtype=torch.bool)
     b = d.propose(view, PassPlan(3))
     assert b.tree.tokens[0][b.tree.valid[0]].tolist() == [4, 7] and b.source[0][b.tree.valid[0]].tolist() == [-1, 2]
+
+
+def test_path_products_multiply_and_validate_along_each_path():
+    """Pointer doubling gives each node the product along its path and whether the whole path is valid: the
+    depth-by-depth recurrence's values (to rounding) on random topological pools of every depth."""
+    from esp_worker.drafters.hybrid import path_products
+
+    cond = torch.tensor([[0.5, 0.4, 0.9, 0.7]])
+    cum, ok = path_products(cond, torch.tensor([[True, True, False, True]]), torch.tensor([[-1, 0, 1, 2]]), 4)
+    assert torch.allclose(cum, torch.tensor([[0.5, 0.2, 0.18, 0.126]])) and ok.tolist() == [[True, True, False, False]]
+    gen = torch.Generator().manual_seed(0)
+    for depth in range(1, 12):
+        b, p = 3, 24
+        par = torch.full((b, p), -1)
+        for r in range(b):
+            dep = [1]
+            for i in range(1, p):  # a random earlier parent whose depth leaves room, or the root
+                cands = [-1] + [j for j in range(i) if dep[j] < depth]
+                j = cands[int(torch.randint(len(cands), (1,), generator=gen))]
+                par[r, i] = j
+                dep.append(1 if j < 0 else dep[j] + 1)
+        cond, valid = torch.rand((b, p), generator=gen), torch.rand((b, p), generator=gen) > 0.2
+        want_cum, want_ok, root, up = cond, valid, par < 0, par.clamp(min=0)
+        for _ in range(depth - 1):
+            want_cum = torch.where(root, cond, cond * want_cum.gather(1, up))
+            want_ok = want_ok & (root | want_ok.gather(1, up))
+        cum, ok = path_products(cond, valid, par, depth)
+        assert torch.equal(ok, want_ok) and torch.allclose(cum, want_cum, rtol=1e-6)
