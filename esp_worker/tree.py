@@ -91,18 +91,20 @@ def best_nodes(
     return DraftTree(tokens, parents, valid, static_key=None), keep
 
 
-def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+def ancestor_matrix(parents: torch.Tensor, max_depth: Optional[int] = None) -> torch.Tensor:
     """[B, T] parents -> [B, T, T] bool, anc[b, i, j] = slot j is slot i or one of its ancestors.
 
     Example: parents [-1, 0, 0, 1] -> rows: 0:{0}, 1:{0,1}, 2:{0,2}, 3:{0,1,3}.
-    Built by repeated squaring of the parent relation (log2(T) batched matmuls).
+    Built by repeated squaring of the parent relation: ceil(log2(depth)) batched matmuls, the depth being
+    max_depth when the caller knows a bound on the tree's (else T - 1).
     """
     b, t = parents.shape
+    depth = t - 1 if max_depth is None else min(max_depth, t - 1)
     eye = torch.eye(t, dtype=torch.float32, device=parents.device).expand(b, t, t)
     step = torch.zeros((b, t, t + 1), dtype=torch.float32, device=parents.device)
     step.scatter_(2, (parents.clamp(min=-1) % (t + 1))[..., None], 1.0)  # -1 -> column t (dropped)
     reach = eye + step[..., :t]
-    for _ in range(max(1, (t - 1).bit_length())):
+    for _ in range(max(1, (depth - 1).bit_length())):  # after r rounds: paths of up to 2^r edges
         reach = torch.clamp(reach + torch.bmm(reach, reach), max=1.0)
     return reach > 0
 
@@ -122,18 +124,20 @@ class BlockLayout:
     max_depth: Optional[int] = None  # deepest slot (host int), filled in for cached static layouts
 
 
-def block_layout(parents: torch.Tensor, num_masks: int, owners: Optional[torch.Tensor] = None) -> BlockLayout:
+def block_layout(parents: torch.Tensor, num_masks: int, owners: Optional[torch.Tensor] = None,
+                 max_depth: Optional[int] = None) -> BlockLayout:
     """Build the in-block mask and relative positions for a batch of trees with k = num_masks.
 
     owners [B, M]: the slots that own masks (hybrid: the root and the likeliest ends of the accepted path);
-    None = every slot. Masks follow the tree slots, k per owner, in owner order.
+    None = every slot. Masks follow the tree slots, k per owner, in owner order. max_depth: a bound on the
+    trees' depth, where the caller knows one (fewer rounds in `ancestor_matrix`).
     Example (T=2, parents [-1, 0], k=1): order [r, n1, m(r), m(n1)], rel_pos [0, 1, 1, 2];
     m(r) sees {r, m(r)}, m(n1) sees {r, n1, m(n1)}.
     """
     b, t = parents.shape
     k = num_masks
     dev = parents.device
-    anc = ancestor_matrix(parents)  # [B, T, T]
+    anc = ancestor_matrix(parents, max_depth)  # [B, T, T]
     depth = anc.sum(-1) - 1  # [B, T]
     if owners is not None:
         m = owners.shape[1]

@@ -452,7 +452,8 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         owners = torch.cat([torch.zeros((b, 1), dtype=torch.long, device=dev), extra.sort(dim=1).values], 1)  # [B, M]
         mask_owner = torch.full((b, t), -1, dtype=torch.long, device=dev)
         mask_owner.scatter_(1, owners, torch.arange(m, device=dev).expand(b, -1))
-        layout = block_layout(tree.parents, self.num_masks, owners)
+        depth = min(n, self.depth_bound)
+        layout = block_layout(tree.parents, self.num_masks, owners, depth)
         aux = self.probe.mask_inputs(view, m * self.num_masks)
-        return Block(tree=tree, layout=layout, aux_embeds=aux, max_depth=min(n, self.depth_bound),
+        return Block(tree=tree, layout=layout, aux_embeds=aux, max_depth=depth,
                      mask_owner=mask_owner, source=source)

@@ -24,6 +24,9 @@ def test_ancestor_matrix_deep_chain_and_batch():
     anc = ancestor_matrix(torch.cat([chain, star]))
     assert torch.equal(anc[0], torch.tril(torch.ones(12, 12, dtype=torch.bool)))
     assert anc[1].sum().item() == 12 + 11
+    for depth in range(1, 12):  # a known depth bound takes fewer rounds and gives the same matrix
+        tree = torch.cat([torch.arange(-1, depth), torch.zeros(11 - depth, dtype=torch.long)])[None]
+        assert torch.equal(ancestor_matrix(tree, depth), ancestor_matrix(tree))
 
 
 def test_block_layout_with_masks():
