@@ -6,16 +6,18 @@ Example: `steps(3, dev)` -> tensor([0, 1, 2]), the same object every call.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
-_CACHE: dict[tuple, torch.Tensor] = {}
+T = TypeVar("T")
+_CACHE: dict[tuple, Any] = {}
 
 
-def constant(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The tensor `make()` built once per `key` (key names the shape, dtype and device it depends on). While
-    torch traces a function (`settle.py`) it is built anew: a traced tensor must not outlive the trace."""
+def constant(key: tuple, make: Callable[[], T]) -> T:
+    """The tensor (or frozen group of tensors) `make()` built once per `key` (key names what it depends on: shape,
+    dtype, device). While torch traces a function (`settle.py`) it is built anew: a traced tensor must not outlive
+    the trace."""
     if torch.compiler.is_compiling():
         return make()
     t = _CACHE.get(key)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .consts import constant, ones
+from .consts import constant, ones, steps
 
 
 @dataclass
@@ -75,14 +75,14 @@ def best_nodes(
     n = min(num_nodes, p)
     keep = rank.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values  # [B, n]
     slot_of = torch.full((b, p), -1, dtype=torch.long, device=dev)
-    slot_of.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(b, -1))
+    slot_of.scatter_(1, keep, steps(n, dev, 1).expand(b, -1))
     kept_par = par.gather(1, keep)
     parent_slot = torch.where(kept_par < 0, 0, slot_of.gather(1, kept_par.clamp(min=0)))
     orphan = parent_slot < 0
     parent_slot = parent_slot.clamp(min=0)
     tokens = torch.cat([root[:, None], tok.gather(1, keep)], 1)
-    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), parent_slot], 1)
-    valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=dev), ok.gather(1, keep) & ~orphan], 1)
+    parents = torch.nn.functional.pad(parent_slot, (1, 0), value=-1)
+    valid = torch.nn.functional.pad(ok.gather(1, keep) & ~orphan, (1, 0), value=True)
     if n < num_nodes:
         pad = num_nodes - n
         tokens = torch.nn.functional.pad(tokens, (0, pad))

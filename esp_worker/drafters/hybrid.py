@@ -39,12 +39,12 @@ nodes on). A fixed block complexity BC gets the largest n that fits; block_compl
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
 import torch
 
+from ..consts import constant
 from ..tree import DraftTree, best_nodes, block_layout
 from ..passes import Block, PassPlan, PassRecord, RowsView
 from .base import FULL
@@ -109,6 +109,17 @@ def hybrid_nodes(block_complexity: int, num_masks: int, mask_every: int, mask_mi
     return n
 
 
+def _root_owner(b: int, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owners [B, 1] = the root, mask_owner [B, T] = [0, -1, ..]): a tree whose masks the root alone owns."""
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        mask_owner = torch.full((b, t), -1, dtype=torch.long, device=device)
+        mask_owner[:, 0] = 0
+        return torch.zeros((b, 1), dtype=torch.long, device=device), mask_owner
+
+    return constant(("hybrid_root_owner", b, t, device), make)
+
+
 @dataclass(frozen=True)
 class MergedPool:
     """Every proposer's candidates in one pool of P nodes, topological (a parent before its children)."""
@@ -133,14 +144,17 @@ class _NgramLayout:
     cell: torch.Tensor  # [1, D*K] the calibration's (proposer, depth) index
 
 
-@functools.lru_cache(maxsize=16)
 def _ngram_layout(depth: int, k: int, depth_bound: int, device: torch.device) -> _NgramLayout:
     """Built once per shape: a pass reads it (ten operations fewer per merged pool)."""
-    d = torch.arange(depth, device=device)[:, None].expand(depth, k).reshape(1, -1)
-    chain = (torch.arange(depth * k, device=device) % k == 0)[None]
-    parents = torch.where(d == 0, -1, (d - 1) * k)  # every entry at depth d hangs under chain node d - 1
-    kind = torch.where(chain, NGRAM, STORE)
-    return _NgramLayout(parents, d, chain, kind, kind * depth_bound + d)
+
+    def make() -> _NgramLayout:
+        d = torch.arange(depth, device=device)[:, None].expand(depth, k).reshape(1, -1)
+        chain = (torch.arange(depth * k, device=device) % k == 0)[None]
+        parents = torch.where(d == 0, -1, (d - 1) * k)  # every entry at depth d hangs under chain node d - 1
+        kind = torch.where(chain, NGRAM, STORE)
+        return _NgramLayout(parents, d, chain, kind, kind * depth_bound + d)
+
+    return constant(("hybrid_ngram_layout", depth, k, depth_bound, device), make)
 
 
 @dataclass(frozen=True)
@@ -410,6 +424,21 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         cum, valid = path_products(cond, valid, par, self.depth_bound)
         return MergedPool(torch.where(valid, cum, -1.0), valid, tok, par, src, cell, q)
 
+    @staticmethod
+    def _mask_owners(pool: MergedPool, tree: DraftTree, keep: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(owners [B, m] slots in order, mask_owner [B, T] each slot's owner index or -1): the root and the m - 1
+        nodes most likely to end the accepted path, P(reach u) - sum of P(reach child)."""
+        b, t = tree.tokens.shape
+        reach = torch.nn.functional.pad(pool.rank.gather(1, keep).clamp(min=0.0), (1, t - 1 - keep.shape[1]), value=1.0)
+        reach = reach * tree.valid
+        below = torch.zeros_like(reach).scatter_add_(1, tree.parents[:, 1:].clamp(min=0), reach[:, 1:])
+        end = torch.where(tree.valid, reach - below, -1.0)
+        extra = end[:, 1:].topk(m - 1, dim=1).indices + 1
+        owners = torch.nn.functional.pad(extra.sort(dim=1).values, (1, 0))  # [B, M] the root first
+        mask_owner = torch.full((b, t), -1, dtype=torch.long, device=tree.tokens.device)
+        mask_owner.scatter_(1, owners, torch.arange(m, device=owners.device).expand(b, -1))
+        return owners, mask_owner
+
     def draft_mass(self, view: RowsView, variant: str = "") -> torch.Tensor:
         """[B, max_nodes] calibrated acceptance estimate of each node of the largest tree, best first."""
         if (variant or self.variant) == "ngram":
@@ -443,15 +472,8 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         pad = lambda x, fill: torch.nn.functional.pad(x, (1, t - 1 - n_kept), value=fill)  # noqa: E731 root + padding
         source = pad(pool.source.gather(1, keep), -1)
         self._last = Proposed(pad(pool.cell.gather(1, keep), 0), pad(pool.q.gather(1, keep), 0.0))
-        # mask owners: the root and the nodes most likely to end the accepted path
-        reach = pad(pool.rank.gather(1, keep).clamp(min=0.0), 1.0) * tree.valid
-        below = torch.zeros_like(reach).scatter_add_(1, tree.parents[:, 1:].clamp(min=0), reach[:, 1:])
-        end = torch.where(tree.valid, reach - below, -1.0)
         m = mask_owners(n, self.mask_every, self.mask_min_nodes)
-        extra = end[:, 1:].topk(m - 1, dim=1).indices + 1 if m > 1 else end.new_zeros((b, 0), dtype=torch.long)
-        owners = torch.cat([torch.zeros((b, 1), dtype=torch.long, device=dev), extra.sort(dim=1).values], 1)  # [B, M]
-        mask_owner = torch.full((b, t), -1, dtype=torch.long, device=dev)
-        mask_owner.scatter_(1, owners, torch.arange(m, device=dev).expand(b, -1))
+        owners, mask_owner = self._mask_owners(pool, tree, keep, m) if m > 1 else _root_owner(b, t, dev)
         depth = min(n, self.depth_bound)
         layout = block_layout(tree.parents, self.num_masks, owners, depth)
         aux = self.probe.mask_inputs(view, m * self.num_masks)
