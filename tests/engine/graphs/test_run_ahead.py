@@ -243,3 +243,70 @@ def test_replayed_plain_passes_run_ahead_by_default():
                          for i, p in enumerate(PROMPTS)])
     assert eng.stats.graphs.ahead_passes > 0
     assert [tuple(o.token_ids) for o in outs] == [r[:16] for r in reference("llama", "sdpa")]
+
+
+RANDOM_SETTINGS = [dict(method="ar"), dict(method="pld", block_complexity=6), dict(method="esp", num_masks=1, block_complexity=10),
+                   dict(method="esp", num_masks=2, block_complexity=12, tree="dynamic"), dict(method="stand", block_complexity=10),
+                   dict(method="lade", block_complexity=10), dict(method="hybrid", num_masks=1, block_complexity=16),
+                   dict(method="pld"), dict(method="esp", num_masks=1), dict(method="hybrid", num_masks=1),
+                   dict(method="hybrid", num_masks=2)]  # no block_complexity: auto
+SHARED_STATE = ("hybrid",)  # drafters that learn across rows (calibration, the corpus of finished requests)
+
+
+def _random_job(seed: int, trained):
+    """A job drawn from `seed`: architecture (or the trained model), setting, batch, admission, a context limit,
+    and requests with their own limits, stop ids that plain decoding meets and seeded sampling."""
+    import random
+
+    from esp_worker.auto.cost_model import PrefillCost
+
+    rnd = random.Random(seed)
+    arch = rnd.choice([*ARCHS, "trained"])
+    lm = trained if arch == "trained" else tiny(arch)
+    if rnd.random() < 0.2:
+        lm = dataclasses.replace(lm, max_context=rnd.choice([40, 64, 90]))
+    admission = rnd.choice(["auto", "eager"])
+    if admission == "auto":  # rent or buy, as on CUDA where the prefill's fixed cost is measured
+        lm = dataclasses.replace(lm, prefill_cost=PrefillCost(fixed_s=rnd.choice([0.3, 1.0, 3.0, 8.0]), token_s=1e-3))
+    pool = [json.loads(line)["prompt"] for line in open(shared(TINY_PROMPTS))][:40] if arch == "trained" else MORE
+    prompts = [rnd.choice(pool) for _ in range(rnd.randint(1, 12))]
+    plain = Engine(lm, EngineConfig(method="ar")).generate(
+        [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=64)) for i, p in enumerate(prompts)])
+    reqs = []
+    for i, p in enumerate(prompts):
+        kw = dict(max_new_tokens=rnd.randint(1, 64))
+        if rnd.random() < 0.4 and plain[i].token_ids:
+            kw["stop_token_ids"] = [rnd.choice(plain[i].token_ids)]
+        if rnd.random() < 0.25:
+            kw.update(temperature=rnd.choice([0.7, 1.0]), seed=rnd.randint(0, 99), top_p=rnd.choice([1.0, 0.9]))
+        reqs.append(Request(id=str(i), prompt=p, params=GenerationParams(**kw)))
+    setting = dict(rnd.choice(RANDOM_SETTINGS), max_batch_size=rnd.randint(1, 5), admission=admission)
+    return lm, setting, reqs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_random_jobs_run_ahead_as_they_read_each_pass(trained, seed):
+    """Features together, drawn at random: passes run ahead give the tokens and finish reasons of reading each pass
+    and of eager passes, greedy rows those of plain decoding. Per-request statistics are equal too where the
+    drafter's state is the row's own; where it learns across rows (the hybrid) a request that joins after a row
+    ended at a stop id joins one pass later than when reading each pass, so its drafts may differ, never its tokens."""
+    lm, setting, reqs = _random_job(seed, trained)
+    auto = "block_complexity" not in setting
+    cfg = dict(setting, block_complexity="auto") if auto else setting
+    runs = []
+    for graphs, ahead in ((True, True), (True, False), (False, False)):
+        eng = Engine(lm, EngineConfig(cuda_graphs=graphs, cuda_graphs_run_ahead=ahead, **cfg),
+                     cost_curve=FLAT if auto else None)
+        with pytest.MonkeyPatch.context() as mp, model_time(lambda b, q, prefill: FLAT.time(b, q, 100)):
+            mp.setattr(engine_module, "PREPARE_LOOKS", True)
+            runs.append(eng.generate(reqs))
+    plain = Engine(lm, EngineConfig(method="ar")).generate(reqs)
+    ahead, read, eager = runs
+    for r, a, b, e, p in zip(reqs, ahead, read, eager, plain):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), (setting, r.id)
+        if not auto and setting["method"] not in SHARED_STATE:
+            assert dataclasses.replace(a.stats, time_s=0.0) == dataclasses.replace(b.stats, time_s=0.0), (setting, r.id)
+        if r.params.temperature == 0:
+            assert (a.token_ids, a.finish_reason) == (p.token_ids, p.finish_reason) == (e.token_ids, e.finish_reason), \
+                (setting, r.id)
