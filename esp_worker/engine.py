@@ -404,31 +404,30 @@ class Engine:
         lens = rows.t.prompt_len
         r, lmax = len(seqs), max(rows.lens)
         a = 0 if aux is None else aux.shape[1]
-        embeds = self.runner.embed_ids(rows.t.hist[:, :lmax])
-        if a:
-            embeds = torch.cat([embeds, aux.to(embeds.dtype)], 1)
         q = lmax + a
-        i = torch.arange(q, device=dev)
-        pos = i[None].expand(r, q).clone()
+        # each row's block: its prompt, its masks right after it (ESP's, block index and position lens + j), then
+        # padding; so each token sees just its own prompt (and earlier masks) under plain causal attention
+        embeds = self.runner.embed_ids(rows.t.hist[:, :lmax])
+        mask_at = lens[:, None] + steps(a, dev)  # [R, A]
         if a:
-            pos[:, lmax:] = lens[:, None] - 1 + torch.arange(1, a + 1, device=dev)
-        pos = pos.clamp(max=self.loaded.max_context - 1)
+            embeds = torch.nn.functional.pad(embeds, (0, 0, 0, a))
+            embeds.scatter_(1, mask_at[..., None].expand(-1, -1, embeds.shape[2]), aux.to(embeds.dtype))
+        i = steps(q, dev)
+        pos = i.clamp(max=self.loaded.max_context - 1)[None].expand(r, q)
         cache.reserve(len(batch) + r, max([q] + [n + 1 for n in batch.lens]))
         cache.plan(len(batch), r, q, 0)
-        if (a == 0 or min(rows.lens) == lmax) and self.runner.causal_without_bias and self.runner.sliding_window is None:
-            # plain causal attention, no mask tensor (on CUDA SDPA may then take its flash backend): every prompt
-            # token sees only tokens of its own prompt before it, since each prompt's padding comes after it (its
-            # outputs are never read, its cache slots lie past the row's length); masks appended after the
-            # padding would see it, so with masks only prompts of one length qualify
+        if self.runner.causal_without_bias and self.runner.sliding_window is None:
+            # plain causal attention, no mask tensor (on CUDA SDPA may then take its flash backend): the padding's
+            # outputs are never read, and its cache slots (like the masks') lie past the row's length
             bias = None
         else:
             require(f"a prefill of {r} prompts of up to {lmax} tokens (its attention mask, {r} x {q} x {q})",
                     r * q * q * (2 + self.runner.dtype.itemsize), "lower engine.prefill_batch_tokens", dev)
-            key_ok = (i[None] < lens[:, None]) | (i[None] >= lmax)  # [R, Q] prompt keys that exist, and masks
+            key_ok = i[None] < (lens + a)[:, None]  # [R, Q] the row's prompt and masks, not its padding
             visible = (i[:, None] >= i[None, :])[None] & key_ok[:, None, :]  # [R, Q, Q] causal
             visible |= torch.eye(q, dtype=torch.bool, device=dev)[None]  # padding rows see themselves
             bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
-        wanted = torch.cat([lens[:, None] - 1, i[lmax:].expand(r, a)], 1)  # [R, 1 + A] last prompt token, masks
+        wanted = torch.cat([lens[:, None] - 1, mask_at], 1)  # [R, 1 + A] last prompt token, masks
         forward = self.runner.forward if self.cycle is None else self.cycle.prefill
         hidden = forward(embeds, bias, pos, cache, q - 1, keep=wanted)  # [R, 1 + A, D]
         last = hidden[:, 0]  # [R, D]
