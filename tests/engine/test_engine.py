@@ -343,3 +343,39 @@ def test_per_pass_committed_tokens_in_order_and_drafts_counted(monkeypatch, cfg)
     merged = outs[0].stats.merge(outs[1].stats)
     assert merged.committed_per_pass == outs[0].stats.committed_per_pass + outs[1].stats.committed_per_pass
     assert merged.num_drafts == outs[0].stats.num_drafts + outs[1].stats.num_drafts
+
+
+def test_prefill_with_masks_runs_causal_over_prompts_of_any_lengths(monkeypatch):
+    """ESP's masks sit right after each prompt and its padding after them, so a prefill of prompts of different
+    lengths passes no mask tensor (SDPA's plain causal path, flash on CUDA) and each prompt's last token and masks
+    get the hidden states its own prefill gives them."""
+    lm = tiny("llama")
+    # one forward for the four prompts: a forward's own cost worth many padded tokens
+    cfg = EngineConfig(method="esp", num_masks=2, block_complexity=12, max_batch_size=4, prefill_forward_tokens=10_000)
+    seen = []
+
+    def prefills(eng):
+        forward = eng.runner.forward
+
+        def spy(embeds, bias, pos, cache, max_position=None, keep=None):
+            hidden = forward(embeds, bias, pos, cache, max_position, keep=keep)
+            if keep is not None:
+                seen.append((bias, hidden))
+            return hidden
+
+        monkeypatch.setattr(eng.runner, "forward", spy)
+        return eng
+
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=3)) for i, p in enumerate(PROMPTS)]
+    assert len({len(lm.tokenizer(p).input_ids) for p in PROMPTS}) == len(PROMPTS)
+    prefills(Engine(lm, cfg)).generate(reqs)
+    (bias, together), = seen
+    assert bias is None and together.shape[:2] == (4, 3)  # [R, last token + 2 masks, D]
+    alone = []
+    for r in reqs:
+        seen.clear()
+        prefills(Engine(lm, dataclasses.replace(cfg, max_batch_size=1))).generate([r])
+        alone.append(seen[0][1][0])
+    order = sorted(range(4), key=lambda i: -len(lm.tokenizer(PROMPTS[i]).input_ids))  # prefilled longest first
+    for row, i in enumerate(order):
+        assert torch.allclose(together[row], alone[i], atol=1e-5)
