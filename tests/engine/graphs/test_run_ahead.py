@@ -2,7 +2,8 @@
 buffers, eagerly). The tokens, finish reasons and per-request statistics are those of the engine that reads every
 pass before the next, through stop ids that end rows mid-batch, limits, continuous batching, seeded sampling, the
 context limit and rows that outgrow the pinned slab; for plain passes and for every drafter at a fixed block
-complexity (greedy rows), on a model that accepts drafts too."""
+complexity (greedy rows), on a model that accepts drafts too. (Where a drafter learns across rows, the hybrid, a
+request that joins after a row ended at a stop id may draft differently: `test_random_jobs_...`.)"""
 from __future__ import annotations
 
 import collections
