@@ -103,6 +103,10 @@ class Rows:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def live(self) -> int:
+        """Rows not known on the host to have ended (ended rows may stay in the batch while passes run on)."""
+        return len(self.seqs) - sum(1 for code in self.done if code)
+
     @property
     def sampling(self) -> bool:
         return any(s.req.params.temperature > 0 for s in self.seqs)

@@ -287,7 +287,11 @@ class Engine:
         exhausted = False
         while True:
             admit: list[Seq] = []
-            if not exhausted and len(rows) < self.max_rows and self.admission.due(len(rows)):
+            live = rows.live()
+            if not exhausted and live < self.max_rows and self.admission.due(live):
+                if live < len(rows):  # ended rows kept in the batch (`_keeps_ended`) leave first
+                    self._land(rows)
+                    yield from self._retire(rows)
                 reqs, exhausted = take(self.max_rows - len(rows), not len(rows))
                 if reqs:  # rows join: the pass in flight is read first
                     self._land(rows)
@@ -306,8 +310,9 @@ class Engine:
                 if exhausted:
                     return
                 continue
-            self.stats.batch_histogram[len(rows)] += 1
-            free, start = self.max_rows - len(rows), now()
+            live = rows.live()
+            self.stats.batch_histogram[live] += 1
+            free, start = self.max_rows - live, now()
             self._step(rows)
             self.admission.passed(free, now() - start)
             yield from self._retire(rows)
@@ -527,45 +532,58 @@ class Engine:
         rows.lens_exact = rows.lens_exact and width == 1
         if before is not None:
             self.stats.graphs.ahead_passes += 1
-            self._read(rows, before, None)
-            if any(rows.done):  # the pass just launched ran over rows that had ended: read it too
-                self._land(rows)
-        if any(n >= limit for n, limit in zip(rows.lens, rows.limits)):
+            if any(rows.done):
+                self.stats.graphs.kept_ended_passes += 1
+            self._read(rows, before)
+            if any(rows.done) and not self._keeps_ended(rows):  # the pass just launched ran over rows that had
+                self._land(rows)  # ended: read it too, and they leave
+        if any(n >= limit for n, limit, code in zip(rows.lens, rows.limits, rows.done) if not code):
             self._land(rows)  # it may end rows at their limits: the next pass must not run before its read
         self.stats.finish(clock, self.runner.model_s)
+
+    def _keeps_ended(self, rows: Rows) -> bool:
+        """Whether rows that ended stay in the batch while passes run on: each pass runs over them masked (it
+        commits and counts nothing there), and they leave with the next join. Reading the pass in flight to let
+        them leave at once would leave the device idle while the host retires them and builds the next pass, once
+        for every row that ends. They stay while requests would not join yet anyway (`engine.admission`), some
+        row is live and the live rows alone would take the same graph (the same batch bucket). Not under
+        block_complexity=auto: its policy learns nothing from a pass over ended rows (their share of the look's mass
+        cannot be accepted), and would learn nothing while they stay."""
+        live = rows.live()
+        return (self.policy is None and 0 < live and not self.admission.due(live)
+                and self.graphs.bucket(live) == self.graphs.bucket(len(rows)))
 
     def _land(self, rows: Rows) -> None:
         """The read of the pass in flight, if any (its lengths and finish reasons are the rows' from here)."""
         if self._in_flight is not None:
-            self._read(rows, self._in_flight, rows.done)
+            self._read(rows, self._in_flight)
 
-    def _read(self, rows: Rows, sent: _InFlight, ended: Optional[list[int]]) -> None:
-        """Take pass `sent`'s read. `ended`: the rows that had ended before it (a pass read at once after them):
-        it gave them nothing, and their requests do not count it. Else, with a pass still in flight after `sent`,
-        the rows' lengths stay bounds one pass ahead (`sent`'s lengths are that pass's start), unless `sent` ended
-        rows."""
+    def _read(self, rows: Rows, sent: _InFlight) -> None:
+        """Take pass `sent`'s read. Rows that had ended before it (`rows.done`: it ran over them) got nothing from
+        it, and their requests do not count it. With a pass still in flight after `sent`, the live rows' lengths
+        stay bounds one pass ahead (`sent`'s lengths are that pass's start)."""
+        ended = rows.done
         lens, done, look = sent.read.get()
         self.planner.receive(look)
         if self._in_flight is sent:
             self._in_flight = None
         committed = 0
         for r, (s, new, old) in enumerate(zip(rows.seqs, lens, sent.lens)):
-            if ended is not None and ended[r]:
+            if ended[r]:
                 s.passes0 += 1  # this pass is not the request's
                 s.sizes0[sent.size] = s.sizes0.get(sent.size, 0) + 1
             else:
                 s.stats.committed_per_pass.append(new - old)
                 committed += new - old
         if self.policy is not None:
-            masked = ended is not None and any(ended)  # its count holds rows it could not commit to: it says nothing
+            masked = any(ended)  # its count holds rows it could not commit to: it says nothing
             seconds, model_s = (None, None) if sent.timing is None else sent.timing.read(self.runner.clock)
             self.policy.observe_pass(None if masked else committed, seconds, model_s)
         nxt = self._in_flight
         if nxt is not None:
             nxt.lens = lens
-        ahead = nxt is not None and not any(done)
-        rows.lens = [n + nxt.width for n in lens] if ahead else lens
-        rows.lens_exact = not ahead or nxt.width == 1
+        rows.lens = [n if code else n + nxt.width for n, code in zip(lens, done)] if nxt is not None else lens
+        rows.lens_exact = nxt is None or nxt.width == 1
         rows.done = done
         rows.hints = None
 
@@ -782,7 +800,7 @@ class Engine:
     def _retire(self, rows: Rows) -> Iterator[RequestOutput]:
         """Outputs of the rows that finished (known on the host since the last read_back); they leave the batch."""
         done = [r for r, code in enumerate(rows.done) if code]
-        if not done:
+        if not done or self._in_flight is not None:  # (ended rows kept while a pass runs over them leave later)
             return
         t = rows.t
         now = time.perf_counter()

@@ -40,6 +40,7 @@ class GraphStats:
     graph_passes: int = 0  # passes run from a class's graph (on a CPU: over its static buffers)
     ahead_passes: int = 0  # of which launched before the last pass's read (engine.cuda_graphs_run_ahead)
     probe_passes: int = 0  # of which ended with the drafter's probe (ESP: `graphs.hooks.StepHooks`)
+    kept_ended_passes: int = 0  # of which ran over rows that had ended, kept in the batch until the next join
     # passes that ran eagerly, by reason: stop_strings (the text is checked on the host), capacity (a row longer
     # than the slab's pinned slots), spilled (rows in buffers of their own: the grown slab did not fit the device),
     # new_shape (a class's first passes, before its capture), graph_limit
@@ -49,6 +50,7 @@ class GraphStats:
         """For benchmarks and the job summary."""
         return dict(captured=self.captured, capture_s=round(self.capture_s, 3), graph_bytes=self.graph_bytes,
                     graph_passes=self.graph_passes, ahead_passes=self.ahead_passes, probe_passes=self.probe_passes,
+                    kept_ended_passes=self.kept_ended_passes,
                     eager_passes=dict(self.eager_passes))
 
 
@@ -71,6 +73,7 @@ class EngineStats:
         self.prefill_s, self.prefill_forwards = 0.0, 0
         if self.graphs is not None:
             self.graphs.graph_passes = self.graphs.ahead_passes = self.graphs.probe_passes = 0
+            self.graphs.kept_ended_passes = 0
             self.graphs.eager_passes.clear()
 
     def timing(self) -> dict[str, float]:
@@ -78,6 +81,7 @@ class EngineStats:
         graphs = {} if self.graphs is None else dict(graph_passes=self.graphs.graph_passes,
                                                       ahead_passes=self.graphs.ahead_passes,
                                                       probe_passes=self.graphs.probe_passes,
+                                                      kept_ended_passes=self.graphs.kept_ended_passes,
                                                       eager_passes=sum(self.graphs.eager_passes.values()))
         return dict(decode_s=self.decode_s, model_s=self.model_s, decode_passes=self.decode_passes,
                     prefill_s=self.prefill_s, prefill_forwards=self.prefill_forwards,

@@ -172,6 +172,10 @@ class GraphRunner:
             return f"{slots} slots per row against {self._slab.shape[4]}"
         return None
 
+    def bucket(self, rows: int) -> Optional[int]:
+        """The batch bucket of `rows` rows (None: more than the largest)."""
+        return _bucket(self.batches, rows)
+
     def restart_stats(self) -> GraphStats:
         """Fresh counters for the engine taking this runner over (its graphs stay): that engine's captures and
         passes are counted from here."""

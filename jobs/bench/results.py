@@ -168,6 +168,7 @@ def summarise(s: "Setting", batch: int, run: SettingRun, rounds: list[dict[str, 
         g = t.get("graphs")
         rec["graph_passes"], rec["eager_passes"] = t.get("graph_passes"), t.get("eager_passes")
         rec["ahead_passes"] = t.get("ahead_passes")  # of which run ahead of the last read (cuda_graphs_run_ahead)
+        rec["kept_ended_passes"] = t.get("kept_ended_passes")  # of which over ended rows kept until the next join
         rec["probe_passes"] = t.get("probe_passes")  # of which ended with the drafter's probe (ESP)
         rec["graphs_captured"] = g["captured"] if g else None
         rec["graph_mb"] = g["graph_bytes"] / 2**20 if g else None

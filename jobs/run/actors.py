@@ -252,7 +252,8 @@ class ActorPool:
                 "graph_mb": round(sum(r["graph_bytes"] for r in records) / 2**20, 1),
                 "graph_passes": sum(r["graph_passes"] for r in records),
                 "ahead_passes": sum(r.get("ahead_passes", 0) for r in records),
-                "probe_passes": sum(r.get("probe_passes", 0) for r in records), "eager_passes": dict(eager)}
+                "probe_passes": sum(r.get("probe_passes", 0) for r in records),
+                "kept_ended_passes": sum(r.get("kept_ended_passes", 0) for r in records), "eager_passes": dict(eager)}
 
     # ---- waiting -------------------------------------------------------------------------------------
     def wait(self, refs: list[Any], timeout: float) -> list[Any]:

@@ -291,7 +291,9 @@ def test_random_jobs_run_ahead_as_they_read_each_pass(trained, seed):
     """Features together, drawn at random: passes run ahead give the tokens and finish reasons of reading each pass
     and of eager passes, greedy rows those of plain decoding. Per-request statistics are equal too where the
     drafter's state is the row's own; where it learns across rows (the hybrid) a request that joins after a row
-    ended at a stop id joins one pass later than when reading each pass, so its drafts may differ, never its tokens."""
+    ended at a stop id joins one pass later than when reading each pass, so its drafts may differ, never its greedy
+    tokens. Under `auto` the sizes may differ too; where trees differ a sampled row is compared by its tokens' law
+    elsewhere (`test_sampling.py`), not token for token: a draw within rounding of a boundary may flip."""
     lm, setting, reqs = _random_job(seed, trained)
     auto = "block_complexity" not in setting
     cfg = dict(setting, block_complexity="auto") if auto else setting
@@ -305,9 +307,35 @@ def test_random_jobs_run_ahead_as_they_read_each_pass(trained, seed):
     plain = Engine(lm, EngineConfig(method="ar")).generate(reqs)
     ahead, read, eager = runs
     for r, a, b, e, p in zip(reqs, ahead, read, eager, plain):
-        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), (setting, r.id)
-        if not auto and setting["method"] not in SHARED_STATE:
+        same_trees = not auto and setting["method"] not in SHARED_STATE
+        if r.params.temperature == 0 or same_trees:  # (README, "Rounding": other trees may flip a near-tie draw)
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), (setting, r.id)
+        if same_trees:
             assert dataclasses.replace(a.stats, time_s=0.0) == dataclasses.replace(b.stats, time_s=0.0), (setting, r.id)
         if r.params.temperature == 0:
             assert (a.token_ids, a.finish_reason) == (p.token_ids, p.finish_reason) == (e.token_ids, e.finish_reason), \
                 (setting, r.id)
+
+
+def test_rows_that_end_stay_in_the_batch_until_requests_join():
+    """Where a prefill's fixed cost is measured (CUDA), requests join once idle slots have cost a forward
+    (`engine.admission`): until then a row that ended at a stop id stays in the batch, masked, and passes keep
+    running ahead of their reads rather than reading the pass in flight to let it leave at once. Same tokens,
+    finish reasons and per-request statistics as reading each pass; more passes run ahead than when rows leave at
+    once."""
+    from esp_worker.auto.cost_model import PrefillCost
+
+    lm = dataclasses.replace(tiny("llama"), prefill_cost=PrefillCost(fixed_s=3.0, token_s=1e-3))
+    ref = reference("llama", "sdpa")
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(
+        max_new_tokens=64, stop_token_ids=[ref[i % 4][5 + 4 * i]])) for i, p in enumerate(MORE)]
+    runs = {}
+    for ahead in (True, False):
+        eng = Engine(lm, EngineConfig(method="ar", max_batch_size=4, cuda_graphs=True, cuda_graphs_run_ahead=ahead))
+        with model_time(lambda b, q, prefill: 1.0):  # a pass costs one second, a forward's fixed cost three
+            runs[ahead] = eng, eng.generate(reqs)
+    (eng, outs), (_, base) = runs[True], runs[False]
+    _same(outs, base)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 4
+    g = eng.stats.graphs
+    assert g.kept_ended_passes > 0 and g.ahead_passes > g.kept_ended_passes
