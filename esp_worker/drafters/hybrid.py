@@ -59,7 +59,7 @@ from .cp_heads import CPHeadsDrafter, CPHeadsState
 from .esp import ProbeSpec, ProbeStage, candidate_pool
 from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings
 from .pld import PromptLookupDrafter
-from .stand import StandDrafter, StandState
+from .stand import StandDrafter, StandState, pool_parents
 
 NGRAM, STORE, ESP, CORPUS = 0, 1, 2, 3
 
@@ -92,10 +92,11 @@ def path_products(cond: torch.Tensor, valid: torch.Tensor, par: torch.Tensor, ma
     ok = torch.nn.functional.pad(valid, (0, 1), value=True)
     up = torch.where(par < 0, p, par)
     up = torch.nn.functional.pad(up, (0, 1), value=p)
-    for r in range(max(max_depth - 1, 0).bit_length()):
+    rounds = max(max_depth - 1, 0).bit_length()  # after r rounds a node's product covers 2^r nodes of its path
+    for r in range(rounds):
         cum = cum * cum.gather(1, up)
         ok = ok & ok.gather(1, up)
-        if r + 1 < max(max_depth - 1, 0).bit_length():
+        if r + 1 < rounds:  # (the last round's jumps are never used)
             up = up.gather(1, up)
     return cum[:, :p], ok[:, :p]
 
@@ -150,9 +151,8 @@ def _ngram_layout(depth: int, k: int, depth_bound: int, device: torch.device) ->
     def make() -> _NgramLayout:
         d = torch.arange(depth, device=device)[:, None].expand(depth, k).reshape(1, -1)
         chain = (torch.arange(depth * k, device=device) % k == 0)[None]
-        parents = torch.where(d == 0, -1, (d - 1) * k)  # every entry at depth d hangs under chain node d - 1
         kind = torch.where(chain, NGRAM, STORE)
-        return _NgramLayout(parents, d, chain, kind, kind * depth_bound + d)
+        return _NgramLayout(pool_parents(depth, k, device)[None], d, chain, kind, kind * depth_bound + d)
 
     return constant(("hybrid_ngram_layout", depth, k, depth_bound, device), make)
 

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..config import EngineConfig
+from ..consts import constant
 from ..model.runner import ModelRunner
 from ..tree import best_nodes
 from ..auto.sizer import DraftSizer
@@ -161,12 +162,6 @@ class StandDrafter(Drafter, DraftSizer):
         alt_ids = alt_ids.reshape(b, dep, k - 1)
         return StoreCandidates(chain, ok, chain_lp, alt_ids, alt_lp)
 
-    def pool_parents(self, device) -> torch.Tensor:
-        """[D*K] parent pool index of each entry of the depth-major pool [chain_1, alt_1.., chain_2, ...]."""
-        dep, k = self.depth, self.topk
-        d = torch.arange(dep, device=device)
-        return torch.where(d == 0, -1, (d - 1) * k)[:, None].expand(dep, k).reshape(-1)
-
     def propose(self, view: RowsView, plan: PassPlan = FULL) -> Block:
         c = self.candidates(view)
         b, dep = c.chain.shape
@@ -176,11 +171,23 @@ class StandDrafter(Drafter, DraftSizer):
         # pool in depth-major order: [chain_1, alt_1.., chain_2, alt_2.., ...]; parent pool index per entry
         score = torch.cat([cum[..., None], above[..., None] + c.alt_lp], 2).reshape(b, dep * k)
         tok = torch.cat([c.chain[..., None], c.alt_ids], 2).reshape(b, dep * k)
-        par = self.pool_parents(dev)
+        par = pool_parents(dep, k, dev)
         is_chain = (torch.arange(dep * k, device=dev) % k == 0)[None]  # [1, D*K]
         rank = torch.where(is_chain & (score > NEG), 1.0, score)  # chain first, then branches by score
         tree, _ = best_nodes(view.root, rank, score > NEG, tok, par.expand(b, -1), self.num_nodes)
         return self.blocks.build(tree, max_depth=dep)
+
+
+def pool_parents(depth: int, k: int, device: torch.device) -> torch.Tensor:
+    """[D*K] parent pool index of each entry of the depth-major pool [chain_1, alt_1.., chain_2, ...] of `depth`
+    depths and k entries each: every entry at depth d hangs under chain node d - 1 (built once per shape).
+    Example: depth 2, k 2 -> [-1, -1, 0, 0]."""
+
+    def make() -> torch.Tensor:
+        d = torch.arange(depth, device=device)
+        return torch.where(d == 0, -1, (d - 1) * k)[:, None].expand(depth, k).reshape(-1)
+
+    return constant(("pool_parents", depth, k, device), make)
 
 
 def path_topk(slot_logits: torch.Tensor, path_slots: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
