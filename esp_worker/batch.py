@@ -119,7 +119,7 @@ class Rows:
         """The drafter's view of the rows as they are now."""
         t = self.t
         return RowsView(t.hist, t.hist_len, t.prompt_len, [s.seed for s in self.seqs], self.state, self.hints,
-                        self.roots, version=self.version, lens=self.lens)
+                        self.roots, version=self.version, lens=self.lens, reason=self.reason)
 
     def advance(self, hist_len: torch.Tensor, last_token: Optional[torch.Tensor], reason: torch.Tensor) -> None:
         """After a commit: the rows' new lengths [B], last committed tokens [B] (None: read from the history when

@@ -546,12 +546,11 @@ class Engine:
         commits and counts nothing there), and they leave with the next join. Reading the pass in flight to let
         them leave at once would leave the device idle while the host retires them and builds the next pass, once
         for every row that ends. They stay while requests would not join yet anyway (`engine.admission`), some
-        row is live and the live rows alone would take the same graph (the same batch bucket). Not under
-        block_complexity=auto: its policy learns nothing from a pass over ended rows (their share of the look's mass
-        cannot be accepted), and would learn nothing while they stay."""
+        row is live and the live rows alone would take the same graph (the same batch bucket). Under
+        block_complexity=auto the policy's looks leave them out (`RowsView.going`) and it learns from the rows each
+        pass could commit to, at the cost of the whole batch."""
         live = rows.live()
-        return (self.policy is None and 0 < live and not self.admission.due(live)
-                and self.graphs.bucket(live) == self.graphs.bucket(len(rows)))
+        return 0 < live and not self.admission.due(live) and self.graphs.bucket(live) == self.graphs.bucket(len(rows))
 
     def _land(self, rows: Rows) -> None:
         """The read of the pass in flight, if any (its lengths and finish reasons are the rows' from here)."""
@@ -576,9 +575,8 @@ class Engine:
                 s.stats.committed_per_pass.append(new - old)
                 committed += new - old
         if self.policy is not None:
-            masked = any(ended)  # its count holds rows it could not commit to: it says nothing
             seconds, model_s = (None, None) if sent.timing is None else sent.timing.read(self.runner.clock)
-            self.policy.observe_pass(None if masked else committed, seconds, model_s)
+            self.policy.observe_pass(committed, seconds, model_s, rows=len(ended) - sum(map(bool, ended)))
         nxt = self._in_flight
         if nxt is not None:
             nxt.lens = lens

@@ -203,6 +203,15 @@ class RowsView:
     # the rows' state (which rows, their lengths): a drafter may reuse what it computed for a view of one version
     # until its next observe (e.g. a look's candidate pool, then the propose of the same pass); unique per state
     version: int = field(default_factory=lambda: new_version())
+    # [B] the rows' finish reasons on the device (0 = going on), or None (all go on). Rows that ended may stay in
+    # the batch while passes run ahead of their reads (engine.cuda_graphs_run_ahead); what learns across rows
+    # (block_complexity=auto's look) leaves them out
+    reason: Optional[torch.Tensor] = None
+
+    @functools.cached_property
+    def going(self) -> Optional[torch.Tensor]:
+        # [B] bool: rows whose requests go on (None: all)
+        return None if self.reason is None else self.reason.eq(0)
 
     @functools.cached_property
     def root(self) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """block_complexity=auto: choose, per decode pass, the draft size that maximises committed tokens per second.
 
-    rate(n) = sum over rows of E_b(n) / time(batch, Q(n), cache_len)
+    rate(n) = sum over rows that go on of E_b(n) / time(batch, Q(n), cache_len)
     E_b(n)  = 1 + alpha * sum of the n best node probabilities of row b (the drafter's `draft_mass`)
+
+(`batch` counts the rows that ended and stay in the batch while passes run ahead: they cost what the others do.)
 
 `time` comes from the measured cost curve of this model on this device (esp_worker.auto.cost_model), so the same
 code picks large trees on a GPU at small batch and small trees (or none) on a CPU or at large batch.
@@ -37,7 +39,34 @@ CURVE_VERSION = 4  # bump when what a pass runs changes, so cached curves are me
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-_NO_MASS: list = []  # `prepare` looked, and the drafter had no mass to offer (choose: plain)
+@dataclass(frozen=True)
+class _Look:
+    """A look's draft mass on the host: what `choose` weighs."""
+
+    cum: list[float]  # [max_nodes + 1] the batch's cumulative mass of the n best nodes per row, n = 0 .. max_nodes
+    rows: float  # the rows it covers: those whose requests go on (rows that ended may stay in the batch)
+
+    @staticmethod
+    def of(values: list[float]) -> "_Look":
+        """From the host copy of `look_vector`'s [max_nodes + 2]."""
+        return _Look(values[:-1], values[-1])
+
+
+def look_vector(mass: torch.Tensor, going: Optional[torch.Tensor]) -> torch.Tensor:
+    """[max_nodes + 2] on the device, read with a pass's one host read: 0, the cumulative mass over the rows
+    that go on, then their count. mass [B, max_nodes] (`DraftSizer.draft_mass`); going [B] bool or None (all).
+    A row that ended can accept nothing: its mass would count drafts no pass can commit."""
+    m = mass.float()
+    if going is None:
+        count = m.new_full((1,), float(m.shape[0]))
+    else:
+        m = torch.where(going[:, None], m, 0.0)
+        count = going.sum(0, keepdim=True).float()
+    total = m.sum(0).cumsum(0)
+    return torch.cat([total.new_zeros(1), total, count])
+
+
+_NO_MASS = _Look([], 0.0)  # `prepare` looked, and the drafter had no mass to offer (choose: plain)
 
 
 @dataclass(frozen=True)
@@ -65,10 +94,10 @@ class _Planned:
     mode: str  # "plain" | "draft" (a probe pass drafts nothing but pays the drafting path)
     model_s: float  # the curve's model seconds for it
     plain_s: float  # the curve's seconds of a plain pass at its batch and cache length
-    batch: int
+    batch: int  # rows it runs over (rows that ended included: they cost what the others do)
     arm: "_Arm"  # the proposer set in charge
     looked: bool  # a look chose it (its host time holds the look's work)
-    mass: Optional[list[float]] = None  # [max_nodes + 1] the look's cumulative mass (host), when it had one
+    mass: Optional[_Look] = None  # the look's mass, when it had one
     nodes: int = -1  # the draft nodes it chose
 
 
@@ -91,8 +120,8 @@ class _Prepared:
     decision: _Decision
     arm: "_Arm"  # the proposer set it picked, and its name
     variant: str
-    # [max_nodes + 1] the look's cumulative mass on the host (`receive`), _NO_MASS, or None: read it at `plan`
-    host_mass: Optional[list[float]] = None
+    # the look's mass on the host (`receive`), _NO_MASS, or None: read it at `plan`
+    host_mass: Optional[_Look] = None
     waiting: bool = False  # its mass rides in a pass's read not yet taken (`receive` brings it)
 
 
@@ -191,7 +220,7 @@ class BlockPolicy:
         # the last plan's look with its mass on the host, while nothing newer is: a pass planned before the read
         # that brings its own look's mass looks with this one (a pass staler) rather than wait for that read
         self._reuse: Optional[_Prepared] = None
-        self._mass: Optional[list[float]] = None  # [max_nodes + 1] cumulative mass of the last plan (host)
+        self._mass: Optional[_Look] = None  # the last plan's look (host)
 
     @property
     def sizes(self) -> list[int]:
@@ -229,7 +258,7 @@ class BlockPolicy:
         if decision.kind != "look":
             return PassPlan(self._planned(-1 if decision.kind == "plain" else 0, batch, cache_len), self.variant)
         fresh = prepared is not None and prepared.host_mass is not None
-        mass = prepared.host_mass if fresh else self.sizer.draft_mass(view, self.variant)
+        mass = prepared.host_mass if fresh else self._read_look(view)
         n = self.choose(mass, batch, cache_len, measured=not self._exploring())
         if self._mass is not None:
             self._reuse = _Prepared(_Decision("look"), self.arm, self.variant, self._mass)
@@ -253,9 +282,9 @@ class BlockPolicy:
     def prepare(self, view, lens: Optional[list[int]] = None) -> Optional[torch.Tensor]:
         """At the end of a pass (its rows committed and observed), decide a coming pass's kind now (the next one's,
         or while passes run ahead of their reads, the one after it: `plan`), and for a look start its draft mass:
-        returns the batch's cumulative mass [max_nodes + 1] (device) for the engine to read with the pass's one
-        host read and hand back with `receive`, or None when that pass does not look. The decision uses the
-        statistics up to the passes already read (this pass's `observe_pass` comes after its read)."""
+        returns `look_vector` (device) for the engine to read with the pass's one host read and hand back with
+        `receive`, or None when that pass does not look. The decision uses the statistics up to the passes
+        already read (this pass's `observe_pass` comes after its read)."""
         if not self.prepare_looks:
             return None
         batch = len(view.seeds)
@@ -264,8 +293,7 @@ class BlockPolicy:
         if decision.kind == "look":
             mass = self.sizer.draft_mass(view, self.variant)
             if mass is not None:
-                total = mass.float().sum(0).cumsum(0)
-                cum = torch.cat([total.new_zeros(1), total])
+                cum = look_vector(mass, view.going)
         self._prepared.append(_Prepared(decision, self.arm, self.variant,
                                         _NO_MASS if decision.kind == "look" and cum is None else None, cum is not None))
         return cum
@@ -284,8 +312,13 @@ class BlockPolicy:
             return
         for p in self._prepared:
             if p.waiting:
-                p.host_mass, p.waiting = cum, False
+                p.host_mass, p.waiting = _Look.of(cum), False
                 return
+
+    def _read_look(self, view) -> Optional[_Look]:
+        """The look's mass of the proposer set in charge, read here (one device read)."""
+        mass = self.sizer.draft_mass(view, self.variant)
+        return None if mass is None else _Look.of(look_vector(mass, view.going).tolist())
 
     @staticmethod
     def _cache_len(view, lens: Optional[list[int]]) -> int:
@@ -323,7 +356,7 @@ class BlockPolicy:
             self._next_wait = base
         elif trial:  # a trial of another proposer set that would not draft: the best set looks next pass
             pass
-        elif self._mass is not None and self._mass[-1] > 0:  # drafting was possible but does not pay: back off
+        elif self._mass is not None and self._mass.cum[-1] > 0:  # drafting was possible but does not pay: back off
             self._wait = self._next_wait or base
             self._next_wait = min(2 * self._wait, 64 * base)
         else:  # nothing to draft right now (no match, no probe): look again soon
@@ -389,29 +422,33 @@ class BlockPolicy:
         return n
 
     def observe_pass(self, num_committed: "torch.Tensor | int | None", seconds: Optional[float] = None,
-                     model_seconds: Optional[float] = None) -> None:
+                     model_seconds: Optional[float] = None, rows: Optional[int] = None) -> None:
         """Calibrate with the oldest pass planned and not yet observed, once it is read (tokens committed: [B] per
-        row, or their sum as a host int, which costs no device read; None: the pass says nothing, as one that ran
-        over rows the pass before had ended), its wall time and the part of it the model took (without it, the
-        wall time beyond the curve's prediction counts as host time and no drift is tracked)."""
+        row, or their sum as a host int, which costs no device read; None: the pass says nothing), its wall time
+        and the part of it the model took (without it, the wall time beyond the curve's prediction counts as host
+        time and no drift is tracked). rows: how many rows it could commit to, when rows that had ended ran in it
+        too (None: every row it ran over; 0: it says nothing)."""
         if not self._unobserved:
             return
         last = self._unobserved.popleft()
-        if num_committed is None:
+        if num_committed is None or rows == 0:
             return
         # the pass's own proposer set: `prepare` may already have picked the next pass's
         current, self.arm = self.arm, last.arm
         try:
-            self._observe_pass(last, num_committed, seconds, model_seconds)
+            self._observe_pass(last, num_committed, seconds, model_seconds, last.batch if rows is None else rows)
         finally:
             self.arm = current
 
     def _observe_pass(self, last: _Planned, num_committed, seconds: Optional[float],
-                      model_seconds: Optional[float]) -> None:
-        arm, mode, model_s, plain_s, batch = last.arm, last.mode, last.model_s, last.plain_s, last.batch
+                      model_seconds: Optional[float], going: int) -> None:
+        arm, mode, model_s, plain_s = last.arm, last.mode, last.model_s, last.plain_s
         committed = num_committed if isinstance(num_committed, int) else int(num_committed.sum())
-        if last.mass is not None and last.nodes > 0:
-            self.observe(last.mass[min(last.nodes, len(last.mass) - 1)], float(committed - batch))
+        look = last.mass
+        # alpha learns only where the look covered the rows the pass committed to (a row that ended after the look,
+        # in a pass in flight, was in its mass and could accept nothing)
+        if look is not None and last.nodes > 0 and look.rows == going:
+            self.observe(look.cum[min(last.nodes, len(look.cum) - 1)], float(committed - going))
         if seconds is None:
             return
         excess = self.model_excess() if mode == "draft" else 1.0
@@ -429,7 +466,7 @@ class BlockPolicy:
             # than it is, and drafting won where it lost (a drafting pass pays its look either way)
             arm.plain_over.append(host)
         if len(self.arms) > 1:  # speed of the proposer set in charge, compared with the other's on the same text
-            tokens, secs = committed / max(batch, 1), (model_s * excess + host) / plain_s
+            tokens, secs = committed / going, (model_s * excess + host) / plain_s
             self._pair(arm, tokens / secs if secs > 0 else 0.0)
             self._passes += 1
             keep = self.local_decay ** (self._passes - arm.local_at)
@@ -491,27 +528,26 @@ class BlockPolicy:
             arm.cost[key] = [float(self.curve.time(batch, q, bucket)) for q in arm.q]
         return arm.cost[key]
 
-    def choose(self, mass: Optional[torch.Tensor], batch: int, cache_len: int, measured: bool = True) -> int:
-        """Draft nodes for this pass (-1 = plain). mass: [B, max_nodes] best-first node probabilities.
-        measured=False (exploring): the best drafting size by the cost curve alone, without the measured
-        overheads, whenever there is something to draft, so that alpha and the drafting overhead are measured
-        again even while plain decoding wins (an estimate that only learns from the passes it chooses would
-        never recover from a low alpha). One device read (the batch's cumulative mass); the rest is host
-        arithmetic over the few sizes."""
+    def choose(self, mass: "_Look | torch.Tensor | None", batch: int, cache_len: int, measured: bool = True) -> int:
+        """Draft nodes for this pass (-1 = plain) over `batch` rows. mass: the look (host), or [B, max_nodes]
+        best-first node probabilities of rows that all go on (read here). measured=False (exploring): the best
+        drafting size by the cost curve alone, without the measured overheads, whenever there is something to
+        draft, so that alpha and the drafting overhead are measured again even while plain decoding wins (an
+        estimate that only learns from the passes it chooses would never recover from a low alpha). Host
+        arithmetic over the few sizes. Rows that ended cost what the others do and commit nothing."""
         if mass is None or mass is _NO_MASS:
             self._mass = None
             return -1
-        # [max_nodes + 1]: a host list when `prepare` read it with the previous pass, else read here
-        cum = mass if isinstance(mass, list) else [0.0] + mass.float().sum(0).cumsum(0).tolist()
-        self._mass = cum
-        alpha, top = self.alpha, len(cum) - 1
+        look = mass if isinstance(mass, _Look) else _Look.of(look_vector(mass, None).tolist())
+        self._mass = look
+        cum, alpha, top = look.cum, self.alpha, len(look.cum) - 1
         plain, draft = (self.overhead("plain"), self.overhead("draft")) if measured else (0.0, 0.0)
         excess = self.model_excess() if measured else 1.0
         best, best_rate = -1, -1.0
         for s, cost in zip(self.arm.sizes, self.costs(batch, cache_len)):
             if s < 0 and not measured and cum[-1] > 0:
                 continue  # exploring: draft
-            rate = (batch + alpha * cum[min(max(s, 0), top)]) / (cost + plain if s < 0 else cost * excess + draft)
+            rate = (look.rows + alpha * cum[min(max(s, 0), top)]) / (cost + plain if s < 0 else cost * excess + draft)
             if rate > best_rate:  # the first of equal rates, as argmax
                 best, best_rate = s, rate
         return best

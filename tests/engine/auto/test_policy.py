@@ -12,7 +12,7 @@ from engine_helpers import ARCHS, reference, tiny
 from model_time import model_time
 from esp_worker import Engine, EngineConfig, GenerationParams
 from esp_worker.auto.cost_model import CostCurve
-from esp_worker.auto.policy import BlockPolicy, PolicySettings, _Decision, _Prepared, calibrate
+from esp_worker.auto.policy import BlockPolicy, PolicySettings, _Decision, _Prepared, calibrate, look_vector
 from esp_worker.auto.sizer import DraftSizer
 from esp_worker.passes import PassPlan
 
@@ -139,7 +139,7 @@ def _run(p: BlockPolicy, passes: int, seconds) -> list[int]:
     accepted), 1 when plain."""
     from types import SimpleNamespace
 
-    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]), going=None)
     plans = []
     for _ in range(passes):
         n = p.plan(view).num_nodes
@@ -206,7 +206,7 @@ def test_proposer_sets_are_compared_on_the_same_text():
     from types import SimpleNamespace
 
     p = policy(FLAT, sizer=_TwoSets(torch.full((2, 29), 0.5)))
-    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]), going=None)
     used = []
     for i in range(3000):
         plan = p.plan(view)
@@ -236,7 +236,7 @@ def test_a_trial_of_the_other_proposer_set_starts_no_back_off():
     p = policy(STEEP, sizer=d)  # every tree loses on the curve; "fast" is the best set, "slow" the one on trial
     from types import SimpleNamespace
 
-    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]), going=None)
     p.arm_min_passes = 0
     p.arms["slow"] = _arm = type(p.arm)(*d.sizes("slow"), p.max_block, *p._prior)
     p.arms["fast"] = type(p.arm)(*d.sizes("fast"), p.max_block, *p._prior)
@@ -273,7 +273,7 @@ def _run_timed(p: BlockPolicy, passes: int, speed, draft_excess: float = 1.0) ->
     0.1 s x speed(i) when plain."""
     from types import SimpleNamespace
 
-    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]), going=None)
     plans = []
     for i in range(passes):
         n = p.plan(view).num_nodes
@@ -357,7 +357,7 @@ def _probes(c: CostCurve, passes: int = 2000) -> int:
     p = policy(c, sizer=d)
     from types import SimpleNamespace
 
-    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]), going=None)
     probes = 0
     for _ in range(passes):
         n = p.plan(view, [100, 100]).num_nodes
@@ -494,7 +494,7 @@ def test_a_costly_look_is_not_charged_to_plain_decoding():
     mass[:, 0] = 1.0  # one sure draft per row: alpha ~1, drafting commits 2 tokens per row
     sizer = _CostlyLook(mass)
     p = policy(FLAT, sizer=sizer)
-    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]))
+    view = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([100, 100]), going=None)
     plans = []
     for _ in range(600):
         sizer.looked = False
@@ -520,7 +520,7 @@ class _MassSizer(_Sizer):
 
 
 def _view(b: int = 1):
-    return type("View", (), {"seeds": [0] * b, "hist_len": torch.full((b,), 40)})()
+    return type("View", (), {"seeds": [0] * b, "hist_len": torch.full((b,), 40), "going": None})()
 
 
 def test_passes_run_ahead_plan_from_the_read_before_the_one_in_flight():
@@ -551,6 +551,36 @@ def test_passes_run_ahead_plan_from_the_read_before_the_one_in_flight():
     assert p.plan(view, [43]).num_nodes == -1
     p.prepare(view, [44])  # then a look, whose mass rides in the read of the plain pass in flight
     assert p._prepared[0].waiting and p.wants_read()  # no look's mass on the host to use instead: read first
+
+
+def test_a_look_leaves_out_rows_that_ended():
+    """Rows that ended may stay in the batch while passes run ahead of their reads (masked, committing nothing): a
+    look weighs the mass and the count of the rows that go on against the whole batch's cost, and alpha learns
+    only from passes that committed to the rows their look covered; the pass's time counts either way."""
+    mass = torch.tensor([[0.5, 0.25], [0.9, 0.9]])
+    assert look_vector(mass, torch.tensor([True, False])).tolist() == [0.0, 0.5, 0.75, 1.0]
+    assert look_vector(mass, None).tolist() == pytest.approx([0.0, 1.4, 2.55, 2.0])
+
+    from types import SimpleNamespace
+
+    p = BlockPolicy(FLAT, _MassSizer(), max_block=64, settings=PolicySettings(prepare_looks=True))
+    one = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([40, 40]), going=torch.tensor([True, False]))
+    p.receive(p.prepare(one, [40, 40]).tolist())  # the look rode in a read: one row goes on
+    n = p.plan(one, [40, 40]).num_nodes
+    assert n == 29 and p._unobserved[-1].batch == 2  # the cost: both rows
+    pred, acc = p.arm.pred, p.arm.acc
+    p.observe_pass(1 + 3, 0.01, 0.01, rows=1)  # the row that went on had 3 drafts accepted
+    assert (p.arm.pred, p.arm.acc) == pytest.approx((p.decay * pred + 0.5 * n, p.decay * acc + 3))
+
+    both = SimpleNamespace(seeds=[0, 0], hist_len=torch.tensor([41, 41]), going=None)
+    assert p.plan(both, [41, 41]).num_nodes == 29  # a look over both rows, read here
+    pred, acc, timed = p.arm.pred, p.arm.acc, len(p.arm.over)
+    p.observe_pass(1, 0.02, 0.01, rows=1)  # one of them had ended in the pass in flight: no alpha from it
+    assert (p.arm.pred, p.arm.acc) == (pred, acc) and len(p.arm.over) == timed + 1
+
+    p.plan(one, [42, 42])
+    p.observe_pass(0, 0.01, 0.01, rows=0)  # every row had ended: the pass says nothing
+    assert not p._unobserved and len(p.arm.over) == timed + 1
 
 
 def test_a_pass_run_ahead_is_timed_by_its_own_model_calls():

@@ -339,3 +339,36 @@ def test_rows_that_end_stay_in_the_batch_until_requests_join():
     assert sum(o.finish_reason == "stop" for o in outs) >= 4
     g = eng.stats.graphs
     assert g.kept_ended_passes > 0 and g.ahead_passes > g.kept_ended_passes
+
+
+@pytest.mark.parametrize("setting", [dict(method="pld"), dict(method="hybrid", num_masks=1)])
+def test_rows_that_end_stay_in_the_batch_under_auto(setting):
+    """The same under block_complexity=auto: while ended rows stay, the policy's looks weigh the rows that go on
+    against the whole batch's cost and it learns from the passes over them. Same tokens and finish reasons as
+    reading each pass (the sizes may differ: a pass run ahead plans from an older read)."""
+    from esp_worker.auto.cost_model import PrefillCost
+
+    lm = dataclasses.replace(tiny("llama"), prefill_cost=PrefillCost(fixed_s=3.0, token_s=1e-3))
+    ref = reference("llama", "sdpa")
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(
+        max_new_tokens=64, stop_token_ids=[ref[i % 4][5 + 4 * i]])) for i, p in enumerate(MORE)]
+    runs = {}
+    for ahead in (True, False):
+        eng = Engine(lm, EngineConfig(block_complexity="auto", max_batch_size=4, cuda_graphs=True,
+                                      cuda_graphs_run_ahead=ahead, **setting), cost_curve=FLAT)
+        seen, observe_pass = [], eng.policy.observe_pass
+
+        def spy(committed, seconds=None, model_seconds=None, rows=None, seen=seen, observe_pass=observe_pass):
+            seen.append(rows)
+            observe_pass(committed, seconds, model_seconds, rows=rows)
+
+        eng.policy.observe_pass = spy
+        with pytest.MonkeyPatch.context() as mp, model_time(lambda b, q, prefill: 1.0):
+            mp.setattr(engine_module, "PREPARE_LOOKS", True)
+            runs[ahead] = eng, eng.generate(reqs), seen
+    (eng, outs, seen), (_, base, _) = runs[True], runs[False]
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(b.token_ids, b.finish_reason) for b in base]
+    assert sum(o.finish_reason == "stop" for o in outs) >= 4
+    assert eng.stats.graphs.kept_ended_passes > 0
+    assert any(rows is not None and 0 < rows < 4 for rows in seen)  # passes over kept rows, observed
+    assert max(max(o.stats.block_size_histogram) for o in outs) > 1  # it drafted

@@ -213,10 +213,10 @@ def test_auto_block_sizes_with_compile_host(compile_at_once, slope):
     eng = Engine(lm, cfg, cost_curve=_curve(slope))
     timed, observe_pass, compiled = [], eng.policy.observe_pass, [eng.compile_s]
 
-    def spy(committed, seconds=None, model_seconds=None):  # (seconds handed to the policy, the pass compiled)
+    def spy(committed, seconds=None, model_seconds=None, **rows):  # (seconds handed to the policy, the pass compiled)
         timed.append((seconds, eng.compile_s != compiled[-1]))
         compiled.append(eng.compile_s)
-        observe_pass(committed, seconds, model_seconds)
+        observe_pass(committed, seconds, model_seconds, **rows)
 
     eng.policy.observe_pass = spy
     outs = eng.generate([Request(id=str(i), prompt=p, params=GREEDY) for i, p in enumerate(PROMPTS)])
