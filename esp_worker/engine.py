@@ -157,6 +157,7 @@ class Engine:
         self.prefill_forward_tokens = self._forward_tokens()  # a prefill forward's cost in tokens (prefill_plan.py)
         self.admission = self._admission()  # when waiting requests join (continuous batching)
         self._in_flight: Optional[_InFlight] = None  # engine.cuda_graphs_run_ahead: the pass not yet read
+        self._exhausted = False  # no request is left to join (the requests' iterable ended, or the feed closed)
 
     def _graphs(self, shared: Optional[GraphRunner]) -> Optional[GraphRunner]:
         """engine.cuda_graphs' runner over a KV slab pinned for the whole engine (graphs read it at fixed addresses),
@@ -284,7 +285,7 @@ class Engine:
         rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device), cache)
         self._in_flight = None
         self.admission.joined()
-        exhausted = False
+        exhausted = self._exhausted = False
         while True:
             admit: list[Seq] = []
             live = rows.live()
@@ -293,6 +294,7 @@ class Engine:
                     self._land(rows)
                     yield from self._retire(rows)
                 reqs, exhausted = take(self.max_rows - len(rows), not len(rows))
+                self._exhausted = exhausted
                 if reqs:  # rows join: the pass in flight is read first
                     self._land(rows)
                     self.admission.joined()
@@ -537,20 +539,24 @@ class Engine:
             self._read(rows, before)
             if any(rows.done) and not self._keeps_ended(rows):  # the pass just launched ran over rows that had
                 self._land(rows)  # ended: read it too, and they leave
-        if any(n >= limit for n, limit, code in zip(rows.lens, rows.limits, rows.done) if not code):
-            self._land(rows)  # it may end rows at their limits: the next pass must not run before its read
+        ending = [limit for n, limit, code in zip(rows.lens, rows.limits, rows.done) if not code and n >= limit]
+        if ending and (max(ending) >= self.loaded.max_context or not self._keeps_ended(rows, len(ending))):
+            self._land(rows)  # it may end rows at their limits, which would leave: read it before the next pass
         self.stats.finish(clock, self.runner.model_s)
 
-    def _keeps_ended(self, rows: Rows) -> bool:
+    def _keeps_ended(self, rows: Rows, ending: int = 0) -> bool:
         """Whether rows that ended stay in the batch while passes run on: each pass runs over them masked (it
         commits and counts nothing there), and they leave with the next join. Reading the pass in flight to let
         them leave at once would leave the device idle while the host retires them and builds the next pass, once
-        for every row that ends. They stay while requests would not join yet anyway (`engine.admission`), some
-        row is live and the live rows alone would take the same graph (the same batch bucket). Under
+        for every row that ends. They stay while no request would join yet (`engine.admission`; none is left),
+        some row is live and the live rows alone would take the same graph (the same batch bucket). Under
         block_complexity=auto the policy's looks leave them out (`RowsView.going`) and it learns from the rows each
-        pass could commit to, at the cost of the whole batch."""
-        live = rows.live()
-        return 0 < live and not self.admission.due(live) and self.graphs.bucket(live) == self.graphs.bucket(len(rows))
+        pass could commit to, at the cost of the whole batch. ending: rows the pass just launched may end besides
+        (at their length limits), counted as ended: where they would not stay, that pass is read before the next is
+        launched, so that they leave (and requests join) at once."""
+        live = rows.live() - ending
+        joins = not self._exhausted and self.admission.due(live)
+        return 0 < live and not joins and self.graphs.bucket(live) == self.graphs.bucket(len(rows))
 
     def _land(self, rows: Rows) -> None:
         """The read of the pass in flight, if any (its lengths and finish reasons are the rows' from here)."""

@@ -317,28 +317,35 @@ def test_random_jobs_run_ahead_as_they_read_each_pass(trained, seed):
                 (setting, r.id)
 
 
-def test_rows_that_end_stay_in_the_batch_until_requests_join():
+@pytest.mark.parametrize("end", ["stop", "length"])
+def test_rows_that_end_stay_in_the_batch_until_requests_join(end):
     """Where a prefill's fixed cost is measured (CUDA), requests join once idle slots have cost a forward
-    (`engine.admission`): until then a row that ended at a stop id stays in the batch, masked, and passes keep
-    running ahead of their reads rather than reading the pass in flight to let it leave at once. Same tokens,
-    finish reasons and per-request statistics as reading each pass; more passes run ahead than when rows leave at
-    once."""
+    (`engine.admission`): until then a row that ended (at a stop id, or at its length limit, which the host
+    foresees) stays in the batch, masked, and passes keep running ahead of their reads rather than reading the pass
+    in flight to let it leave at once. Same tokens, finish reasons and per-request statistics as reading each pass;
+    more passes run ahead than when rows leave at once."""
     from esp_worker.auto.cost_model import PrefillCost
 
     lm = dataclasses.replace(tiny("llama"), prefill_cost=PrefillCost(fixed_s=3.0, token_s=1e-3))
     ref = reference("llama", "sdpa")
-    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(
-        max_new_tokens=64, stop_token_ids=[ref[i % 4][5 + 4 * i]])) for i, p in enumerate(MORE)]
+    if end == "stop":
+        reqs = [Request(id=str(i), prompt=p, params=GenerationParams(
+            max_new_tokens=64, stop_token_ids=[ref[i % 4][5 + 4 * i]])) for i, p in enumerate(MORE)]
+    else:
+        reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=6 + 7 * i % 40, ignore_eos=True))
+                for i, p in enumerate(MORE)]
     runs = {}
     for ahead in (True, False):
         eng = Engine(lm, EngineConfig(method="ar", max_batch_size=4, cuda_graphs=True, cuda_graphs_run_ahead=ahead))
         with model_time(lambda b, q, prefill: 1.0):  # a pass costs one second, a forward's fixed cost three
             runs[ahead] = eng, eng.generate(reqs)
-    (eng, outs), (_, base) = runs[True], runs[False]
+    (eng, outs), (read_each, base) = runs[True], runs[False]
     _same(outs, base)
-    assert sum(o.finish_reason == "stop" for o in outs) >= 4
+    assert sum(o.finish_reason == end for o in outs) >= 4
     g = eng.stats.graphs
     assert g.kept_ended_passes > 0 and g.ahead_passes > g.kept_ended_passes
+    if end == "length":  # rows that would leave at their limits (requests join) still leave at once: no pass more
+        assert eng.stats.decode_passes == read_each.stats.decode_passes
 
 
 @pytest.mark.parametrize("setting", [dict(method="pld"), dict(method="hybrid", num_masks=1)])
