@@ -165,6 +165,22 @@ class Rows:
         self.hints = None if hints is None else rows[2]
         return look
 
+    def read_finished(self, rows: list[int]) -> list["Finished"]:
+        """Rows `rows`' generated tokens and statistics counters on the host, in one device read for all of them
+        (on a GPU each read is a round trip: four per row, read apart, cost a batch of finishing rows milliseconds)."""
+        t = self.t
+        starts, ends = [len(self.seqs[r].prompt_ids) for r in rows], [self.lens[r] for r in rows]
+        lo, hi = min(starts), max(ends)
+        idx = torch.tensor(rows, device=t.hist.device)
+        parts = [t.hist[:, lo:hi], t.drafted, t.hists] + ([t.accepted_by] if t.accepted_by is not None else [])
+        widths = [p.shape[1] for p in parts] + [0] * (4 - len(parts))
+        packed = torch.cat([p.index_select(0, idx).long() for p in parts], 1).tolist()
+        out = []
+        for values, start, end in zip(packed, starts, ends):
+            tokens, drafted, hists, by = (values[a - w: a] for a, w in zip(itertools.accumulate(widths), widths))
+            out.append(Finished(tokens[start - lo: end - lo], drafted, hists, by))
+        return out
+
     def drop(self, gone: list[int]) -> None:
         """Rows `gone` leave the batch; the last rows that stay take their places (`drop_order`)."""
         self.select(drop_order(len(self), gone))
@@ -342,6 +358,16 @@ def new_counters(b: int, device: torch.device, num_proposers: int = 0) -> dict[s
     z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
     return dict(drafted=z(b, 2), hists=z(b, STAT_WIDTH * STAT_WIDTH, dtype=torch.int32),
                 accepted_by=z(b, num_proposers) if num_proposers else None)
+
+
+@dataclass
+class Finished:
+    """A finishing row's device values on the host (`Rows.read_finished`)."""
+
+    token_ids: list[int]  # the generated tokens
+    drafted: list[int]  # [2] draft tokens fed, passes that fed any
+    hists: list[int]  # [W * W] passes by tokens committed before and after the stops (`finish_stats`)
+    accepted_by: list[int]  # [P] accepted drafts per proposer ([] without proposers)
 
 
 def finish_stats(st: RequestStats, drafted: list[int], hists: list[int], num_generated: int, passes: int,

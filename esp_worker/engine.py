@@ -806,18 +806,16 @@ class Engine:
         done = [r for r, code in enumerate(rows.done) if code]
         if not done or self._in_flight is not None:  # (ended rows kept while a pass runs over them leave later)
             return
-        t = rows.t
         now = time.perf_counter()
-        for r in done:
-            s = rows.seqs[r]
-            ids = t.hist[r, len(s.prompt_ids): rows.lens[r]].tolist()
+        for r, fin in zip(done, rows.read_finished(done)):
+            s, ids = rows.seqs[r], fin.token_ids
             self.drafter.finish_request(s.prompt_ids + ids)
-            finish_stats(s.stats, t.drafted[r].tolist(), t.hists[r].tolist(), len(ids), *self.stats.blocks.since(s))
+            finish_stats(s.stats, fin.drafted, fin.hists, len(ids), *self.stats.blocks.since(s))
             if self.cycle is not None:
                 s.stats.num_layers_run = self.cycle.cfg.layers_run(len(s.prompt_ids), len(ids))
                 s.stats.num_model_layers = self.num_layers
             if self.drafter.proposers:
-                s.stats.accepted_by_proposer = dict(zip(self.drafter.proposers, t.accepted_by[r].tolist()))
+                s.stats.accepted_by_proposer = dict(zip(self.drafter.proposers, fin.accepted_by))
             s.stats.time_s = now - s.t0
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             yield RequestOutput(id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[rows.done[r]], stats=s.stats)

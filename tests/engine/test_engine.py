@@ -289,6 +289,46 @@ def test_statistics_are_consistent():
     assert total.tau == pytest.approx(total.num_decode_tokens / total.num_decode_passes)
 
 
+def test_rows_that_finish_together_are_read_once(monkeypatch):
+    """Retiring rows reads their tokens and counters in one device read, however many finish (on a GPU a read is a
+    round trip: four per row, read apart, cost a batch of finishing rows milliseconds); the hybrid's per-proposer
+    counts and the statistics come out as read apart."""
+    from host_reads import READS
+
+    lm = tiny("llama")
+    cfg = EngineConfig(method="hybrid", num_masks=1, block_complexity=10, max_batch_size=4)
+    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    seen = {"inside": False, "reads": 0}
+    for name in READS:
+        def wrapped(self, *a, _orig=getattr(torch.Tensor, name), **kw):
+            seen["reads"] += seen["inside"]
+            return _orig(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    retire = Engine._retire
+
+    def counted(self, rows):
+        done = sum(map(bool, rows.done))
+        seen["inside"], before = True, seen["reads"]
+        try:
+            yield from retire(self, rows)
+        finally:
+            seen["inside"] = False
+        if done:
+            seen.setdefault("retires", []).append((done, seen["reads"] - before))
+
+    monkeypatch.setattr(Engine, "_retire", counted)
+    outs = run(lm, dataclasses.replace(cfg, method="ar"), params)
+    assert seen.pop("retires") == [(4, 1)]  # plain decoding: the four rows end at one pass
+    assert [tuple(o.token_ids) for o in outs] == [r[:12] for r in reference("llama", "sdpa")]
+    outs = run(lm, cfg, params)
+    assert all(reads == 1 for _, reads in seen["retires"]) and sum(n for n, _ in seen["retires"]) == 4
+    assert [tuple(o.token_ids) for o in outs] == [r[:12] for r in reference("llama", "sdpa")]
+    for o in outs:
+        st = o.stats
+        assert st.num_generated_tokens == 12 and sum(st.committed_histogram) == st.num_decode_passes
+        assert sum(st.accepted_by_proposer.values()) == st.num_accepted_drafts
+
+
 def test_engine_never_imports_ray():
     code = "import sys, esp_worker, esp_worker.engine, esp_worker.drafters, esp_worker.model.load; " \
            "import esp_worker.drafters.esp, esp_worker.drafters.pld; assert 'ray' not in sys.modules, 'ray imported'"
