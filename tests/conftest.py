@@ -41,13 +41,15 @@ if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths
 # short ones fill in at the end, so that no long module starts last and leaves one worker running it alone
 # (`--no-loadscope-reorder` keeps this order: by default xdist hands out the modules with the most tests first,
 # which started the two training modules last on one worker).
-LONGEST_FIRST = ("engine/kernels/test_settle.py", "jobs/run/test_jobs_cluster.py", "jobs/run/test_jobs_integrity.py",
-                 "jobs/run/test_jobs_ray.py", "jobs/train/test_train_dmtd.py", "jobs/train/test_train_heads.py",
-                 "engine/graphs/test_capture_path.py", "engine/test_lossless.py", "engine/graphs/test_step_compile.py",
-                 "jobs/io/test_jobs_s3.py", "jobs/bench/test_bench.py", "engine/kernels/test_aot.py",
-                 "jobs/export/test_spec_bench_export.py", "engine/graphs/test_static_engine.py",
-                 "jobs/run/test_jobs_graphs.py", "jobs/run/test_jobs_default.py", "engine/drafters/test_cp_heads.py",
-                 "engine/model/test_flex.py", "jobs/run/test_jobs_dmtd.py", "jobs/run/test_jobs_local_ray.py")
+LONGEST_FIRST = ("jobs/run/test_jobs_integrity.py", "jobs/run/test_jobs_cluster.py", "engine/graphs/test_run_ahead.py",
+                 "engine/test_lossless.py", "jobs/run/test_jobs_ray.py", "jobs/train/test_train_dmtd.py",
+                 "engine/graphs/test_probe_stage.py", "jobs/train/test_train_heads.py", "engine/kernels/test_settle.py",
+                 "engine/graphs/test_step_compile.py", "engine/graphs/test_capture_path.py", "jobs/bench/test_bench.py",
+                 "engine/graphs/test_static_engine.py", "engine/kernels/test_aot.py", "engine/test_host_sync.py",
+                 "engine/drafters/test_cp_heads.py", "jobs/io/test_jobs_s3.py", "jobs/export/test_spec_bench_export.py",
+                 "jobs/run/test_jobs_default.py", "jobs/run/test_jobs_dmtd.py", "jobs/run/test_jobs_graphs.py",
+                 "engine/auto/test_policy.py", "jobs/run/test_jobs_local_ray.py", "engine/graphs/test_step.py",
+                 "test_readme.py")
 
 
 def pytest_collection_modifyitems(config, items):
