@@ -61,9 +61,11 @@
 #              eager: DMTD passes run eagerly), then the committed esp-tiny-llama DMTD model and its verified copy at
 #              batch 1 and 8
 #   methods64  esp k1 BC 30 and hybrid auto beside ar at batch 64 alone (no cost curve)
-#   admit      esp-tiny-llama, float32, batch 16 over 64 prompts that end at their own EOS (rows finish at different
-#              passes and waiting ones join): engine.admission=auto (requests join once the idle slots have cost a
-#              prefill forward's fixed cost) beside eager_admission (at once), for ar and hybrid auto
+#   admit      esp-tiny-llama, float32, batch 16 over 64 prompts, each with its own max_new_tokens in 16-128
+#              (bench.mixed_max_new_tokens: rows finish at different passes and waiting ones join):
+#              engine.admission=auto (requests join once the idle slots have cost a prefill forward's fixed cost;
+#              until then rows that ended stay in the batch while passes run ahead) beside eager_admission (at once:
+#              each row that ends is read and retired at once), for ar and hybrid auto
 # STEPS picks steps (default all; env always runs); T_<STEP> overrides a step's own limit; GPU_TESTS_K the gpu_tests'
 # pytest -k expression.
 set -uo pipefail
@@ -88,9 +90,9 @@ mkdir -p "$out"; out=$(cd "$out" && pwd)
 work=$(mktemp -d)  # bench output directories: packed into one file (a device call brings back few files)
 end=$(( $(date +%s) + budget ))
 if (( dry )); then  # the same steps and commands on a CPU, small and fast, the static-buffer path on (graphs: auto)
-  DEV=cpu SHAPE=tiny-random-llama DTYPE=float32 NEW=8 TINY_NEW=8 TINY_PROMPTS=prompts4 GRAPHS=true DMTD_D=1
+  DEV=cpu SHAPE=tiny-random-llama DTYPE=float32 NEW=8 TINY_NEW=8 TINY_PROMPTS=prompts4 GRAPHS=true DMTD_D=1 MIX=4,16
 else
-  DEV=cuda SHAPE=random:llama-1b DTYPE=bfloat16 NEW=64 TINY_NEW=64 TINY_PROMPTS=prompts16 GRAPHS=auto DMTD_D=4
+  DEV=cuda SHAPE=random:llama-1b DTYPE=bfloat16 NEW=64 TINY_NEW=64 TINY_PROMPTS=prompts16 GRAPHS=auto DMTD_D=4 MIX=16,128
 fi
 P=gpu_data
 export PYTHONUNBUFFERED=1 PYTHONPATH="$here:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
@@ -214,9 +216,9 @@ step methods methods.txt 150 bash -c "$(declare -f bench big); $(declare -p work
     bench.hf_compiled=false bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'; \
   big methods-b16-b64 data.path=$P/prompts128.jsonl 'bench.settings=[esp:30,hybrid:auto]' bench.hf_baseline=false \
     bench.hf_compiled=false 'bench.batch_sizes=[16,64]' bench.cost_max_block=128 'bench.cost_cache_lens=[64,512]'"
-step admit tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS TINY_NEW); \
+step admit tiny.txt 100 bash -c "$(declare -f bench); $(declare -p work DEV P GRAPHS MIX); \
   bench tiny-b16-admission model.name_or_path=$P/esp-tiny-llama model.dtype=float32 data.path=$P/prompts64.jsonl \
-    generation.max_new_tokens=$TINY_NEW generation.ignore_eos=false 'bench.batch_sizes=[16]' \
+    generation.ignore_eos=false 'bench.mixed_max_new_tokens=[$MIX]' 'bench.batch_sizes=[16]' \
     'bench.settings=[ar:1:eager_admission,hybrid:auto,hybrid:auto:eager_admission]' bench.hf_baseline=false \
     bench.hf_compiled=false bench.cost_curve=false"
 step dmtd dmtd.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS DMTD_D TINY_NEW TINY_PROMPTS); \
