@@ -379,3 +379,16 @@ def test_rows_that_end_stay_in_the_batch_under_auto(setting):
     assert eng.stats.graphs.kept_ended_passes > 0
     assert any(rows is not None and 0 < rows < 4 for rows in seen)  # passes over kept rows, observed
     assert max(max(o.stats.block_size_histogram) for o in outs) > 1  # it drafted
+
+
+def test_rows_that_end_stay_when_no_request_is_left_to_join():
+    """With the input taken to its end, nothing would join: rows that end (at their limits here, with requests
+    joining at once, as on a CPU) stay in the batch until the last live row ends, and the tokens and statistics are
+    those of reading each pass."""
+    lm = tiny("llama")
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=6 + 3 * i, ignore_eos=True))
+            for i, p in enumerate(MORE)]
+    (eng, outs), (_, base) = _generate(lm, True, reqs, batch=8), _generate(lm, False, reqs, batch=8)
+    _same(outs, base)
+    assert eng.stats.graphs.kept_ended_passes > 0
+    assert [len(o.token_ids) for o in outs] == [6 + 3 * i for i in range(len(MORE))]
