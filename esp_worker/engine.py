@@ -285,16 +285,15 @@ class Engine:
         rows = Rows([], RowTensors(), self.drafter.state_type(), UniformStreams(self.device), cache)
         self._in_flight = None
         self.admission.joined()
-        exhausted = self._exhausted = False
+        self._exhausted = False
         while True:
             admit: list[Seq] = []
             live = rows.live()
-            if not exhausted and live < self.max_rows and self.admission.due(live):
+            if not self._exhausted and live < self.max_rows and self.admission.due(live):
                 if live < len(rows):  # ended rows kept in the batch (`_keeps_ended`) leave first
                     self._land(rows)
                     yield from self._retire(rows)
-                reqs, exhausted = take(self.max_rows - len(rows), not len(rows))
-                self._exhausted = exhausted
+                reqs, self._exhausted = take(self.max_rows - len(rows), not len(rows))
                 if reqs:  # rows join: the pass in flight is read first
                     self._land(rows)
                     self.admission.joined()
@@ -309,7 +308,7 @@ class Engine:
                 self.planner.rows_changed()
             yield from self._retire(rows)
             if not len(rows):
-                if exhausted:
+                if self._exhausted:
                     return
                 continue
             live = rows.live()
@@ -582,7 +581,7 @@ class Engine:
                 committed += new - old
         if self.policy is not None:
             seconds, model_s = (None, None) if sent.timing is None else sent.timing.read(self.runner.clock)
-            self.policy.observe_pass(committed, seconds, model_s, rows=len(ended) - sum(map(bool, ended)))
+            self.policy.observe_pass(committed, seconds, model_s, rows=rows.live())  # (rows.done: `ended` still)
         nxt = self._in_flight
         if nxt is not None:
             nxt.lens = lens
