@@ -7,6 +7,7 @@ pass, so they are counted once per pass on the host and each row keeps the count
 """
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import math
@@ -58,6 +59,9 @@ class RowTensors(RowState):
     """The engine's own [B, ...] tensors of the rows (the drafter keeps its own in a RowState of its type)."""
 
     hist: Optional[torch.Tensor] = row_field()  # [B, C] prompt + committed tokens, valid up to hist_len
+    # [B, C] float32 beside `hist`: each generated token's log-probability, written in passes where some row wants
+    # them (GenerationParams.logprobs); a prompt's positions hold zeros
+    logprobs: Optional[torch.Tensor] = row_field()
     hist_len: Optional[torch.Tensor] = row_field()  # [B]
     prompt_len: Optional[torch.Tensor] = row_field()  # [B]
     limit: Optional[torch.Tensor] = row_field()  # [B] most tokens the row may hold
@@ -110,6 +114,11 @@ class Rows:
     @property
     def sampling(self) -> bool:
         return any(s.req.params.temperature > 0 for s in self.seqs)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Some row returns its tokens' log-probabilities: the pass computes them for every row."""
+        return any(s.req.params.logprobs for s in self.seqs)
 
     @property
     def has_stop_strings(self) -> bool:
@@ -174,11 +183,19 @@ class Rows:
         idx = torch.tensor(rows, device=t.hist.device)
         parts = [t.hist[:, lo:hi], t.drafted, t.hists] + ([t.accepted_by] if t.accepted_by is not None else [])
         widths = [p.shape[1] for p in parts] + [0] * (4 - len(parts))
+        wants = any(self.seqs[r].req.params.logprobs for r in rows)
+        if wants:  # the float32 bits ride in the same read, as integers
+            parts.append(t.logprobs[:, lo:hi].view(torch.int32))
+        widths.append(hi - lo if wants else 0)
         packed = torch.cat([p.index_select(0, idx).long() for p in parts], 1).tolist()
         out = []
-        for values, start, end in zip(packed, starts, ends):
-            tokens, drafted, hists, by = (values[a - w: a] for a, w in zip(itertools.accumulate(widths), widths))
-            out.append(Finished(tokens[start - lo: end - lo], drafted, hists, by))
+        for r, values, start, end in zip(rows, packed, starts, ends):
+            tokens, drafted, hists, by, bits = (values[a - w: a] for a, w in zip(itertools.accumulate(widths), widths))
+            logprobs = None
+            if wants and self.seqs[r].req.params.logprobs:
+                logprobs = array.array("i", bits[start - lo: end - lo])
+                logprobs = array.array("f", logprobs.tobytes()).tolist()
+            out.append(Finished(tokens[start - lo: end - lo], drafted, hists, by, logprobs))
         return out
 
     def drop(self, gone: list[int]) -> None:
@@ -226,6 +243,7 @@ class Rows:
         if need > hist.shape[1]:
             cap = max(need, 2 * hist.shape[1])
             self.t.hist = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
+            self.t.logprobs = torch.nn.functional.pad(self.t.logprobs, (0, cap - hist.shape[1]))
 
     # ---- statistics --------------------------------------------------------------------------------
     def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: Optional[torch.Tensor], max_committed: int,
@@ -368,6 +386,7 @@ class Finished:
     drafted: list[int]  # [2] draft tokens fed, passes that fed any
     hists: list[int]  # [W * W] passes by tokens committed before and after the stops (`finish_stats`)
     accepted_by: list[int]  # [P] accepted drafts per proposer ([] without proposers)
+    logprobs: Optional[list[float]] = None  # the generated tokens' log-probabilities (the row asked for them)
 
 
 def finish_stats(st: RequestStats, drafted: list[int], hists: list[int], num_generated: int, passes: int,

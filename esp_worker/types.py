@@ -18,6 +18,9 @@ class GenerationParams:
     stop_token_ids: Sequence[int] = ()  # extra stop ids, on top of the model's EOS ids
     stop_strings: Sequence[str] = ()
     ignore_eos: bool = False
+    # return each generated token's log-probability under the model (`RequestOutput.logprobs`): the log-softmax of
+    # its raw logits in float32 (temperature 1, before top-p / top-k), read where the token was chosen
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         # one string is one stop string, not a sequence of one-character stops; one id is one stop id
@@ -43,6 +46,8 @@ class GenerationParams:
             return f"stop_token_ids={list(self.stop_token_ids)!r} must be non-negative integers"
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             return f"stop_strings={list(self.stop_strings)!r} must be non-empty strings"
+        if not isinstance(self.logprobs, bool):
+            return f"logprobs={self.logprobs!r} must be true or false"
         return None
 
 
@@ -142,3 +147,5 @@ class RequestOutput:
     finish_reason: Optional[str]  # stop | length | context; None when error is set
     stats: RequestStats
     error: Optional[str] = None
+    # [len(token_ids)] float32 log-probability of each generated token (GenerationParams.logprobs), else None
+    logprobs: Optional[list[float]] = None

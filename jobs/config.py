@@ -95,6 +95,7 @@ class GenerationConfig:
     seed: int = EngineConfig.seed  # base seed; each request derives its own from it and the row id
     stop_strings: list[str] = field(default_factory=list)  # stop after any of these (the string is kept)
     ignore_eos: bool = GenerationParams.ignore_eos  # true: generate max_new_tokens even past EOS
+    logprobs: bool = GenerationParams.logprobs  # true: each generated token's log-probability (token_logprobs)
 
 
 @dataclass
@@ -289,7 +290,7 @@ def generation_defaults(cfg: DictConfig) -> dict[str, Any]:
     them). The one place the job turns its generation section into the engine's terms."""
     g = cfg.generation
     return dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos)
+                stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos, logprobs=g.logprobs)
 
 
 def _generation_problem(cfg: DictConfig) -> Optional[str]:

@@ -13,7 +13,7 @@
 # dmtd.txt, log.txt and results.tgz (every bench directory, re-packed after each step).
 #
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
-# (own limits: env 60, gpu_tests 150, ar 270, ar64 230, attn 60, ar_flex 200, ar_flex64 200, ar_tune 240, ar_attn 200,
+# (own limits: env 60, gpu_tests 150, ar_best 280, ar 270, ar64 230, attn 60, ar_flex 200, ar_flex64 200, ar_tune 240, ar_attn 200,
 # gpu_compiled 200, profile 120,
 # profile64 120, tiny 145, methods64 150, methods 150, dmtd 120, admit 100 s; at 570 s the later ones do not fit: pick
 # with STEPS).
@@ -35,6 +35,8 @@
 #              in float32 on the two-layer 1B shape, with SDPA's and with FlexAttention's kernel (into gpu_tests.txt)
 #   attn       scripts/attn_backends.py: the decode attention kernels (cudnn, efficient, math) at batch 1, 16, 64,
 #              Q = 1, 8, 32 and 128 .. 2048 key slots, microseconds per call in a replayed graph
+#   ar_best    the ar step's model at batch 1, the batch-1 target in one step: every lever at once (compiled graphs,
+#              FlexAttention's decode kernel, autotuned products, run ahead) beside compiled graphs alone and ar eager
 #   ar_flex    the ar step's model at batch 1: compiled graphs with engine.attention_backend=flex (FlexAttention over
 #              a block mask of the rows' lengths, its decode kernel splitting the keys; each class compiles apart)
 #              beside compiled graphs with torch's SDPA choice and ar eager
@@ -102,7 +104,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar ar64 attn ar_flex ar_flex64 ar_tune ar_attn gpu_compiled profile profile64 tiny methods64 methods dmtd admit} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar_best ar ar64 attn ar_flex ar_flex64 ar_tune ar_attn gpu_compiled profile profile64 tiny methods64 methods dmtd admit} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -181,6 +183,9 @@ step ar ar.txt 270 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE
 step ar64 ar.txt 230 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b64 data.path=$P/prompts128.jsonl '$AR' bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
 step attn ar.txt 60 python3 scripts/attn_backends.py
+step ar_best ar.txt 280 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big ar-b1-best data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,\
+ar:1:compiled_graphs+attention_flex+autotune]' bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
 FLEX='bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:compiled_graphs+attention_flex]'
 step ar_flex ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b1-flex data.path=$P/prompts4.jsonl '$FLEX' bench.hf_baseline=false bench.hf_compiled=false \

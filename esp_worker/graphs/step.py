@@ -8,7 +8,8 @@
 3. every layer (`DirectDecoder.run`), its keys and values written into the KV slab at each row's slots;
 4. the LM head at the tree slots;
 5. the settle: verification (greedy, or sampled with each row's next uniforms), stops (stop ids, limits), and the
-   accepted nodes' KV slots moved behind each row's root;
+   accepted nodes' KV slots moved behind each row's root; in classes where some row asks for them, the committed
+   tokens' log-probabilities;
 6. in classes with a probe stage (`ShapeClass.probe`: ESP, `graphs/hooks.py`), the drafter's probe: the mask EMA,
    the candidates of the last accepted slot's masks and the next static tree.
 
@@ -40,7 +41,7 @@ from ..model.runner import ModelRunner
 from ..sampling import choose_tokens
 from ..stops import apply_stops
 from ..tree import DraftTree
-from ..verify import verify, verify_greedy
+from ..verify import path_logprobs, verify, verify_greedy
 from .buffers import ShapeClass, StepInputs, StepOutput
 
 
@@ -206,4 +207,6 @@ def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: Shap
         last_token = res.committed.gather(1, (res.num_committed - 1).unsqueeze(1)).squeeze(1)
     ints = torch.stack([res.num_committed, res.last_slot, last_token, n_fin, reason])  # [5, B]
     probe = None if shape.probe is None else shape.probe.run(model, inp, hidden, logits, res, last_token, n_fin)
-    return StepOutput(hidden=hidden, committed=res.committed, path_slots=res.path_slots, ints=ints, probe=probe)
+    logprobs = path_logprobs(logits, res.path_slots, res.committed) if shape.logprobs else None
+    return StepOutput(hidden=hidden, committed=res.committed, path_slots=res.path_slots, ints=ints, probe=probe,
+                      logprobs=logprobs)

@@ -13,6 +13,7 @@ BASE_FIELDS = [
     pa.field("generated_text", pa.string()),  # turns input: the last answer
     pa.field("generated_turns", pa.list_(pa.string())),  # turns input: every answer; null otherwise
     pa.field("generated_token_ids", pa.list_(pa.int32())),  # turns input: all answers' tokens, concatenated
+    pa.field("token_logprobs", pa.list_(pa.float32())),  # generation.logprobs: one per generated token; else null
     pa.field("num_prompt_tokens", pa.int64()),
     pa.field("num_generated_tokens", pa.int64()),
     pa.field("finish_reason", pa.string()),  # stop | length | context; null on error
@@ -49,6 +50,9 @@ DESCRIPTIONS = {
     "generated_text": "the generated answer; for a multi-turn (turns) input, the last turn's answer",
     "generated_turns": "multi-turn input: every turn's answer in order; null otherwise",
     "generated_token_ids": "token ids of the generated text (all turns concatenated)",
+    "token_logprobs": "generation.logprobs: each generated token's log-probability under the model (float32 "
+                      "log-softmax of its raw logits: temperature 1, before top-p/top-k), aligned with "
+                      "generated_token_ids; null otherwise",
     "num_prompt_tokens": "tokens in the prompt after the chat template (summed over turns)",
     "num_generated_tokens": "tokens generated (summed over turns)",
     "finish_reason": "stop (EOS or stop string) | length (max_new_tokens) | context (model context full); null on error",

@@ -112,6 +112,7 @@ class _RowState:
     history: list[dict[str, str]] = field(default_factory=list)  # messages so far (turns input)
     answers: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[float]] = None  # beside token_ids, where the row asked for them
     num_prompt_tokens: int = 0
     stats: Any = None  # RequestStats merged over turns
     turns: list[Any] = field(default_factory=list)  # each answered turn's own RequestStats, in order
@@ -494,6 +495,8 @@ class ShardWorker:
             return
         s.answers.append(out.text)
         s.token_ids.extend(out.token_ids)
+        if out.logprobs is not None:
+            s.logprobs = (s.logprobs or []) + out.logprobs
         s.turns.append(out.stats)
         s.finish_reason = out.finish_reason
         if s.row.kind == "turns":
@@ -508,6 +511,7 @@ class ShardWorker:
             "generated_text": s.answers[-1] if s.answers else None,
             "generated_turns": s.answers if s.row.kind == "turns" else None,
             "generated_token_ids": s.token_ids if s.answers else None,
+            "token_logprobs": s.logprobs if s.answers else None,
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_generated_tokens": len(s.token_ids),
             "finish_reason": s.finish_reason if s.error is None else None,

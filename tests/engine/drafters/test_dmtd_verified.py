@@ -116,3 +116,16 @@ def test_errors(root):
         Engine(lm, EngineConfig(method="dmtd_verified", dmtd_path=root))
     with pytest.raises(DmtdConfigError, match="E = 0"):
         Engine(tiny("llama"), EngineConfig(method="dmtd_verified", dmtd_path=copy_dir("llama", root, encoding=1)))
+
+
+def test_log_probabilities_are_the_models(root):
+    """GenerationParams.logprobs: the model's own, whichever copy drafted the tokens."""
+    lm = tiny("qwen2")
+    outs = run(lm, EngineConfig(method="dmtd_verified", dmtd_path=copy_dir("qwen2", root, noise=0.05), max_batch_size=4),
+               GenerationParams(max_new_tokens=24, logprobs=True))
+    for o, p in zip(outs, PROMPTS):
+        ids = lm.tokenizer(p)["input_ids"]
+        with torch.inference_mode():
+            logp = lm.model(torch.tensor([ids + o.token_ids])).logits[0].float().log_softmax(-1)
+        want = logp[len(ids) - 1: -1].gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(o.logprobs), want, atol=1e-4)

@@ -18,15 +18,15 @@ from esp_worker.graphs.step import decode_step
 pytestmark = pytest.mark.slow
 
 
-def _a_class(arch: str, batch: int, temperature: float, method: dict):
+def _a_class(arch: str, batch: int, temperature: float, method: dict, logprobs: bool = False):
     """(graph runner, shape class, its buffers) after a short job: the tree class of the largest bucket (for ESP and
     the hybrid, one that ends with the drafter's stage)."""
     eng = Engine(tiny(arch), EngineConfig(max_batch_size=batch, cuda_graphs=True, **method))
-    params = GenerationParams(max_new_tokens=12, temperature=temperature, seed=5)
+    params = GenerationParams(max_new_tokens=12, temperature=temperature, seed=5, logprobs=logprobs)
     eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
     g = eng.graphs
     shape = max((s for s in g._entries if s.num_slots > 1), key=lambda s: (s.batch, s.capacity))
-    assert shape.sampling == (temperature > 0) and shape.batch == batch
+    assert shape.sampling == (temperature > 0) and shape.batch == batch and shape.logprobs == logprobs
     assert (shape.probe is not None) == (method["method"] in ("esp", "hybrid"))
     return g, shape, g._entries[shape].inp
 
@@ -43,6 +43,9 @@ def _compare(g, shape, inp, fn, bitwise: bool) -> None:
     for name in ("ints", "committed", "path_slots"):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     assert (got.probe is None) == (ref.probe is None) == (shape.probe is None)
+    assert (got.logprobs is None) == (ref.logprobs is None) == (not shape.logprobs)
+    if ref.logprobs is not None:
+        torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0 if bitwise else 1e-4, atol=0 if bitwise else 1e-4)
     if ref.probe is not None:  # the drafter's stage: candidates, trees and ids bitwise, m and log-probs to rounding
         for a, b in zip(got.probe.tensors(), ref.probe.tensors()):
             if a is not None and (bitwise or not a.is_floating_point()):
@@ -75,6 +78,15 @@ def _one_graph() -> None:
 def test_one_graph_bitwise_the_eager_step(arch, batch, temperature):
     """ESP with two masks and dynamic trees (per-row layouts, KV moves): one graph, bitwise the eager step."""
     g, shape, inp = _a_class(arch, batch, temperature, dict(method="esp", num_masks=2, block_complexity=30))
+    _compare(g, shape, inp, _compiled("aot_eager"), bitwise=True)
+    _one_graph()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_class_computing_log_probabilities_is_one_graph(temperature):
+    """Rows asking for their tokens' log-probabilities (GenerationParams.logprobs): the step computes them in the
+    same graph, bitwise the eager step's."""
+    g, shape, inp = _a_class("qwen2", 4, temperature, dict(method="hybrid", block_complexity=30), logprobs=True)
     _compare(g, shape, inp, _compiled("aot_eager"), bitwise=True)
     _one_graph()
 

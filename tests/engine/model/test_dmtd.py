@@ -255,3 +255,21 @@ def test_untrained_split_and_errors():
     with pytest.raises(ValueError, match="dmtd_path"):
         EngineConfig(method="dmtd_verified").validate()
     assert reference("llama", "sdpa")  # the engine helpers' reference still loads beside a DMTD engine
+
+
+def test_direct_mode_log_probabilities_are_the_cyclic_forwards(root):
+    """GenerationParams.logprobs in the direct mode: each token's log-probability under the DMTD model that chose it
+    (the cyclic forward's logits at its position), not the base model's."""
+    split = (0, 2, 2, 3)
+    lm = load_model(ModelConfig(name_or_path=saved_model("llama", root, split)))
+    outs = run(lm, EngineConfig(method="dmtd", max_batch_size=4),
+               GenerationParams(max_new_tokens=20, ignore_eos=True, logprobs=True), MORE)
+    for o, p in zip(outs, MORE):
+        ids = lm.tokenizer(p)["input_ids"]
+        seq = torch.tensor([ids + o.token_ids])
+        with torch.no_grad():
+            h = cyclic_forward(lm.model.get_decoder(), DmtdConfig(*split), seq, window=sliding_window(lm.model.config))
+            logp = lm.model.get_output_embeddings()(h)[0].float().log_softmax(-1)
+        want = logp[len(ids) - 1: -1].gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        assert len(o.logprobs) == 20
+        assert torch.allclose(torch.tensor(o.logprobs), want, atol=1e-4)

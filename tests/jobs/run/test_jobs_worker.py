@@ -252,3 +252,27 @@ def test_a_shard_sent_again_while_its_first_call_runs_waits_for_those_rows(tmp_p
     again = worker.run_shard(0, rows)  # the shard once more, alone: as many passes as both calls took together
     assert worker.passes() - passes == passes
     assert [r["generated_token_ids"] for r in again.to_pylist()] == [r["generated_token_ids"] for r in second.to_pylist()]
+
+
+def test_token_logprobs_are_the_models_and_null_unless_asked(tmp_path, tiny):
+    worker, rows = _worker(tmp_path, "data.limit=3", "generation.max_new_tokens=8", "generation.logprobs=true")
+    out = worker.run_shard(0, rows).to_pylist()
+    for job_row, got in zip(rows, out):
+        ids = tiny.tokenizer(job_row.input)["input_ids"]
+        seq = torch.tensor([ids + got["generated_token_ids"]])
+        with torch.inference_mode():
+            logp = tiny.model(seq).logits[0].float().log_softmax(-1)
+        want = logp[len(ids) - 1: -1].gather(1, torch.tensor(got["generated_token_ids"])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(got["token_logprobs"]), want, atol=1e-4)
+    worker, rows = _worker(tmp_path / "off", "data.limit=2", "generation.max_new_tokens=4")
+    assert [r["token_logprobs"] for r in worker.run_shard(0, rows).to_pylist()] == [None, None]
+
+
+def test_token_logprobs_of_turns_follow_the_concatenated_tokens(tmp_path):
+    worker, rows = _worker(tmp_path, f"data.path={shared(SPEC_BENCH)}", "data.id_column=question_id", "data.limit=2",
+                           "generation.max_new_tokens=4", "generation.logprobs=true",
+                           f"model.name_or_path={shared(TINY_LLAMA)}")
+    for got in worker.run_shard(0, rows).to_pylist():
+        assert len(got["generated_turns"]) == 2
+        assert len(got["token_logprobs"]) == len(got["generated_token_ids"]) == got["num_generated_tokens"]
+        assert all(lp <= 0 for lp in got["token_logprobs"])
