@@ -104,3 +104,10 @@ def test_the_compiled_settle_leaves_such_passes_to_the_eager_one():
     """engine.compile_host's kernel computes no log-probabilities: passes over rows that ask run the eager settle."""
     cfg = EngineConfig(method="esp", block_complexity=10, max_batch_size=2, compile_host=True)
     _check(tiny("llama"), cfg, GenerationParams(max_new_tokens=NEW))
+
+
+def test_stop_strings_cut_them_with_the_tokens():
+    lm = tiny("llama")
+    outs = _check(lm, EngineConfig(method="pld", block_complexity=10, max_batch_size=4),
+                  GenerationParams(max_new_tokens=NEW, stop_strings=("e",)))
+    assert any(o.finish_reason == "stop" for o in outs)
