@@ -59,9 +59,12 @@ class RowTensors(RowState):
     """The engine's own [B, ...] tensors of the rows (the drafter keeps its own in a RowState of its type)."""
 
     hist: Optional[torch.Tensor] = row_field()  # [B, C] prompt + committed tokens, valid up to hist_len
-    # [B, C] float32 beside `hist`: each generated token's log-probability, written in passes where some row wants
-    # them (GenerationParams.logprobs); a prompt's positions hold zeros
+    # beside `hist`, written in passes where some row asks for them (GenerationParams.logprobs, top_logprobs; a
+    # prompt's positions hold zeros): [B, C] float32 each generated token's log-probability, and [B, C, K] the K
+    # likeliest tokens where it was chosen (int32) with theirs (float32), K the most a row of the batch asked for
     logprobs: Optional[torch.Tensor] = row_field()
+    top_ids: Optional[torch.Tensor] = row_field()
+    top_logprobs: Optional[torch.Tensor] = row_field()
     hist_len: Optional[torch.Tensor] = row_field()  # [B]
     prompt_len: Optional[torch.Tensor] = row_field()  # [B]
     limit: Optional[torch.Tensor] = row_field()  # [B] most tokens the row may hold
@@ -116,9 +119,11 @@ class Rows:
         return any(s.req.params.temperature > 0 for s in self.seqs)
 
     @property
-    def wants_logprobs(self) -> bool:
-        """Some row returns its tokens' log-probabilities: the pass computes them for every row."""
-        return any(s.req.params.logprobs for s in self.seqs)
+    def logprobs_top(self) -> Optional[int]:
+        """None: no row returns its tokens' log-probabilities; else the pass computes them for every row, with the
+        most alternatives a row asks for (0: none)."""
+        asks = [s.req.params for s in self.seqs if s.req.params.wants_logprobs]
+        return max(p.top_logprobs for p in asks) if asks else None
 
     @property
     def has_stop_strings(self) -> bool:
@@ -183,19 +188,27 @@ class Rows:
         idx = torch.tensor(rows, device=t.hist.device)
         parts = [t.hist[:, lo:hi], t.drafted, t.hists] + ([t.accepted_by] if t.accepted_by is not None else [])
         widths = [p.shape[1] for p in parts] + [0] * (4 - len(parts))
-        wants = any(self.seqs[r].req.params.logprobs for r in rows)
+        wants = any(self.seqs[r].req.params.wants_logprobs for r in rows)
+        k = max(self.seqs[r].req.params.top_logprobs for r in rows)
         if wants:  # the float32 bits ride in the same read, as integers
             parts.append(t.logprobs[:, lo:hi].view(torch.int32))
-        widths.append(hi - lo if wants else 0)
+        if k:
+            parts += [x[:, lo:hi, :k].reshape(len(self), -1) for x in (t.top_ids, t.top_logprobs.view(torch.int32))]
+        widths += [hi - lo if wants else 0] + [(hi - lo) * k] * 2
         packed = torch.cat([p.index_select(0, idx).long() for p in parts], 1).tolist()
         out = []
         for r, values, start, end in zip(rows, packed, starts, ends):
-            tokens, drafted, hists, by, bits = (values[a - w: a] for a, w in zip(itertools.accumulate(widths), widths))
-            logprobs = None
-            if wants and self.seqs[r].req.params.logprobs:
-                logprobs = array.array("i", bits[start - lo: end - lo])
-                logprobs = array.array("f", logprobs.tobytes()).tolist()
-            out.append(Finished(tokens[start - lo: end - lo], drafted, hists, by, logprobs))
+            tokens, drafted, hists, by, bits, top_ids, top_bits = (
+                values[a - w: a] for a, w in zip(itertools.accumulate(widths), widths))
+            fin = Finished(tokens[start - lo: end - lo], drafted, hists, by)
+            params = self.seqs[r].req.params
+            if params.wants_logprobs:
+                fin.logprobs = _floats(bits[start - lo: end - lo])
+            if params.top_logprobs:
+                a, z, mine = (start - lo) * k, (end - lo) * k, params.top_logprobs
+                ids, lps = top_ids[a:z], _floats(top_bits[a:z])
+                fin.top_logprobs = [list(zip(ids[i: i + mine], lps[i: i + mine])) for i in range(0, z - a, k)]
+            out.append(fin)
         return out
 
     def drop(self, gone: list[int]) -> None:
@@ -243,7 +256,9 @@ class Rows:
         if need > hist.shape[1]:
             cap = max(need, 2 * hist.shape[1])
             self.t.hist = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
-            self.t.logprobs = torch.nn.functional.pad(self.t.logprobs, (0, cap - hist.shape[1]))
+            t, more = self.t, cap - hist.shape[1]
+            t.logprobs = torch.nn.functional.pad(t.logprobs, (0, more))
+            t.top_ids, t.top_logprobs = (torch.nn.functional.pad(x, (0, 0, 0, more)) for x in (t.top_ids, t.top_logprobs))
 
     # ---- statistics --------------------------------------------------------------------------------
     def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: Optional[torch.Tensor], max_committed: int,
@@ -348,10 +363,18 @@ def unpack_read(got: list, b: int, p: int) -> tuple[list[list[int]], Optional[li
     return [[int(x) for x in got[i * b: (i + 1) * b]] for i in range(p)], got[p * b:]
 
 
+def _floats(bits: list[int]) -> list[float]:
+    """float32 values read as their int32 bit patterns (`read_finished` packs them with the integers)."""
+    return array.array("f", array.array("i", bits).tobytes()).tolist()
+
+
 def write_history(hist: torch.Tensor, hist_len: torch.Tensor, committed: torch.Tensor) -> None:
     """committed [B, S] into hist [B, H] at each row's slots hist_len .. hist_len + S - 1, in place (the slots
-    past a row's new length are stale anyway: every reader of `hist` stops at hist_len)."""
+    past a row's new length are stale anyway: every reader of `hist` stops at hist_len). committed [B, S, K] goes
+    into the first K columns of hist [B, H, K' >= K] (the top log-probabilities)."""
     idx = hist_len.unsqueeze(1) + steps(committed.shape[1], committed.device)  # [B, S]
+    if committed.ndim == 3:
+        hist, idx = hist.narrow(2, 0, committed.shape[2]), idx.unsqueeze(2).expand_as(committed)
     hist.scatter_(1, idx, committed)
 
 
@@ -387,6 +410,7 @@ class Finished:
     hists: list[int]  # [W * W] passes by tokens committed before and after the stops (`finish_stats`)
     accepted_by: list[int]  # [P] accepted drafts per proposer ([] without proposers)
     logprobs: Optional[list[float]] = None  # the generated tokens' log-probabilities (the row asked for them)
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token, the row's top_logprobs alternatives
 
 
 def finish_stats(st: RequestStats, drafted: list[int], hists: list[int], num_generated: int, passes: int,

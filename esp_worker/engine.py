@@ -52,7 +52,8 @@ from .stats import EngineStats, PassClock, now
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
 from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
-from .verify import VerifyResult, path_logprobs, verify, verify_greedy
+from .logprobs import TokenLogprobs, chosen_logprobs, path_logprobs
+from .verify import VerifyResult, verify, verify_greedy
 
 log = logging.getLogger(__name__)
 
@@ -377,10 +378,13 @@ class Engine:
         for i, e in enumerate(extra):
             stop_ids[i, : len(e)] = torch.tensor(e, dtype=torch.long)
         plen = torch.tensor(lens)
+        top = max(x.top_logprobs for x in p)  # the alternatives' columns (grown when rows asking for more join)
         limit, limit_code = row_limits(plen + torch.tensor([x.max_new_tokens for x in p]), self.loaded.max_context)
         t = RowTensors(
             hist=hist.to(dev),
             logprobs=torch.zeros(hist.shape, dtype=torch.float32, device=dev),
+            top_ids=torch.zeros((*hist.shape, top), dtype=torch.int32, device=dev),
+            top_logprobs=torch.zeros((*hist.shape, top), dtype=torch.float32, device=dev),
             hist_len=plen.to(dev),
             prompt_len=plen.to(dev),
             limit=limit.to(dev),
@@ -444,7 +448,7 @@ class Engine:
         committed = tok[:, None]
         n = torch.ones(r, dtype=torch.long, device=dev)
         n_fin, reason = self._stops(rows, committed, n)
-        self._commit(rows, committed, n_fin, reason, tok, self._logprobs(rows, logits[:, None], committed))
+        self._commit(rows, committed, n_fin, reason, tok, self._chosen_logprobs(rows, logits[:, None], committed))
         aux_hidden = hidden[:, 1:] if a else None
         mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
         self.drafter.observe(rows.view(), PassRecord(committed, n_fin, hidden=aux_hidden, mask_hidden=mask_hidden,
@@ -659,8 +663,8 @@ class Engine:
             logits = self.runner.logits(hidden)  # [B, 1, V]
             tok = choose(logits[:, 0], every)
             chosen.append(tok)
-            if rows.wants_logprobs:
-                chosen_lp.append(self._logprobs(rows, logits, tok[:, None]))
+            if rows.logprobs_top is not None:
+                chosen_lp.append(self._chosen_logprobs(rows, logits, tok[:, None]))
             if j + 1 < tau:  # into the history at its position: a later cycle start's refill reads it there
                 if common is not None:
                     t.hist.narrow(1, common + j, 1).copy_(tok[:, None])
@@ -671,7 +675,7 @@ class Engine:
         n = torch.full((b,), tau, dtype=torch.long, device=self.device)
         path = steps(tau, self.device)[None].expand(b, -1)  # the cycle's KV are in place: no keep
         res = VerifyResult(committed, n, path, path[:, -1], last_token=tok,
-                           logprobs=torch.cat(chosen_lp, 1) if chosen_lp else None)
+                           logprobs=TokenLogprobs.cat(chosen_lp) if chosen_lp else None)
         n_fin, reason = self._stops(rows, committed, n)
         self._commit(rows, committed, n_fin, reason, tok, res.logprobs)
         rows.count(n_fin, n, None, tau)
@@ -681,13 +685,14 @@ class Engine:
         """Verification, stops, the KV moves, the commit and the counters. Under engine.compile_host one compiled
         kernel runs them where it covers the pass (`kernels/settle.py`)."""
         settled = None
-        if self.settler is not None and not rows.wants_logprobs:  # the kernel computes no log-probabilities
+        top = rows.logprobs_top
+        if self.settler is not None and top is None:  # the kernel computes no log-probabilities
             settled = self._settle_compiled(rows, block, out)
         if settled is not None:
             return settled
         res = self._verify(rows, block, out.slot_logits)
-        if rows.wants_logprobs:
-            res.logprobs = path_logprobs(out.slot_logits, res.path_slots, res.committed)
+        if top is not None:
+            res.logprobs = path_logprobs(out.slot_logits, res.path_slots, res.committed, top)
         n_fin, reason = self._stops(rows, res.committed, res.num_committed)
         rows.keep_path(block.tree, res.path_slots)
         return self._finish(rows, block, res, n_fin, reason)
@@ -794,28 +799,29 @@ class Engine:
             n_fin, reason = apply_stop_strings(self.tokenizer, stops, gen, committed, n_fin, reason)
         return n_fin, reason
 
-    def _logprobs(self, rows: Rows, logits: torch.Tensor, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """[B, S] log-probabilities of `tokens` [B, S] chosen at logits [B, S, V] in turn, where some row wants them."""
-        if not rows.wants_logprobs:
-            return None
-        b, s = tokens.shape
-        return path_logprobs(logits, steps(s, tokens.device).expand(b, s), tokens)
+    @staticmethod
+    def _chosen_logprobs(rows: Rows, logits: torch.Tensor, tokens: torch.Tensor) -> Optional[TokenLogprobs]:
+        """Log-probabilities of `tokens` [B, S] chosen at logits [B, S, V] in turn, where some row asks for them."""
+        top = rows.logprobs_top
+        return None if top is None else chosen_logprobs(logits, tokens, top)
 
     def _commit(self, rows: Rows, committed: torch.Tensor, n_fin: torch.Tensor, reason: torch.Tensor,
-                last_token: Optional[torch.Tensor] = None, logprobs: Optional[torch.Tensor] = None) -> None:
-        """committed [B, S] (and their logprobs [B, S], when computed) into the rows' history; the rows advance by
-        n_fin with their finish reasons."""
+                last_token: Optional[torch.Tensor] = None, logprobs: Optional[TokenLogprobs] = None) -> None:
+        """committed [B, S] (and their log-probabilities, when computed) into the rows' history; the rows advance
+        by n_fin with their finish reasons."""
         t = rows.t
         s = committed.shape[1]
         rows.ensure_capacity(s)  # room for s more tokens behind every row (host-known lengths)
         # all s slots are written: those past n_fin lie beyond the new length, where a row's slots are stale
         # anyway (every reader of `hist` stops at hist_len)
         length = rows.common_length()
-        for into, values in ((t.hist, committed), (t.logprobs, logprobs)):
+        lp = (None,) * 3 if logprobs is None else logprobs.tensors()
+        for into, values in zip((t.hist, t.logprobs, t.top_ids, t.top_logprobs), (committed, *lp)):
             if values is None:
                 continue
             if length is not None:  # rows of one length (host-known): one slice
-                into.narrow(1, length, s).copy_(values)
+                into = into.narrow(1, length, s)
+                (into if values.ndim == 2 else into.narrow(2, 0, values.shape[2])).copy_(values)
             else:
                 write_history(into, t.hist_len, values)
         rows.advance(t.hist_len + n_fin, last_token, reason)  # last_token: the next roots, where verification gave them
@@ -838,7 +844,7 @@ class Engine:
             s.stats.time_s = now - s.t0
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             yield RequestOutput(id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[rows.done[r]], stats=s.stats,
-                                logprobs=fin.logprobs)
+                                logprobs=fin.logprobs, top_logprobs=fin.top_logprobs)
         rows.drop(done)
         self.planner.rows_changed()
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 FINISH_REASONS = ("stop", "length", "context")
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit, and vLLM's default one)
 
 
 @dataclass
@@ -21,6 +22,12 @@ class GenerationParams:
     # return each generated token's log-probability under the model (`RequestOutput.logprobs`): the log-softmax of
     # its raw logits in float32 (temperature 1, before top-p / top-k), read where the token was chosen
     logprobs: bool = False
+    # also the `top_logprobs` likeliest tokens at each position with theirs (0 = none; up to MAX_TOP_LOGPROBS); implies logprobs
+    top_logprobs: int = 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     def __post_init__(self) -> None:
         # one string is one stop string, not a sequence of one-character stops; one id is one stop id
@@ -48,6 +55,9 @@ class GenerationParams:
             return f"stop_strings={list(self.stop_strings)!r} must be non-empty strings"
         if not isinstance(self.logprobs, bool):
             return f"logprobs={self.logprobs!r} must be true or false"
+        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) \
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            return f"top_logprobs={self.top_logprobs!r} must be an integer in 0 .. {MAX_TOP_LOGPROBS}"
         return None
 
 
@@ -149,3 +159,5 @@ class RequestOutput:
     error: Optional[str] = None
     # [len(token_ids)] float32 log-probability of each generated token (GenerationParams.logprobs), else None
     logprobs: Optional[list[float]] = None
+    # per generated token, the GenerationParams.top_logprobs likeliest tokens (id, log-probability), best first
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None

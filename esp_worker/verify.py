@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from .consts import constant, ones, steps
+from .logprobs import TokenLogprobs
 from .sampling import argmax_last
 from .tree import DraftTree
 
@@ -30,27 +31,9 @@ class VerifyResult:
     # [B] the last committed token, committed[num_committed - 1] (the next root of a row that goes on); None =
     # not computed here (the rows' view then reads it from the history)
     last_token: Optional[torch.Tensor] = None
-    # [B, S] float32 each committed token's log-probability under the model (`path_logprobs`), valid up to
-    # num_committed; None = not asked for (no row of the pass wants them)
-    logprobs: Optional[torch.Tensor] = None
-
-
-def path_logprobs(slot_logits: torch.Tensor, path_slots: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
-    """[B, S] float32: each committed token's log-probability under the model, the log-softmax of the raw logits
-    (temperature 1, before top-p / top-k) at the slot it was chosen at. committed[:, j] is the model's choice (or
-    sample) at path_slots[:, j]: the root's, then each accepted node's, so an accepted draft's log-probability is
-    read at its parent, exactly where plain decoding would have chosen it. slot_logits [B, T, V]; entries past a
-    row's committed count are never read.
-
-    Example: T = 2, path_slots [[0, 1]], committed [[7, 3]]: token 7 at the root's logits, token 3 at slot 1's.
-
-    The logits are indexed, not gathered into [B, S, V] (at V = 128k and S = 48 that is gigabytes for 64 rows);
-    the normaliser is one logsumexp per slot."""
-    b, t, v = slot_logits.shape
-    slots = path_slots.clamp(0, t - 1)
-    rows = steps(b, slot_logits.device).unsqueeze(1)  # [B, 1]
-    picked = slot_logits[rows, slots, committed.clamp(0, v - 1)]  # [B, S]
-    return (picked - torch.logsumexp(slot_logits, -1).gather(1, slots)).float()
+    # the committed tokens' log-probabilities under the model (`logprobs.path_logprobs`); None = no row of the pass
+    # asked for them
+    logprobs: Optional[TokenLogprobs] = None
 
 
 def verify(

@@ -96,6 +96,7 @@ class GenerationConfig:
     stop_strings: list[str] = field(default_factory=list)  # stop after any of these (the string is kept)
     ignore_eos: bool = GenerationParams.ignore_eos  # true: generate max_new_tokens even past EOS
     logprobs: bool = GenerationParams.logprobs  # true: each generated token's log-probability (token_logprobs)
+    top_logprobs: int = GenerationParams.top_logprobs  # 1 .. 20: also the likeliest tokens at each position
 
 
 @dataclass
@@ -290,7 +291,8 @@ def generation_defaults(cfg: DictConfig) -> dict[str, Any]:
     them). The one place the job turns its generation section into the engine's terms."""
     g = cfg.generation
     return dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos, logprobs=g.logprobs)
+                stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos, logprobs=g.logprobs,
+                top_logprobs=g.top_logprobs)
 
 
 def _generation_problem(cfg: DictConfig) -> Optional[str]:

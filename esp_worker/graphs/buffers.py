@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..logprobs import TokenLogprobs
 from ..passes import ProbeOut
 
 # the packed integer outputs, one row each (`StepOutput.ints`)
@@ -35,7 +36,9 @@ class ShapeClass:
     in_place: bool  # root-only trees and chains: the accepted path is already where it belongs in the cache
     shared_layout: bool  # one in-block layout for every row ([1, ..]), else one per row ([B, ..])
     sampling: bool  # some row samples (temperature > 0): sampled verification with the rows' uniforms
-    logprobs: bool = False  # some row returns its tokens' log-probabilities: the pass computes them (`StepOutput`)
+    # some row returns its tokens' log-probabilities: the pass computes them with this many alternatives
+    # (`StepOutput.logprobs`); None = no row asks
+    logprobs: Optional[int] = None
     # the drafter's work after the pass, run as the step's last stage (`graphs.hooks.StepHooks.step_probe`: ESP's and
     # the hybrid's probe, the hybrid's logit store; a hashable `drafters.esp.ProbeStage`); None = on the host
     probe: Optional[Any] = None
@@ -170,21 +173,22 @@ class StepOutput:
     ints: torch.Tensor
     # the probe stage's results (classes with one): the drafter's next candidates and tree
     probe: Optional[ProbeOut] = None
-    # [B, S] float32 the committed tokens' log-probabilities (classes with `logprobs`; `verify.path_logprobs`)
-    logprobs: Optional[torch.Tensor] = None
+    # the committed tokens' log-probabilities (classes with `logprobs`; `logprobs.path_logprobs`)
+    logprobs: Optional[TokenLogprobs] = None
 
     def copy_(self, other: "StepOutput") -> "StepOutput":
         """Write `other` into these buffers (the eager static path keeps a graph's semantics: one set of output
         buffers per class, overwritten by every pass)."""
-        for name in ("hidden", "committed", "path_slots", "ints") + (("logprobs",) if self.logprobs is not None else ()):
+        for name in ("hidden", "committed", "path_slots", "ints"):
             getattr(self, name).copy_(getattr(other, name))
-        if self.probe is not None:
-            for mine, theirs in zip(self.probe.tensors(), other.probe.tensors()):
-                if mine is not None:
-                    mine.copy_(theirs)
+        for part in ("probe", "logprobs"):
+            if getattr(self, part) is not None:
+                for mine, theirs in zip(getattr(self, part).tensors(), getattr(other, part).tensors()):
+                    if mine is not None:
+                        mine.copy_(theirs)
         return self
 
     def clone(self) -> "StepOutput":
         return StepOutput(self.hidden.clone(), self.committed.clone(), self.path_slots.clone(), self.ints.clone(),
                           None if self.probe is None else self.probe.map(torch.Tensor.clone),
-                          None if self.logprobs is None else self.logprobs.clone())
+                          None if self.logprobs is None else self.logprobs.map(torch.Tensor.clone))

@@ -228,7 +228,7 @@ class GraphRunner:
         if shape.sampling:  # every row consumed one uniform per committed token
             rows.uniforms.ptr += num
         verified = VerifyResult(out.committed.narrow(0, 0, b), num, out.path_slots.narrow(0, 0, b), last_slot,
-                                last_token, None if out.logprobs is None else out.logprobs.narrow(0, 0, b))
+                                last_token, None if out.logprobs is None else out.logprobs.map(lambda t: t.narrow(0, 0, b)))
         fwd = ForwardOut(out.hidden.narrow(0, 0, b), None)
         got = None
         if out.probe is not None:  # the drafter's state from here: its own copy (the next replay overwrites these)
@@ -273,7 +273,7 @@ class GraphRunner:
         sampling = rows.sampling
         return ShapeClass(batch=batch, num_slots=tree.num_slots, num_aux=q - tree.num_slots, capacity=capacity,
                           max_depth=block.max_depth, in_place=tree.num_slots == 1 or tree.path_in_place,
-                          shared_layout=lead == {1}, sampling=sampling, logprobs=rows.wants_logprobs,
+                          shared_layout=lead == {1}, sampling=sampling, logprobs=rows.logprobs_top,
                           probe=None if probe is None else probe.stage)
 
     def _admit(self, shape: ShapeClass) -> Optional[_Entry]:

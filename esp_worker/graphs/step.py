@@ -34,6 +34,7 @@ import torch
 
 from ..consts import steps
 from ..kv_cache import move_slots
+from ..logprobs import path_logprobs
 from ..model.attention import attention_bias
 from ..model.decoder import DirectDecoder, RopeTable
 from ..model.flex import flex_mask
@@ -41,7 +42,7 @@ from ..model.runner import ModelRunner
 from ..sampling import choose_tokens
 from ..stops import apply_stops
 from ..tree import DraftTree
-from ..verify import path_logprobs, verify, verify_greedy
+from ..verify import verify, verify_greedy
 from .buffers import ShapeClass, StepInputs, StepOutput
 
 
@@ -207,6 +208,6 @@ def decode_step(model: StepModel, kv: torch.Tensor, inp: StepInputs, shape: Shap
         last_token = res.committed.gather(1, (res.num_committed - 1).unsqueeze(1)).squeeze(1)
     ints = torch.stack([res.num_committed, res.last_slot, last_token, n_fin, reason])  # [5, B]
     probe = None if shape.probe is None else shape.probe.run(model, inp, hidden, logits, res, last_token, n_fin)
-    logprobs = path_logprobs(logits, res.path_slots, res.committed) if shape.logprobs else None
+    logprobs = None if shape.logprobs is None else path_logprobs(logits, res.path_slots, res.committed, shape.logprobs)
     return StepOutput(hidden=hidden, committed=res.committed, path_slots=res.path_slots, ints=ints, probe=probe,
                       logprobs=logprobs)

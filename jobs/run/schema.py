@@ -14,6 +14,8 @@ BASE_FIELDS = [
     pa.field("generated_turns", pa.list_(pa.string())),  # turns input: every answer; null otherwise
     pa.field("generated_token_ids", pa.list_(pa.int32())),  # turns input: all answers' tokens, concatenated
     pa.field("token_logprobs", pa.list_(pa.float32())),  # generation.logprobs: one per generated token; else null
+    # generation.top_logprobs: per generated token, the likeliest tokens there, best first; else null
+    pa.field("top_logprobs", pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])))),
     pa.field("num_prompt_tokens", pa.int64()),
     pa.field("num_generated_tokens", pa.int64()),
     pa.field("finish_reason", pa.string()),  # stop | length | context; null on error
@@ -53,6 +55,8 @@ DESCRIPTIONS = {
     "token_logprobs": "generation.logprobs: each generated token's log-probability under the model (float32 "
                       "log-softmax of its raw logits: temperature 1, before top-p/top-k), aligned with "
                       "generated_token_ids; null otherwise",
+    "top_logprobs": "generation.top_logprobs: per generated token, the top_logprobs likeliest tokens where it was "
+                    "chosen (token_id, logprob), best first; null otherwise",
     "num_prompt_tokens": "tokens in the prompt after the chat template (summed over turns)",
     "num_generated_tokens": "tokens generated (summed over turns)",
     "finish_reason": "stop (EOS or stop string) | length (max_new_tokens) | context (model context full); null on error",

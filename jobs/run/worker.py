@@ -113,6 +113,7 @@ class _RowState:
     answers: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[float]] = None  # beside token_ids, where the row asked for them
+    top_logprobs: Optional[list[list[dict[str, Any]]]] = None  # beside token_ids: per token, its alternatives
     num_prompt_tokens: int = 0
     stats: Any = None  # RequestStats merged over turns
     turns: list[Any] = field(default_factory=list)  # each answered turn's own RequestStats, in order
@@ -497,6 +498,9 @@ class ShardWorker:
         s.token_ids.extend(out.token_ids)
         if out.logprobs is not None:
             s.logprobs = (s.logprobs or []) + out.logprobs
+        if out.top_logprobs is not None:
+            s.top_logprobs = (s.top_logprobs or []) + [[{"token_id": t, "logprob": lp} for t, lp in alts]
+                                                       for alts in out.top_logprobs]
         s.turns.append(out.stats)
         s.finish_reason = out.finish_reason
         if s.row.kind == "turns":
@@ -512,6 +516,7 @@ class ShardWorker:
             "generated_turns": s.answers if s.row.kind == "turns" else None,
             "generated_token_ids": s.token_ids if s.answers else None,
             "token_logprobs": s.logprobs if s.answers else None,
+            "top_logprobs": s.top_logprobs if s.answers else None,
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_generated_tokens": len(s.token_ids),
             "finish_reason": s.finish_reason if s.error is None else None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from esp_worker.tree import DraftTree, ancestor_matrix
-from esp_worker.verify import path_logprobs, verify, verify_greedy
+from esp_worker.verify import verify, verify_greedy
 
 
 def test_worked_example():
@@ -19,19 +19,6 @@ def test_worked_example():
     res = verify_greedy(tree, logits, anc, anc.sum(-1) - 1, 2)
     assert res.committed[0, : res.num_committed[0]].tolist() == [2, 3, 7]
     assert res.path_slots[0].tolist() == [0, 2, 3]
-
-
-def test_a_committed_token_s_log_probability_is_read_where_it_was_chosen():
-    """committed[j] was chosen at path_slots[j]: an accepted draft at its parent's logits, the bonus at the deepest
-    accepted node's; the log-softmax of the raw logits (before any temperature)."""
-    logits = torch.randn(2, 4, 8)
-    path = torch.tensor([[0, 2, 3], [0, 1, 1]])  # row 1 committed two tokens: its third entry is never read
-    committed = torch.tensor([[2, 3, 7], [5, 1, 0]])
-    got = path_logprobs(logits, path, committed)
-    logp = logits.log_softmax(-1)
-    assert torch.allclose(got[0], torch.stack([logp[0, 0, 2], logp[0, 2, 3], logp[0, 3, 7]]))
-    assert torch.allclose(got[1, :2], torch.stack([logp[1, 0, 5], logp[1, 1, 1]]))
-    assert got.dtype == torch.float32 and got.shape == (2, 3)
 
 
 def test_greedy_vectorised_equals_walk_on_random_trees():

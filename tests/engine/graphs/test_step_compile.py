@@ -8,6 +8,8 @@ values (tokens, lengths, trees) nothing recompiles. Inputs are a real job's buff
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -18,11 +20,12 @@ from esp_worker.graphs.step import decode_step
 pytestmark = pytest.mark.slow
 
 
-def _a_class(arch: str, batch: int, temperature: float, method: dict, logprobs: bool = False):
+def _a_class(arch: str, batch: int, temperature: float, method: dict, logprobs: Optional[int] = None):
     """(graph runner, shape class, its buffers) after a short job: the tree class of the largest bucket (for ESP and
     the hybrid, one that ends with the drafter's stage)."""
     eng = Engine(tiny(arch), EngineConfig(max_batch_size=batch, cuda_graphs=True, **method))
-    params = GenerationParams(max_new_tokens=12, temperature=temperature, seed=5, logprobs=logprobs)
+    params = GenerationParams(max_new_tokens=12, temperature=temperature, seed=5, logprobs=logprobs is not None,
+                              top_logprobs=logprobs or 0)
     eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
     g = eng.graphs
     shape = max((s for s in g._entries if s.num_slots > 1), key=lambda s: (s.batch, s.capacity))
@@ -43,9 +46,13 @@ def _compare(g, shape, inp, fn, bitwise: bool) -> None:
     for name in ("ints", "committed", "path_slots"):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     assert (got.probe is None) == (ref.probe is None) == (shape.probe is None)
-    assert (got.logprobs is None) == (ref.logprobs is None) == (not shape.logprobs)
-    if ref.logprobs is not None:
-        torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0 if bitwise else 1e-4, atol=0 if bitwise else 1e-4)
+    assert (got.logprobs is None) == (ref.logprobs is None) == (shape.logprobs is None)
+    if ref.logprobs is not None:  # the chosen tokens' and the alternatives' (ids bitwise)
+        for a, b in zip(got.logprobs.tensors(), ref.logprobs.tensors()):
+            if a is not None and (bitwise or not a.is_floating_point()):
+                assert torch.equal(a, b)
+            elif a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     if ref.probe is not None:  # the drafter's stage: candidates, trees and ids bitwise, m and log-probs to rounding
         for a, b in zip(got.probe.tensors(), ref.probe.tensors()):
             if a is not None and (bitwise or not a.is_floating_point()):
@@ -82,11 +89,11 @@ def test_one_graph_bitwise_the_eager_step(arch, batch, temperature):
     _one_graph()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_class_computing_log_probabilities_is_one_graph(temperature):
-    """Rows asking for their tokens' log-probabilities (GenerationParams.logprobs): the step computes them in the
-    same graph, bitwise the eager step's."""
-    g, shape, inp = _a_class("qwen2", 4, temperature, dict(method="hybrid", block_complexity=30), logprobs=True)
+@pytest.mark.parametrize("temperature,top", [(0.0, 0), (1.0, 3)])
+def test_a_class_computing_log_probabilities_is_one_graph(temperature, top):
+    """Rows asking for their tokens' log-probabilities (GenerationParams.logprobs, top_logprobs): the step computes
+    them in the same graph, bitwise the eager step's."""
+    g, shape, inp = _a_class("qwen2", 4, temperature, dict(method="hybrid", block_complexity=30), logprobs=top)
     _compare(g, shape, inp, _compiled("aot_eager"), bitwise=True)
     _one_graph()
 

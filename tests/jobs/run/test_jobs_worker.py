@@ -1,6 +1,7 @@
 """The shard worker called directly, without Ray (as Ray's own UDF tests do)."""
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -255,17 +256,23 @@ def test_a_shard_sent_again_while_its_first_call_runs_waits_for_those_rows(tmp_p
 
 
 def test_token_logprobs_are_the_models_and_null_unless_asked(tmp_path, tiny):
-    worker, rows = _worker(tmp_path, "data.limit=3", "generation.max_new_tokens=8", "generation.logprobs=true")
-    out = worker.run_shard(0, rows).to_pylist()
-    for job_row, got in zip(rows, out):
+    worker, rows = _worker(tmp_path, "data.limit=3", "generation.max_new_tokens=8", "generation.top_logprobs=3")
+    table = worker.run_shard(0, rows)
+    assert table.schema.field("top_logprobs").type == pa.list_(pa.list_(
+        pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])))
+    for job_row, got in zip(rows, table.to_pylist()):
         ids = tiny.tokenizer(job_row.input)["input_ids"]
         seq = torch.tensor([ids + got["generated_token_ids"]])
         with torch.inference_mode():
-            logp = tiny.model(seq).logits[0].float().log_softmax(-1)
-        want = logp[len(ids) - 1: -1].gather(1, torch.tensor(got["generated_token_ids"])[:, None])[:, 0]
+            logp = tiny.model(seq).logits[0].float().log_softmax(-1)[len(ids) - 1: -1]
+        want = logp.gather(1, torch.tensor(got["generated_token_ids"])[:, None])[:, 0]
         assert torch.allclose(torch.tensor(got["token_logprobs"]), want, atol=1e-4)
+        best = logp.topk(3, -1)
+        assert [[a["token_id"] for a in alts] for alts in got["top_logprobs"]] == best.indices.tolist()
+        assert torch.allclose(torch.tensor([[a["logprob"] for a in alts] for alts in got["top_logprobs"]]),
+                              best.values, atol=1e-4)
     worker, rows = _worker(tmp_path / "off", "data.limit=2", "generation.max_new_tokens=4")
-    assert [r["token_logprobs"] for r in worker.run_shard(0, rows).to_pylist()] == [None, None]
+    assert [(r["token_logprobs"], r["top_logprobs"]) for r in worker.run_shard(0, rows).to_pylist()] == [(None, None)] * 2
 
 
 def test_token_logprobs_of_turns_follow_the_concatenated_tokens(tmp_path):
