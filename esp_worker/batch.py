@@ -193,9 +193,9 @@ class Rows:
         if wants:  # the float32 bits ride in the same read, as integers
             parts.append(t.logprobs[:, lo:hi].view(torch.int32))
         if k:
-            parts += [x[:, lo:hi, :k].reshape(len(self), -1) for x in (t.top_ids, t.top_logprobs.view(torch.int32))]
+            parts += [x[:, lo:hi, :k] for x in (t.top_ids, t.top_logprobs.view(torch.int32))]
         widths += [hi - lo if wants else 0] + [(hi - lo) * k] * 2
-        packed = torch.cat([p.index_select(0, idx).long() for p in parts], 1).tolist()
+        packed = torch.cat([p.index_select(0, idx).reshape(len(rows), -1).long() for p in parts], 1).tolist()
         out = []
         for r, values, start, end in zip(rows, packed, starts, ends):
             tokens, drafted, hists, by, bits, top_ids, top_bits = (

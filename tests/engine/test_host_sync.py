@@ -68,3 +68,34 @@ def test_no_synchronisation_inside_a_pass_on_gpu(monkeypatch, setting, temperatu
         outs = run(lm, EngineConfig(max_batch_size=4, **SETTINGS[setting]), params)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     assert all(len(o.token_ids) > 0 for o in outs)
+
+
+@pytest.mark.parametrize("method", [dict(method="ar"), dict(method="hybrid", block_complexity=30)])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_log_probabilities_add_no_host_read(monkeypatch, method, graphs):
+    """GenerationParams.logprobs / top_logprobs: computed and written on the device, read when a row finishes with
+    its tokens: each pass reads what the same job without them reads (one read; passes run ahead of their reads
+    read two where a row ends)."""
+    cfg = EngineConfig(max_batch_size=4, cuda_graphs=graphs, **method)
+    reads = []
+    for top in (0, 2):
+        with count_reads_per_pass(monkeypatch) as seen:
+            outs = run(tiny("llama"), cfg, GenerationParams(max_new_tokens=32, temperature=1.0, seed=1, top_logprobs=top))
+        assert all(o.error is None for o in outs) and seen["passes"] > 0
+        reads.append(list(seen["per_pass"]))  # (the counting stays patched in until the test ends)
+    assert all(len(o.top_logprobs) == len(o.token_ids) for o in outs)
+    assert reads[1] == reads[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", [dict(method="ar"), dict(method="hybrid", block_complexity="auto")])
+def test_log_probabilities_synchronise_nothing_inside_a_pass_on_gpu(monkeypatch, method):
+    from esp_worker import ModelConfig
+    from esp_worker.model.load import load_model
+
+    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda"))
+    params = GenerationParams(max_new_tokens=48, temperature=1.0, seed=1, top_logprobs=2)
+    with strict_sync_passes(monkeypatch, method.get("block_complexity") == "auto"):
+        outs = run(lm, EngineConfig(max_batch_size=4, **method), params)
+    assert all(o.error is None and len(o.top_logprobs) == len(o.token_ids) > 0 for o in outs)

@@ -52,6 +52,19 @@ def test_replayed_passes_are_the_eager_engines_float32_1b_shape(few_layer_1b, se
     assert set(g.eager_passes) <= {"new_shape"}  # nothing else keeps a pass from its graph here
 
 
+@pytest.mark.parametrize("setting", [0, 4])
+def test_replayed_log_probabilities_are_the_eager_engines_float32_1b_shape(few_layer_1b, setting):
+    """GenerationParams.top_logprobs in replayed passes: the eager engine's tokens, log-probabilities to rounding."""
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True, top_logprobs=3)
+    eager = _generate(few_layer_1b, False, params, **METHODS[setting])[1]
+    eng, graphed = _generate(few_layer_1b, True, params, **METHODS[setting])
+    assert eng.stats.graphs.graph_passes > 0
+    for g, e in zip(graphed, eager):
+        assert g.token_ids == e.token_ids
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4)
+        assert [[t for t, _ in x] for x in g.top_logprobs] == [[t for t, _ in x] for x in e.top_logprobs]
+
+
 @pytest.mark.parametrize("setting", [1, 2, 4])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_probe_stage_drafts_what_the_host_probe_drafts_on_cuda(few_layer_1b, setting, temperature):
