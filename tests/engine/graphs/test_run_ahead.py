@@ -317,6 +317,41 @@ def test_random_jobs_run_ahead_as_they_read_each_pass(trained, seed):
                 (setting, r.id)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6))
+def test_random_jobs_return_the_models_log_probabilities(trained, seed):
+    """GenerationParams.logprobs / top_logprobs drawn per request over a random job (passes run ahead, rows kept
+    after they end, admission, context limits, auto): every row's are its model's own, as a forward over its prompt
+    and tokens gives them."""
+    import random
+
+    import torch
+
+    lm, setting, reqs = _random_job(seed, trained)
+    rnd = random.Random(seed)
+    reqs = [dataclasses.replace(r, params=dataclasses.replace(r.params, logprobs=rnd.random() < 0.7,
+                                                             top_logprobs=rnd.choice([0, 0, 1, 3]))) for r in reqs]
+    auto = "block_complexity" not in setting
+    eng = Engine(lm, EngineConfig(cuda_graphs=True, **dict(setting, block_complexity="auto") if auto else setting),
+                 cost_curve=FLAT if auto else None)
+    with pytest.MonkeyPatch.context() as mp, model_time(lambda b, q, prefill: FLAT.time(b, q, 100)):
+        mp.setattr(engine_module, "PREPARE_LOOKS", True)
+        outs = eng.generate(reqs)
+    for r, o in zip(reqs, outs):
+        if o.error is not None or not r.params.wants_logprobs:
+            assert o.logprobs is None and o.top_logprobs is None
+            continue
+        ids = lm.tokenizer(r.prompt)["input_ids"]
+        with torch.inference_mode():
+            logp = lm.model(torch.tensor([ids + o.token_ids])).logits[0].float().log_softmax(-1)[len(ids) - 1: -1]
+        torch.testing.assert_close(torch.tensor(o.logprobs), logp.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0],
+                                   atol=1e-4, rtol=0)
+        if r.params.top_logprobs:
+            best = logp.topk(r.params.top_logprobs, -1).values
+            torch.testing.assert_close(torch.tensor([[lp for _, lp in x] for x in o.top_logprobs]), best, atol=1e-4,
+                                       rtol=0)
+
+
 @pytest.mark.parametrize("end", ["stop", "length"])
 def test_rows_that_end_stay_in_the_batch_until_requests_join(end):
     """Where a prefill's fixed cost is measured (CUDA), requests join once idle slots have cost a forward
