@@ -39,6 +39,7 @@ from .graphs.step import StepModel, compiled_step, graph_support
 from .kernels.aot import AotKernels
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
+from .logprobs import TokenLogprobs, chosen_logprobs, path_logprobs
 from .memory import kv_bytes_per_slot, require
 from .model.attention import StaticBlockBias, attention_bias
 from .model.dmtd import CycleForward, CycleStarts, resolve as resolve_dmtd
@@ -52,7 +53,6 @@ from .stats import EngineStats, PassClock, now
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
 from .tree import gather_slots, mask_indices
 from .types import GenerationParams, Request, RequestOutput, RequestStats
-from .logprobs import TokenLogprobs, chosen_logprobs, path_logprobs
 from .verify import VerifyResult, verify, verify_greedy
 
 log = logging.getLogger(__name__)
@@ -654,6 +654,7 @@ class Engine:
         choose, every = self._chooser(rows), torch.ones(b, dtype=torch.bool, device=self.device)
         common = rows.common_length()
         tok, chosen, chosen_lp = block.tree.tokens[:, 0], [], []  # [B] the roots, then each token chosen
+        top = rows.logprobs_top
         for j in range(tau):
             place = self._place(rows, block, 1, ahead=j)
             lens = [n + j for n in rows.lens]
@@ -663,8 +664,8 @@ class Engine:
             logits = self.runner.logits(hidden)  # [B, 1, V]
             tok = choose(logits[:, 0], every)
             chosen.append(tok)
-            if rows.logprobs_top is not None:
-                chosen_lp.append(self._chosen_logprobs(rows, logits, tok[:, None]))
+            if top is not None:
+                chosen_lp.append(chosen_logprobs(logits, tok[:, None], top))
             if j + 1 < tau:  # into the history at its position: a later cycle start's refill reads it there
                 if common is not None:
                     t.hist.narrow(1, common + j, 1).copy_(tok[:, None])

@@ -112,6 +112,8 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
     """Generate every prompt with one setting; categories run one after another and are timed apart."""
     from esp_worker import Engine
 
+    if s.logprobs:
+        generation = {**generation, "logprobs": True}
     if s.method in HF_METHODS:
         from .hf_baseline import run_hf
 
