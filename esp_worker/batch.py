@@ -188,22 +188,25 @@ class Rows:
         idx = torch.tensor(rows, device=t.hist.device)
         parts = [t.hist[:, lo:hi], t.drafted, t.hists] + ([t.accepted_by] if t.accepted_by is not None else [])
         widths = [p.shape[1] for p in parts] + [0] * (4 - len(parts))
-        wants = any(self.seqs[r].req.params.wants_logprobs for r in rows)
-        k = max(self.seqs[r].req.params.top_logprobs for r in rows)
+        asked = [self.seqs[r].req.params for r in rows]
+        wants = any(p.wants_logprobs or p.prompt_logprobs for p in asked)
+        k = max(p.top_logprobs for p in asked)
+        first = 1 if any(p.prompt_logprobs for p in asked) else lo  # a prompt's from its second token
         if wants:  # the float32 bits ride in the same read, as integers
-            parts.append(t.logprobs[:, lo:hi].view(torch.int32))
+            parts.append(t.logprobs[:, first:hi].view(torch.int32))
         if k:
             parts += [x[:, lo:hi, :k] for x in (t.top_ids, t.top_logprobs.view(torch.int32))]
-        widths += [hi - lo if wants else 0] + [(hi - lo) * k] * 2
+        widths += [hi - first if wants else 0] + [(hi - lo) * k] * 2
         packed = torch.cat([p.index_select(0, idx).reshape(len(rows), -1).long() for p in parts], 1).tolist()
         out = []
-        for r, values, start, end in zip(rows, packed, starts, ends):
+        for params, values, start, end in zip(asked, packed, starts, ends):
             tokens, drafted, hists, by, bits, top_ids, top_bits = (
                 values[a - w: a] for a, w in zip(itertools.accumulate(widths), widths))
             fin = Finished(tokens[start - lo: end - lo], drafted, hists, by)
-            params = self.seqs[r].req.params
             if params.wants_logprobs:
-                fin.logprobs = _floats(bits[start - lo: end - lo])
+                fin.logprobs = _floats(bits[start - first: end - first])
+            if params.prompt_logprobs:
+                fin.prompt_logprobs = [None] + _floats(bits[: start - 1])
             if params.top_logprobs:
                 a, z, mine = (start - lo) * k, (end - lo) * k, params.top_logprobs
                 ids, lps = top_ids[a:z], _floats(top_bits[a:z])
@@ -411,6 +414,7 @@ class Finished:
     accepted_by: list[int]  # [P] accepted drafts per proposer ([] without proposers)
     logprobs: Optional[list[float]] = None  # the generated tokens' log-probabilities (the row asked for them)
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token, the row's top_logprobs alternatives
+    prompt_logprobs: Optional[list[Optional[float]]] = None  # per prompt token (None for the first)
 
 
 def finish_stats(st: RequestStats, drafted: list[int], hists: list[int], num_generated: int, passes: int,

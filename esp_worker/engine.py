@@ -39,7 +39,7 @@ from .graphs.step import StepModel, compiled_step, graph_support
 from .kernels.aot import AotKernels
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
-from .logprobs import TokenLogprobs, chosen_logprobs, path_logprobs
+from .logprobs import TokenLogprobs, chosen_logprobs, path_logprobs, prompt_logprobs
 from .memory import kv_bytes_per_slot, require
 from .model.attention import StaticBlockBias, attention_bias
 from .model.dmtd import CycleForward, CycleStarts, resolve as resolve_dmtd
@@ -440,7 +440,12 @@ class Engine:
             bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
         wanted = torch.cat([lens[:, None] - 1, mask_at], 1)  # [R, 1 + A] last prompt token, masks
         forward = self.runner.forward if self.cycle is None else self.cycle.prefill
-        hidden = forward(embeds, bias, pos, cache, q - 1, keep=wanted)  # [R, 1 + A, D]
+        scored = any(s.req.params.prompt_logprobs for s in seqs)  # every position's hidden state is read
+        hidden = forward(embeds, bias, pos, cache, q - 1, keep=None if scored else wanted)  # [R, 1 + A, D]
+        if scored:  # the prompts' own log-probabilities, beside where their generated tokens' go
+            ids = rows.t.hist[:, :lmax]
+            rows.t.logprobs[:, 1:lmax] = prompt_logprobs(self.runner.logits, hidden, ids, self.num_logits)
+            hidden = gather_slots(hidden, wanted)
         last = hidden[:, 0]  # [R, D]
         logits = self.runner.logits(last)  # [R, V]
         rows.uniforms.ensure(1, rows.consumed())
@@ -845,7 +850,8 @@ class Engine:
             s.stats.time_s = now - s.t0
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             yield RequestOutput(id=s.req.id, token_ids=ids, text=text, finish_reason=REASONS[rows.done[r]], stats=s.stats,
-                                logprobs=fin.logprobs, top_logprobs=fin.top_logprobs)
+                                logprobs=fin.logprobs, top_logprobs=fin.top_logprobs,
+                                prompt_logprobs=fin.prompt_logprobs)
         rows.drop(done)
         self.planner.rows_changed()
 

@@ -59,6 +59,25 @@ def path_logprobs(slot_logits: torch.Tensor, path_slots: torch.Tensor, committed
     return TokenLogprobs(chosen, best.indices.gather(1, at).int(), values)
 
 
+# the logits a prompt's log-probabilities are computed from at once, per prefill forward (bytes): the LM head runs
+# over the prompts' positions in chunks of this size ([R, L, V] float32 for 16 prompts of 1,000 tokens and a
+# 128k vocabulary would be 8 GB)
+PROMPT_CHUNK_BYTES = 256 << 20
+
+
+def prompt_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, ids: torch.Tensor,
+                    vocab: int) -> torch.Tensor:
+    """[R, L - 1] float32: each prompt token's log-probability given the tokens before it, ids[:, j + 1] at
+    position j's logits, the LM head run over PROMPT_CHUNK_BYTES of logits at a time. head: hidden [.., D] ->
+    float32 logits [.., vocab]; hidden [R, >= L, D] a prefill's final hidden states; ids [R, L] the prompts (past
+    a prompt's end the entries are garbage, never read)."""
+    r, n = ids.shape
+    step = max(1, PROMPT_CHUNK_BYTES // (4 * r * vocab))
+    out = [chosen_logprobs(head(hidden[:, a: min(a + step, n - 1)]), ids[:, a + 1: min(a + step, n - 1) + 1]).chosen
+           for a in range(0, n - 1, step)]
+    return torch.cat(out, 1) if out else torch.zeros((r, 0), dtype=torch.float32, device=ids.device)
+
+
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int = 0) -> TokenLogprobs:
     """Tokens [B, S] chosen one after another at logits [B, S, V] (a prefill's first token, DMTD's cycle)."""
     b, s = tokens.shape

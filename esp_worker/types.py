@@ -24,6 +24,8 @@ class GenerationParams:
     logprobs: bool = False
     # also the `top_logprobs` likeliest tokens at each position with theirs (0 = none; up to MAX_TOP_LOGPROBS); implies logprobs
     top_logprobs: int = 0
+    # each prompt token's log-probability given the tokens before it (`RequestOutput.prompt_logprobs`), as logprobs
+    prompt_logprobs: bool = False
 
     @property
     def wants_logprobs(self) -> bool:
@@ -55,6 +57,8 @@ class GenerationParams:
             return f"stop_strings={list(self.stop_strings)!r} must be non-empty strings"
         if not isinstance(self.logprobs, bool):
             return f"logprobs={self.logprobs!r} must be true or false"
+        if not isinstance(self.prompt_logprobs, bool):
+            return f"prompt_logprobs={self.prompt_logprobs!r} must be true or false"
         if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) \
                 or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             return f"top_logprobs={self.top_logprobs!r} must be an integer in 0 .. {MAX_TOP_LOGPROBS}"
@@ -161,3 +165,6 @@ class RequestOutput:
     logprobs: Optional[list[float]] = None
     # per generated token, the GenerationParams.top_logprobs likeliest tokens (id, log-probability), best first
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    # [len(prompt)] GenerationParams.prompt_logprobs: each prompt token's log-probability given the tokens before it
+    # (None for the first, which has none), else None
+    prompt_logprobs: Optional[list[Optional[float]]] = None

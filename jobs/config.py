@@ -97,6 +97,7 @@ class GenerationConfig:
     ignore_eos: bool = GenerationParams.ignore_eos  # true: generate max_new_tokens even past EOS
     logprobs: bool = GenerationParams.logprobs  # true: each generated token's log-probability (token_logprobs)
     top_logprobs: int = GenerationParams.top_logprobs  # 1 .. 20: also the likeliest tokens at each position
+    prompt_logprobs: bool = GenerationParams.prompt_logprobs  # true: each prompt token's too (prompt_logprobs)
 
 
 @dataclass
@@ -292,7 +293,7 @@ def generation_defaults(cfg: DictConfig) -> dict[str, Any]:
     g = cfg.generation
     return dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                 stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos, logprobs=g.logprobs,
-                top_logprobs=g.top_logprobs)
+                top_logprobs=g.top_logprobs, prompt_logprobs=g.prompt_logprobs)
 
 
 def _generation_problem(cfg: DictConfig) -> Optional[str]:

@@ -16,6 +16,9 @@ BASE_FIELDS = [
     pa.field("token_logprobs", pa.list_(pa.float32())),  # generation.logprobs: one per generated token; else null
     # generation.top_logprobs: per generated token, the likeliest tokens there, best first; else null
     pa.field("top_logprobs", pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])))),
+    # generation.prompt_logprobs: the (last turn's) prompt as the model read it, and each token's log-probability
+    pa.field("prompt_token_ids", pa.list_(pa.int32())),
+    pa.field("prompt_logprobs", pa.list_(pa.float32())),
     pa.field("num_prompt_tokens", pa.int64()),
     pa.field("num_generated_tokens", pa.int64()),
     pa.field("finish_reason", pa.string()),  # stop | length | context; null on error
@@ -57,6 +60,10 @@ DESCRIPTIONS = {
                       "generated_token_ids; null otherwise",
     "top_logprobs": "generation.top_logprobs: per generated token, the top_logprobs likeliest tokens where it was "
                     "chosen (token_id, logprob), best first; null otherwise",
+    "prompt_token_ids": "generation.prompt_logprobs: the prompt's tokens after the chat template (for turns input, "
+                        "the last answered turn's prompt); null otherwise",
+    "prompt_logprobs": "generation.prompt_logprobs: each prompt token's log-probability given the tokens before it, "
+                       "aligned with prompt_token_ids (null for the first); null otherwise",
     "num_prompt_tokens": "tokens in the prompt after the chat template (summed over turns)",
     "num_generated_tokens": "tokens generated (summed over turns)",
     "finish_reason": "stop (EOS or stop string) | length (max_new_tokens) | context (model context full); null on error",

@@ -114,6 +114,9 @@ class _RowState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[float]] = None  # beside token_ids, where the row asked for them
     top_logprobs: Optional[list[list[dict[str, Any]]]] = None  # beside token_ids: per token, its alternatives
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt of the turn in the engine
+    # (prompt ids, their log-probabilities) of the last answered turn, where the row asked for them
+    scored_prompt: Optional[tuple[list[int], list[Optional[float]]]] = None
     num_prompt_tokens: int = 0
     stats: Any = None  # RequestStats merged over turns
     turns: list[Any] = field(default_factory=list)  # each answered turn's own RequestStats, in order
@@ -485,6 +488,7 @@ class ShardWorker:
             s.error = f"cannot build the prompt: {type(exc).__name__}: {str(exc).strip()[:200]}"
             return None
         s.num_prompt_tokens += len(ids)
+        s.prompt_ids = ids
         # the row id is the request id: the engine derives the row's sampling seed from it, so results
         # do not depend on sharding or on which rows share a batch
         return Request(id=row.id, prompt_ids=ids, params=params)
@@ -498,6 +502,8 @@ class ShardWorker:
         s.token_ids.extend(out.token_ids)
         if out.logprobs is not None:
             s.logprobs = (s.logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            s.scored_prompt = (s.prompt_ids, out.prompt_logprobs)
         if out.top_logprobs is not None:
             s.top_logprobs = (s.top_logprobs or []) + [[{"token_id": t, "logprob": lp} for t, lp in alts]
                                                        for alts in out.top_logprobs]
@@ -517,6 +523,8 @@ class ShardWorker:
             "generated_token_ids": s.token_ids if s.answers else None,
             "token_logprobs": s.logprobs if s.answers else None,
             "top_logprobs": s.top_logprobs if s.answers else None,
+            "prompt_token_ids": s.scored_prompt[0] if s.scored_prompt else None,
+            "prompt_logprobs": s.scored_prompt[1] if s.scored_prompt else None,
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_generated_tokens": len(s.token_ids),
             "finish_reason": s.finish_reason if s.error is None else None,

@@ -179,3 +179,50 @@ def test_stop_strings_cut_them_with_the_tokens():
 def test_bad_settings_are_one_line_problems(fields, problem):
     assert problem in GenerationParams(**fields).problem()
     assert GenerationParams(top_logprobs=20).problem() is None and GenerationParams(top_logprobs=2).wants_logprobs
+
+
+def _prompt_logprobs(lm, prompt: str) -> list[float]:
+    ids = lm.tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        logp = lm.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", [dict(method="ar"), dict(method="esp", block_complexity=30, num_masks=2),
+                                    dict(method="hybrid", block_complexity="auto")])
+def test_prompt_log_probabilities_are_the_models(arch, method):
+    """GenerationParams.prompt_logprobs: each prompt token's given the ones before it (None for the first), from the
+    prefill that reads every position's hidden state, with prompts of other lengths padded beside it (and ESP's masks
+    after it); the generated tokens stay plain decoding's."""
+    lm = tiny(arch)
+    params = GenerationParams(max_new_tokens=8, prompt_logprobs=True)
+    outs = _generate(lm, EngineConfig(max_batch_size=4, **method), params, asks=lambda i: False)
+    plain = _generate(lm, EngineConfig(max_batch_size=4, **method), dataclasses.replace(params, prompt_logprobs=False))
+    for o, ref, p in zip(outs, plain, PROMPTS):
+        assert o.token_ids == ref.token_ids and o.logprobs is None
+        want = _prompt_logprobs(lm, p)
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(want) + 1
+        assert max((abs(a - b) for a, b in zip(o.prompt_logprobs[1:], want)), default=0) < ATOL
+        assert ref.prompt_logprobs is None
+
+
+def test_prompt_log_probabilities_in_chunks_with_the_generated_ones(monkeypatch):
+    """The LM head over the prompts' positions a few at a time (logprobs.PROMPT_CHUNK_BYTES), and the generated
+    tokens' log-probabilities beside them; a row that asks for neither gets neither."""
+    from esp_worker import logprobs
+
+    lm = tiny("qwen3")
+    monkeypatch.setattr(logprobs, "PROMPT_CHUNK_BYTES", 3 * 4 * 4 * lm.model.config.vocab_size)  # 3 positions
+    reqs = [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=10, prompt_logprobs=i != 2,
+                                                                  logprobs=i % 2 == 0)) for i, p in enumerate(PROMPTS)]
+    outs = Engine(lm, EngineConfig(method="pld", block_complexity=10, max_batch_size=4)).generate(reqs)
+    for i, (o, p) in enumerate(zip(outs, PROMPTS)):
+        if i == 2:
+            assert o.prompt_logprobs is None and o.logprobs is not None
+            continue
+        want = _prompt_logprobs(lm, p)
+        assert max((abs(a - b) for a, b in zip(o.prompt_logprobs[1:], want)), default=0) < ATOL
+        assert (o.logprobs is not None) == (i % 2 == 0)
+        if o.logprobs is not None:
+            assert max(abs(a - b) for a, b in zip(o.logprobs, _model_logprobs(lm, p, o.token_ids))) < ATOL

@@ -258,12 +258,12 @@ def test_untrained_split_and_errors():
 
 
 def test_direct_mode_log_probabilities_are_the_cyclic_forwards(root):
-    """GenerationParams.logprobs in the direct mode: each token's log-probability under the DMTD model that chose it
-    (the cyclic forward's logits at its position), not the base model's."""
+    """GenerationParams.logprobs (and prompt_logprobs) in the direct mode: each token's log-probability under the DMTD
+    model that chose it (the cyclic forward's logits at its position), not the base model's."""
     split = (0, 2, 2, 3)
     lm = load_model(ModelConfig(name_or_path=saved_model("llama", root, split)))
     outs = run(lm, EngineConfig(method="dmtd", max_batch_size=4),
-               GenerationParams(max_new_tokens=20, ignore_eos=True, logprobs=True), MORE)
+               GenerationParams(max_new_tokens=20, ignore_eos=True, logprobs=True, prompt_logprobs=True), MORE)
     for o, p in zip(outs, MORE):
         ids = lm.tokenizer(p)["input_ids"]
         seq = torch.tensor([ids + o.token_ids])
@@ -273,3 +273,5 @@ def test_direct_mode_log_probabilities_are_the_cyclic_forwards(root):
         want = logp[len(ids) - 1: -1].gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
         assert len(o.logprobs) == 20
         assert torch.allclose(torch.tensor(o.logprobs), want, atol=1e-4)
+        prompt = logp[: len(ids) - 1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert o.prompt_logprobs[0] is None and torch.allclose(torch.tensor(o.prompt_logprobs[1:]), prompt, atol=1e-4)

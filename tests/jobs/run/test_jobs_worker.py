@@ -272,14 +272,30 @@ def test_token_logprobs_are_the_models_and_null_unless_asked(tmp_path, tiny):
         assert torch.allclose(torch.tensor([[a["logprob"] for a in alts] for alts in got["top_logprobs"]]),
                               best.values, atol=1e-4)
     worker, rows = _worker(tmp_path / "off", "data.limit=2", "generation.max_new_tokens=4")
-    assert [(r["token_logprobs"], r["top_logprobs"]) for r in worker.run_shard(0, rows).to_pylist()] == [(None, None)] * 2
+    assert [(r["token_logprobs"], r["top_logprobs"], r["prompt_token_ids"], r["prompt_logprobs"])
+            for r in worker.run_shard(0, rows).to_pylist()] == [(None,) * 4] * 2
 
 
-def test_token_logprobs_of_turns_follow_the_concatenated_tokens(tmp_path):
+def test_prompt_logprobs_with_the_prompt_the_model_read(tmp_path, tiny):
+    worker, rows = _worker(tmp_path, "data.limit=3", "generation.max_new_tokens=2", "generation.prompt_logprobs=true")
+    for job_row, got in zip(rows, worker.run_shard(0, rows).to_pylist()):
+        ids = tiny.tokenizer(job_row.input)["input_ids"]
+        assert got["prompt_token_ids"] == ids and got["token_logprobs"] is None
+        with torch.inference_mode():
+            logp = tiny.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        want = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert got["prompt_logprobs"][0] is None
+        assert torch.allclose(torch.tensor(got["prompt_logprobs"][1:]), want, atol=1e-4)
+
+
+def test_logprobs_of_turns_follow_the_concatenated_tokens_and_the_last_prompt(tmp_path):
     worker, rows = _worker(tmp_path, f"data.path={shared(SPEC_BENCH)}", "data.id_column=question_id", "data.limit=2",
-                           "generation.max_new_tokens=4", "generation.logprobs=true",
+                           "generation.max_new_tokens=4", "generation.logprobs=true", "generation.prompt_logprobs=true",
                            f"model.name_or_path={shared(TINY_LLAMA)}")
     for got in worker.run_shard(0, rows).to_pylist():
         assert len(got["generated_turns"]) == 2
         assert len(got["token_logprobs"]) == len(got["generated_token_ids"]) == got["num_generated_tokens"]
         assert all(lp <= 0 for lp in got["token_logprobs"])
+        # the last turn's prompt: the whole conversation before its answer
+        assert len(got["prompt_logprobs"]) == len(got["prompt_token_ids"]) > got["num_prompt_tokens"] // 2
+        assert got["prompt_logprobs"][0] is None and all(lp <= 0 for lp in got["prompt_logprobs"][1:])
