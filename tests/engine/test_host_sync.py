@@ -73,14 +73,15 @@ def test_no_synchronisation_inside_a_pass_on_gpu(monkeypatch, setting, temperatu
 @pytest.mark.parametrize("method", [dict(method="ar"), dict(method="hybrid", block_complexity=30)])
 @pytest.mark.parametrize("graphs", [False, True])
 def test_log_probabilities_add_no_host_read(monkeypatch, method, graphs):
-    """GenerationParams.logprobs / top_logprobs: computed and written on the device, read when a row finishes with
-    its tokens: each pass reads what the same job without them reads (one read; passes run ahead of their reads
-    read two where a row ends)."""
+    """GenerationParams.logprobs / top_logprobs / prompt_logprobs: computed and written on the device, read when a
+    row finishes, with its tokens: each pass reads what the same job without them reads (one read; passes run
+    ahead of their reads read two where a row ends)."""
     cfg = EngineConfig(max_batch_size=4, cuda_graphs=graphs, **method)
     reads = []
     for top in (0, 2):
         with count_reads_per_pass(monkeypatch) as seen:
-            outs = run(tiny("llama"), cfg, GenerationParams(max_new_tokens=32, temperature=1.0, seed=1, top_logprobs=top))
+            outs = run(tiny("llama"), cfg, GenerationParams(max_new_tokens=32, temperature=1.0, seed=1, top_logprobs=top,
+                                                            prompt_logprobs=top > 0))
         assert all(o.error is None for o in outs) and seen["passes"] > 0
         reads.append(list(seen["per_pass"]))  # (the counting stays patched in until the test ends)
     assert all(len(o.top_logprobs) == len(o.token_ids) for o in outs)
