@@ -1,4 +1,5 @@
-"""Log-probabilities of the committed tokens under the model (GenerationParams.logprobs / top_logprobs).
+"""Log-probabilities under the model: of the committed tokens (GenerationParams.logprobs / top_logprobs) and of
+the prompts' own (prompt_logprobs, at the prefill).
 
 A pass's committed tokens are the model's own choices at the slots of its accepted path: committed[:, j] was
 chosen (argmax or sample) at path_slots[:, j], the root's slot first, so an accepted draft is read at its parent's
@@ -59,6 +60,12 @@ def path_logprobs(slot_logits: torch.Tensor, path_slots: torch.Tensor, committed
     return TokenLogprobs(chosen, best.indices.gather(1, at).int(), values)
 
 
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int = 0) -> TokenLogprobs:
+    """Tokens [B, S] chosen one after another at logits [B, S, V] (a prefill's first token, DMTD's cycle)."""
+    b, s = tokens.shape
+    return path_logprobs(logits, steps(s, tokens.device).expand(b, s), tokens, top)
+
+
 # the logits a prompt's log-probabilities are computed from at once, per prefill forward (bytes): the LM head runs
 # over the prompts' positions in chunks of this size ([R, L, V] float32 for 16 prompts of 1,000 tokens and a
 # 128k vocabulary would be 8 GB)
@@ -76,9 +83,3 @@ def prompt_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.
     out = [chosen_logprobs(head(hidden[:, a: min(a + step, n - 1)]), ids[:, a + 1: min(a + step, n - 1) + 1]).chosen
            for a in range(0, n - 1, step)]
     return torch.cat(out, 1) if out else torch.zeros((r, 0), dtype=torch.float32, device=ids.device)
-
-
-def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int = 0) -> TokenLogprobs:
-    """Tokens [B, S] chosen one after another at logits [B, S, V] (a prefill's first token, DMTD's cycle)."""
-    b, s = tokens.shape
-    return path_logprobs(logits, steps(s, tokens.device).expand(b, s), tokens, top)
