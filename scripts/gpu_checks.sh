@@ -36,7 +36,9 @@
 #   attn       scripts/attn_backends.py: the decode attention kernels (cudnn, efficient, math) at batch 1, 16, 64,
 #              Q = 1, 8, 32 and 128 .. 2048 key slots, microseconds per call in a replayed graph
 #   ar_best    the ar step's model at batch 1, the batch-1 target in one step: every lever at once (compiled graphs,
-#              FlexAttention's decode kernel, autotuned products, run ahead) beside compiled graphs alone and ar eager
+#              FlexAttention's decode kernel, autotuned products, run ahead) beside ar (replayed eager kernels) and ar
+#              eager. Its rows fall in two capacity buckets (1024 and 2048 key slots): under flex each compiles apart,
+#              with autotuning, in the warm-up round (compiled graphs alone: the ar step)
 #   ar_flex    the ar step's model at batch 1: compiled graphs with engine.attention_backend=flex (FlexAttention over
 #              a block mask of the rows' lengths, its decode kernel splitting the keys; each class compiles apart)
 #              beside compiled graphs with torch's SDPA choice and ar eager
@@ -184,8 +186,8 @@ step ar64 ar.txt 230 bash -c "$(declare -f bench big); $(declare -p work DEV SHA
   big ar-b64 data.path=$P/prompts128.jsonl '$AR' bench.hf_compiled=false bench.cost_curve=false 'bench.batch_sizes=[64]'"
 step attn ar.txt 60 python3 scripts/attn_backends.py
 step ar_best ar.txt 280 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
-  big ar-b1-best data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs,\
-ar:1:compiled_graphs+attention_flex+autotune]' bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
+  big ar-b1-best data.path=$P/prompts4.jsonl 'bench.settings=[ar:1:eager,ar:1:compiled_graphs+attention_flex+autotune]' \
+    bench.hf_baseline=false bench.hf_compiled=false bench.cost_curve=false"
 FLEX='bench.settings=[ar:1:eager,ar:1:compiled_graphs,ar:1:compiled_graphs+attention_flex]'
 step ar_flex ar.txt 200 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
   big ar-b1-flex data.path=$P/prompts4.jsonl '$FLEX' bench.hf_baseline=false bench.hf_compiled=false \
