@@ -305,3 +305,19 @@ def test_bench_settings_hybrid_with_each_heads_dir():
     assert [s.heads_path for s in grid(b)] == ["", "", "heads/a-rank1", "heads/a-rank4"]
     with pytest.raises(ConfigError, match="give bench.heads_paths"):
         load_bench_config(overrides=["bench.settings=[hybrid+heads:30]"])
+
+
+def test_cp_heads_log_probabilities_are_the_models(heads_dir):
+    """GenerationParams.top_logprobs: the model's own at each generated position, whatever the heads drafted."""
+    lm = tiny("qwen3")
+    cfg = EngineConfig(method="cp_heads", heads_path=random_heads("qwen3", 4, heads_dir), block_complexity=10,
+                       max_batch_size=4)
+    outs = run(lm, cfg, GenerationParams(max_new_tokens=24, top_logprobs=2))
+    assert sum(o.stats.num_accepted_drafts for o in outs) > 0
+    for o, p in zip(outs, PROMPTS):
+        ids = lm.tokenizer(p)["input_ids"]
+        with torch.inference_mode():
+            logp = lm.model(torch.tensor([ids + o.token_ids])).logits[0].float().log_softmax(-1)[len(ids) - 1: -1]
+        want = logp.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(o.logprobs), want, atol=1e-4)
+        assert [[t for t, _ in x] for x in o.top_logprobs] == logp.topk(2, -1).indices.tolist()
