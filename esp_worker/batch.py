@@ -59,9 +59,10 @@ class RowTensors(RowState):
     """The engine's own [B, ...] tensors of the rows (the drafter keeps its own in a RowState of its type)."""
 
     hist: Optional[torch.Tensor] = row_field()  # [B, C] prompt + committed tokens, valid up to hist_len
-    # beside `hist`, written in passes where some row asks for them (GenerationParams.logprobs, top_logprobs; a
-    # prompt's positions hold zeros): [B, C] float32 each generated token's log-probability, and [B, C, K] the K
-    # likeliest tokens where it was chosen (int32) with theirs (float32), K the most a row of the batch asked for
+    # beside `hist`, written in passes where some row asks for them (GenerationParams.logprobs, top_logprobs):
+    # [B, C] float32 each generated token's log-probability (a prompt's positions: its own, where a row of its
+    # prefill asked for them, else zeros), and [B, C, K] the K likeliest tokens where each was chosen (int32) with
+    # theirs (float32), K the most a row of the batch asked for
     logprobs: Optional[torch.Tensor] = row_field()
     top_ids: Optional[torch.Tensor] = row_field()
     top_logprobs: Optional[torch.Tensor] = row_field()
@@ -257,11 +258,10 @@ class Rows:
         hist = self.t.hist
         need = max(self.lens) + extra
         if need > hist.shape[1]:
-            cap = max(need, 2 * hist.shape[1])
-            self.t.hist = torch.nn.functional.pad(hist, (0, cap - hist.shape[1]))
-            t, more = self.t, cap - hist.shape[1]
-            t.logprobs = torch.nn.functional.pad(t.logprobs, (0, more))
-            t.top_ids, t.top_logprobs = (torch.nn.functional.pad(x, (0, 0, 0, more)) for x in (t.top_ids, t.top_logprobs))
+            t, more = self.t, max(need, 2 * hist.shape[1]) - hist.shape[1]
+            t.hist, t.logprobs = (torch.nn.functional.pad(x, (0, more)) for x in (hist, t.logprobs))
+            t.top_ids, t.top_logprobs = (torch.nn.functional.pad(x, (0, 0, 0, more))  # [B, C, K]: C is dim 1
+                                         for x in (t.top_ids, t.top_logprobs))
 
     # ---- statistics --------------------------------------------------------------------------------
     def count(self, n_fin: torch.Tensor, n_raw: torch.Tensor, drafted: Optional[torch.Tensor], max_committed: int,

@@ -40,7 +40,8 @@ class TokenLogprobs:
     @staticmethod
     def cat(parts: list["TokenLogprobs"]) -> "TokenLogprobs":
         """Tokens chosen one after another (DMTD's cycle), side by side along S."""
-        return TokenLogprobs(*(None if ts[0] is None else torch.cat(ts, 1) for ts in zip(*(p.tensors() for p in parts))))
+        columns = zip(*(p.tensors() for p in parts))  # each field's tensors, part by part
+        return TokenLogprobs(*(None if ts[0] is None else torch.cat(ts, 1) for ts in columns))
 
 
 def path_logprobs(slot_logits: torch.Tensor, path_slots: torch.Tensor, committed: torch.Tensor,

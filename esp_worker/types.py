@@ -22,7 +22,8 @@ class GenerationParams:
     # return each generated token's log-probability under the model (`RequestOutput.logprobs`): the log-softmax of
     # its raw logits in float32 (temperature 1, before top-p / top-k), read where the token was chosen
     logprobs: bool = False
-    # also the `top_logprobs` likeliest tokens at each position with theirs (0 = none; up to MAX_TOP_LOGPROBS); implies logprobs
+    # also the `top_logprobs` likeliest tokens at each position with theirs (0 = none; up to MAX_TOP_LOGPROBS);
+    # implies logprobs
     top_logprobs: int = 0
     # each prompt token's log-probability given the tokens before it (`RequestOutput.prompt_logprobs`), as logprobs
     prompt_logprobs: bool = False

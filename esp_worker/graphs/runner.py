@@ -227,8 +227,9 @@ class GraphRunner:
         num, last_slot, last_token, n_fin, reason = ints.unbind(0)
         if shape.sampling:  # every row consumed one uniform per committed token
             rows.uniforms.ptr += num
+        logprobs = None if out.logprobs is None else out.logprobs.map(lambda t: t.narrow(0, 0, b))
         verified = VerifyResult(out.committed.narrow(0, 0, b), num, out.path_slots.narrow(0, 0, b), last_slot,
-                                last_token, None if out.logprobs is None else out.logprobs.map(lambda t: t.narrow(0, 0, b)))
+                                last_token, logprobs)
         fwd = ForwardOut(out.hidden.narrow(0, 0, b), None)
         got = None
         if out.probe is not None:  # the drafter's state from here: its own copy (the next replay overwrites these)
