@@ -87,6 +87,22 @@ class RowTensors(RowState):
         super().extend(other)
 
 
+@dataclass(frozen=True)
+class RowModes:
+    """What the rows' requests ask of every pass over them, from their parameters (which never change)."""
+
+    sampling: bool  # some row samples (temperature > 0)
+    stop_strings: bool  # some row has stop strings (checked on the host after each pass)
+    logprobs_top: Optional[int]  # None: no row asks for its tokens' log-probabilities; else the most alternatives
+
+    @classmethod
+    def of(cls, seqs: list[Seq]) -> "RowModes":
+        params = [s.req.params for s in seqs]
+        asks = [p.top_logprobs for p in params if p.wants_logprobs]
+        return cls(any(p.temperature > 0 for p in params), any(p.stop_strings for p in params),
+                   max(asks) if asks else None)
+
+
 @dataclass
 class Rows:
     """The rows in flight: their tensors, the drafter's state, and host mirrors refreshed by the pass's one read."""
@@ -107,6 +123,9 @@ class Rows:
     roots: Optional[torch.Tensor] = None
     # changes whenever the rows or their lengths do (a commit, rows leaving or joining); unique across batches
     version: int = field(default_factory=lambda: new_version())
+    # the requests' modes (`RowModes`), worked out when first asked after the rows were made, joined or left: a
+    # pass asks several times, and walking 64 rows' requests each time costs tens of microseconds
+    _modes: Optional[RowModes] = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -116,19 +135,24 @@ class Rows:
         return len(self.seqs) - sum(1 for code in self.done if code)
 
     @property
+    def modes(self) -> RowModes:
+        if self._modes is None:
+            self._modes = RowModes.of(self.seqs)
+        return self._modes
+
+    @property
     def sampling(self) -> bool:
-        return any(s.req.params.temperature > 0 for s in self.seqs)
+        return self.modes.sampling
 
     @property
     def logprobs_top(self) -> Optional[int]:
         """None: no row returns its tokens' log-probabilities; else the pass computes them for every row, with the
         most alternatives a row asks for (0: none)."""
-        asks = [s.req.params for s in self.seqs if s.req.params.wants_logprobs]
-        return max(p.top_logprobs for p in asks) if asks else None
+        return self.modes.logprobs_top
 
     @property
     def has_stop_strings(self) -> bool:
-        return any(s.req.params.stop_strings for s in self.seqs)
+        return self.modes.stop_strings
 
     def view(self) -> RowsView:
         """The drafter's view of the rows as they are now."""
@@ -223,6 +247,7 @@ class Rows:
         """Keep rows `keep`, in that order (row keep[i] becomes row i)."""
         rows = torch.tensor(keep, dtype=torch.long, device=self.reason.device)
         self.seqs = [self.seqs[i] for i in keep]
+        self._modes = None
         self.lens = [self.lens[i] for i in keep]
         self.limits = [self.limits[i] for i in keep]
         self.done = [self.done[i] for i in keep]
@@ -239,6 +264,7 @@ class Rows:
         """Append `other`'s rows (prefilled into this batch's cache, rows len(self) ..)."""
         self.cache.add_rows(len(other))
         self.version = new_version()
+        self._modes = None
         if not self.seqs:
             self.seqs, self.t, self.state, self.reason = other.seqs, other.t, other.state, other.reason
             self.uniforms, self.lens, self.done, self.hints = other.uniforms, other.lens, other.done, other.hints
