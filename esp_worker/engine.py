@@ -453,7 +453,9 @@ class Engine:
         committed = tok[:, None]
         n = torch.ones(r, dtype=torch.long, device=dev)
         n_fin, reason = self._stops(rows, committed, n)
-        self._commit(rows, committed, n_fin, reason, tok, self._chosen_logprobs(rows, logits[:, None], committed))
+        top = rows.logprobs_top
+        self._commit(rows, committed, n_fin, reason, tok,
+                     None if top is None else chosen_logprobs(logits[:, None], committed, top))
         aux_hidden = hidden[:, 1:] if a else None
         mask_hidden = aux_hidden[:, : self.drafter.num_masks] if a and self.drafter.num_masks else None
         self.drafter.observe(rows.view(), PassRecord(committed, n_fin, hidden=aux_hidden, mask_hidden=mask_hidden,
@@ -804,12 +806,6 @@ class Engine:
             gen = [t.hist[r, len(s.prompt_ids): rows.lens[r]].tolist() if stops[r] else [] for r, s in enumerate(rows.seqs)]
             n_fin, reason = apply_stop_strings(self.tokenizer, stops, gen, committed, n_fin, reason)
         return n_fin, reason
-
-    @staticmethod
-    def _chosen_logprobs(rows: Rows, logits: torch.Tensor, tokens: torch.Tensor) -> Optional[TokenLogprobs]:
-        """Log-probabilities of `tokens` [B, S] chosen at logits [B, S, V] in turn, where some row asks for them."""
-        top = rows.logprobs_top
-        return None if top is None else chosen_logprobs(logits, tokens, top)
 
     def _commit(self, rows: Rows, committed: torch.Tensor, n_fin: torch.Tensor, reason: torch.Tensor,
                 last_token: Optional[torch.Tensor] = None, logprobs: Optional[TokenLogprobs] = None) -> None:

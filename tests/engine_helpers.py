@@ -44,3 +44,16 @@ def run(lm: LoadedModel, cfg: EngineConfig, params: GenerationParams, prompts=PR
     eng = Engine(lm, cfg)
     reqs = [Request(id=str(i), prompt=p, params=params) for i, p in enumerate(prompts)]
     return eng.generate(reqs)
+
+
+def model_logprobs(lm: LoadedModel, prompt: str, token_ids: list[int]) -> torch.Tensor:
+    """[len(prompt ids) + len(token_ids) - 1, V] float32: the model's own log-softmax at each position of prompt +
+    tokens, predicting the next one (row j - 1 holds token j's); the reference for GenerationParams.logprobs."""
+    ids = lm.tokenizer(prompt)["input_ids"] + list(token_ids)
+    with torch.inference_mode():
+        return lm.model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+
+
+def generated_logprobs(lm: LoadedModel, prompt: str, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), V]: `model_logprobs` at the generated tokens' positions."""
+    return model_logprobs(lm, prompt, token_ids)[len(lm.tokenizer(prompt)["input_ids"]) - 1:]

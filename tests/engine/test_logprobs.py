@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine_helpers import ARCHS, PROMPTS, tiny
+from engine_helpers import ARCHS, PROMPTS, generated_logprobs, model_logprobs, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
 from esp_worker.logprobs import path_logprobs
 
@@ -47,10 +47,7 @@ def test_a_committed_token_s_log_probability_is_read_where_it_was_chosen():
 def _model_logprobs(lm, prompt: str, token_ids: list[int], top: int = 0):
     """The model's forward over prompt + generated tokens: each generated token's log-softmax where it was chosen
     (and the `top` likeliest tokens there, with theirs)."""
-    ids = lm.tokenizer(prompt)["input_ids"]
-    seq = torch.tensor([ids + token_ids])
-    with torch.inference_mode():
-        logp = lm.model(seq).logits[0].float().log_softmax(-1)[len(ids) - 1: -1]
+    logp = generated_logprobs(lm, prompt, token_ids)
     chosen = logp.gather(1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
     if not top:
         return chosen
@@ -192,9 +189,7 @@ def test_bad_settings_are_one_line_problems(fields, problem):
 
 def _prompt_logprobs(lm, prompt: str) -> list[float]:
     ids = lm.tokenizer(prompt)["input_ids"]
-    with torch.inference_mode():
-        logp = lm.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-    return logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    return model_logprobs(lm, prompt, []).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

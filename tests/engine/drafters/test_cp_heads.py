@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from engine_helpers import ARCHS, PROMPTS, reference, run, tiny
+from engine_helpers import ARCHS, PROMPTS, generated_logprobs, reference, run, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
 from esp_worker.model.heads import (CPHeads, CPHeadsConfig, HeadsLoadError, balance_loss, cp_log_likelihood,
                                    first_position_log_likelihood, heads_loss, load_heads, new_heads, save_heads,
@@ -315,9 +315,7 @@ def test_cp_heads_log_probabilities_are_the_models(heads_dir):
     outs = run(lm, cfg, GenerationParams(max_new_tokens=24, top_logprobs=2))
     assert sum(o.stats.num_accepted_drafts for o in outs) > 0
     for o, p in zip(outs, PROMPTS):
-        ids = lm.tokenizer(p)["input_ids"]
-        with torch.inference_mode():
-            logp = lm.model(torch.tensor([ids + o.token_ids])).logits[0].float().log_softmax(-1)[len(ids) - 1: -1]
+        logp = generated_logprobs(lm, p, o.token_ids)
         want = logp.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(o.logprobs), want, atol=1e-4)
         assert [[t for t, _ in x] for x in o.top_logprobs] == logp.topk(2, -1).indices.tolist()

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from engine_helpers import ARCHS, PROMPTS, reference, run, tiny
+from engine_helpers import ARCHS, PROMPTS, generated_logprobs, reference, run, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
 from esp_worker.drafters.dmtd_verified import DmtdVerifiedDrafter
 from esp_worker.model.dmtd import DmtdConfig, DmtdConfigError, cyclic_forward, load_draft, new_draft_layers, save_draft
@@ -124,8 +124,5 @@ def test_log_probabilities_are_the_models(root):
     outs = run(lm, EngineConfig(method="dmtd_verified", dmtd_path=copy_dir("qwen2", root, noise=0.05), max_batch_size=4),
                GenerationParams(max_new_tokens=24, logprobs=True))
     for o, p in zip(outs, PROMPTS):
-        ids = lm.tokenizer(p)["input_ids"]
-        with torch.inference_mode():
-            logp = lm.model(torch.tensor([ids + o.token_ids])).logits[0].float().log_softmax(-1)
-        want = logp[len(ids) - 1: -1].gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        want = generated_logprobs(lm, p, o.token_ids).gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(o.logprobs), want, atol=1e-4)

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from cost_curves import FLAT
-from engine_helpers import ARCHS, PROMPTS, reference, tiny
+from engine_helpers import ARCHS, PROMPTS, generated_logprobs, reference, tiny
 from model_time import model_time
 from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request
 from esp_worker import engine as engine_module
@@ -341,9 +341,7 @@ def test_random_jobs_return_the_models_log_probabilities(trained, seed):
         if o.error is not None or not r.params.wants_logprobs:
             assert o.logprobs is None and o.top_logprobs is None
             continue
-        ids = lm.tokenizer(r.prompt)["input_ids"]
-        with torch.inference_mode():
-            logp = lm.model(torch.tensor([ids + o.token_ids])).logits[0].float().log_softmax(-1)[len(ids) - 1: -1]
+        logp = generated_logprobs(lm, r.prompt, o.token_ids)
         torch.testing.assert_close(torch.tensor(o.logprobs), logp.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0],
                                    atol=1e-4, rtol=0)
         if r.params.top_logprobs:
