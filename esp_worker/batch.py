@@ -20,6 +20,7 @@ from .consts import ones, steps
 from .passes import RowsView, new_version
 from .row_state import RowState, row_field
 from .kv_cache import KVCache
+from .prefix_cache import Prefix
 from .sampling import UniformStreams
 from .tree import DraftTree
 from .types import Request, RequestStats
@@ -36,6 +37,7 @@ class Seq:
     t0: float = 0.0
     passes0: int = 0  # engine decode passes before this row joined
     sizes0: dict[int, int] = field(default_factory=dict)  # block size -> passes, before this row joined
+    prefix: Optional[Prefix] = None  # the stored prompt prefix its prefill copies instead of feeding (prefix_cache.py)
 
 
 @dataclass

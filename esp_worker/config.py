@@ -127,6 +127,10 @@ class EngineConfig:
     # that minimise forwards * this + padded tokens (esp_worker/prefill_plan.py). auto: measured at start-up on
     # CUDA (an eager forward is bound by its launches there: thousands of tokens for a 1B model), 16 on a CPU
     prefill_forward_tokens: Union[float, str] = "auto"
+    # prompt prefixes that requests share (a system prompt, few-shot examples, a chat template's header) prefilled
+    # once: their keys and values are kept, up to this many tokens, and copied into each prompt that starts with
+    # one, whose prefill then feeds only the rest; 0 = off (esp_worker/prefix_cache.py)
+    prefix_cache_tokens: int = 4096
     # when waiting requests join the batch as rows finish: auto = once the slots left idle have cost what a prefill
     # forward's fixed cost stalls the rows in flight (rent or buy; where that cost is measured: CUDA), eager = at
     # once (esp_worker/admission.py)
@@ -185,6 +189,9 @@ class EngineConfig:
         pft = self.prefill_forward_tokens
         if pft != "auto" and (isinstance(pft, bool) or not isinstance(pft, (int, float)) or not 0 <= pft < 1e9):
             bad(f"engine.prefill_forward_tokens={pft!r} must be auto or a number of tokens >= 0")
+        if isinstance(self.prefix_cache_tokens, bool) or not isinstance(self.prefix_cache_tokens, int) \
+                or self.prefix_cache_tokens < 0:
+            bad(f"engine.prefix_cache_tokens={self.prefix_cache_tokens!r} must be a number of tokens >= 0 (0: off)")
         if self.admission not in ("auto", "eager"):
             bad(f"engine.admission={self.admission!r} is unknown; choose auto or eager")
         if self.method not in METHODS:

@@ -9,6 +9,7 @@ pass is launched before the last one's read (`_step_ahead`), so that the host's 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -40,7 +41,7 @@ from .kernels.aot import AotKernels
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
 from .logprobs import TokenLogprobs, chosen_logprobs, path_logprobs, prompt_logprobs
-from .memory import kv_bytes_per_slot, require
+from .memory import MemoryShortError, kv_bytes_per_slot, require
 from .model.attention import StaticBlockBias, attention_bias
 from .model.dmtd import CycleForward, CycleStarts, resolve as resolve_dmtd
 from .model.errors import ModelLoadError
@@ -48,6 +49,7 @@ from .model.load import LoadedModel, load_model
 from .model.runner import ModelClock, ModelRunner
 from .passes import Block, ForwardOut, PassRecord, Placement, RowsView, Settled
 from .prefill_plan import CPU_FORWARD_TOKENS, plan_chunks
+from .prefix_cache import Prefix, PrefixCache, shared_prefixes, starts_with
 from .sampling import UniformStreams, choose_tokens
 from .stats import EngineStats, PassClock, now
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
@@ -64,6 +66,7 @@ PREPARE_LOOKS: Optional[bool] = None
 # engine.cuda_graphs captures graphs on CUDA and runs the static path eagerly elsewhere. None = by device (tests
 # set True, with a stand-in for `graphs.runner.capture_graph`, to drive the capture path on a CPU)
 CAPTURE_GRAPHS: Optional[bool] = None
+RECENT_PROMPTS = 16  # prompts admitted last that a new one's shared prefixes are looked for in (at least the batch)
 
 
 def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[int, bool], tuple[list[Request], bool]]:
@@ -157,6 +160,14 @@ class Engine:
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
         self.prefill_forward_tokens = self._forward_tokens()  # a prefill forward's cost in tokens (prefill_plan.py)
         self.admission = self._admission()  # when waiting requests join (continuous batching)
+        # engine.prefix_cache_tokens: prompt prefixes that requests share, prefilled once (prefix_cache.py). Not where
+        # a prefill reads every prompt position's states: DMTD's cycle, dmtd_verified's trunk (runner.tap_layer)
+        self.prefixes: Optional[PrefixCache] = None
+        if cfg.prefix_cache_tokens and self.cycle is None and self.runner.tap_layer is None:
+            self.prefixes = PrefixCache(cfg.prefix_cache_tokens)
+        self._unstored: list[tuple[int, ...]] = []  # shared prefixes of this admission to take from a prefilled row
+        # the prompts admitted last: a prompt admitted alone finds the prefixes it shares with them
+        self._recent: collections.deque = collections.deque(maxlen=max(RECENT_PROMPTS, cfg.max_batch_size))
         self._in_flight: Optional[_InFlight] = None  # engine.cuda_graphs_run_ahead: the pass not yet read
         self._exhausted = False  # no request is left to join (the requests' iterable ended, or the feed closed)
 
@@ -358,10 +369,79 @@ class Engine:
 
     def _prefill_chunks(self, seqs: list[Seq]) -> Iterator[list[Seq]]:
         """Admitted sequences in prefill forwards, longest first: the chunks that minimise forwards x
-        prefill_forward_tokens + padded tokens, each within `prefill_batch_tokens` padded tokens (prefill_plan.py)."""
-        plan = plan_chunks([len(s.prompt_ids) for s in seqs], self.prefill_forward_tokens, self.cfg.prefill_batch_tokens)
+        prefill_forward_tokens + padded tokens, each within `prefill_batch_tokens` padded tokens (prefill_plan.py).
+        A prompt's length here is what its prefill feeds: less its stored prefix (`_find_prefixes`)."""
+        if self.prefixes is not None and seqs:
+            self._find_prefixes(seqs)
+        fed = [len(s.prompt_ids) - (0 if s.prefix is None else s.prefix.length) for s in seqs]
+        plan = plan_chunks(fed, self.prefill_forward_tokens, self.cfg.prefill_batch_tokens)
         for chunk in plan:
             yield [seqs[i] for i in chunk]
+
+    @inference
+    def _find_prefixes(self, seqs: list[Seq]) -> None:
+        """Set each admitted prompt's longest stored prefix (`Seq.prefix`; none for a prompt whose log-probabilities
+        are asked: its prefill reads every position). Of the prefixes the store lacks that the prompts share, with
+        each other or with the prompts admitted last, those whose forward of their own costs less than it saves
+        these prompts (in padded tokens, as the chunks are planned) are computed now; the others are taken from a
+        prompt's cache row after its prefill (`_capture`), for the prompts to come."""
+        store = self.prefixes
+        for s in seqs:
+            s.prefix = None if s.req.params.prompt_logprobs else store.lookup(s.prompt_ids)
+        self._unstored = []
+        for ids in shared_prefixes([s.prompt_ids for s in seqs] + list(self._recent)):
+            mine = [s for s in seqs if starts_with(s.prompt_ids, ids)]
+            if store.has(ids) or not mine:
+                continue
+            members = [s for s in mine if not s.req.params.prompt_logprobs]
+            saved = sum(max(0, len(ids) - (0 if s.prefix is None else s.prefix.length)) for s in members)
+            if saved <= len(ids) + self.prefill_forward_tokens:
+                self._unstored.append(ids)
+                continue
+            entry = self._store(ids, self._prefix_kv(ids))
+            for s in members:
+                if entry is not None and (s.prefix is None or s.prefix.length < entry.length):
+                    s.prefix = entry
+        self._recent.extend(s.prompt_ids for s in seqs)
+
+    def _prefix_kv(self, ids: tuple[int, ...]) -> Optional[torch.Tensor]:
+        """The keys and values of `ids` alone: a prefill forward of one row into a cache of its own."""
+        now, n, dev = time.perf_counter(), len(ids), self.device
+        cache = kv_cache.new_cache(self.num_layers)
+        cache.reserve(1, n)
+        cache.plan(0, 1, n, 0)
+        pos = steps(n, dev)[None]
+        bias = None
+        if not (self.runner.causal_without_bias and self.runner.sliding_window is None):
+            causal = steps(n, dev)[:, None] >= steps(n, dev)[None, :]
+            bias = attention_bias(causal[None], None, pos, n, self.runner.dtype, self.runner.sliding_window)
+        embeds = self.runner.embed_ids(torch.tensor([ids], dtype=torch.long, device=dev))
+        self.runner.forward(embeds, bias, pos, cache, n - 1, keep=pos[:, -1:])
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_tokens += n
+        self.stats.prefill_s += time.perf_counter() - now
+        return cache.read_prefix(0, n)
+
+    def _store(self, ids: tuple[int, ...], kv: Optional[torch.Tensor]) -> Optional[Prefix]:
+        """Keep `ids`' keys and values (None: the cache cannot give them), unless the device lacks twice their size
+        (the batch's cache comes first)."""
+        need = self.slot_bytes * len(ids)
+        if kv is None:
+            return None
+        try:
+            require(f"engine.prefix_cache_tokens: a prefix of {len(ids)} tokens", 2 * need, "", self.device)
+        except MemoryShortError:
+            return None
+        return self.prefixes.add(ids, kv)
+
+    def _capture(self, seqs: list[Seq], row0: int, cache: kv_cache.KVCache) -> None:
+        """Store the shared prefixes left for after the prefill from the first of `seqs` (rows row0 ..) that
+        starts with each."""
+        for ids in list(self._unstored):
+            row = next((i for i, s in enumerate(seqs) if starts_with(s.prompt_ids, ids)), None)
+            if row is not None:
+                self._unstored.remove(ids)
+                self._store(ids, cache.read_prefix(row0 + row, len(ids)))
 
     def _new_rows(self, seqs: list[Seq], cache: kv_cache.KVCache) -> Rows:
         dev = self.device
@@ -413,39 +493,62 @@ class Engine:
         dev = self.device
         aux = self.drafter.start_rows(rows.view())  # [R, A, D] masks owned by the last prompt token, or None
         lens = rows.t.prompt_len
-        r, lmax = len(seqs), max(rows.lens)
+        r, row0 = len(seqs), len(batch)
+        scored = any(s.req.params.prompt_logprobs for s in seqs)  # every position's hidden state is read
+        # slots of each row its prefill does not feed: its stored prefix, copied into its cache row (prefix_cache.py)
+        reuse = [0 if scored or s.prefix is None else s.prefix.length for s in seqs]
+        fmax = max(n - u for n, u in zip(rows.lens, reuse))  # tokens fed to a row, at most
         a = 0 if aux is None else aux.shape[1]
-        q = lmax + a
-        # each row's block: its prompt, its masks right after it (ESP's, block index and position lens + j), then
-        # padding; so each token sees just its own prompt (and earlier masks) under plain causal attention
-        embeds = self.runner.embed_ids(rows.t.hist[:, :lmax])
-        mask_at = lens[:, None] + steps(a, dev)  # [R, A]
+        q = fmax + a
+        view = max(reuse) + q  # slots the forward sees
+        # each row's block: its prompt from slot reuse[r] on, its masks right after it (ESP's, block index
+        # fed + j, position len + j), then padding; so each token sees just its own prompt (and earlier masks)
+        start = torch.tensor(reuse, device=dev)  # [R]
+        fed = lens - start  # [R]
+        if any(reuse):
+            at = (start[:, None] + steps(fmax, dev)[None]).clamp(max=rows.t.hist.shape[1] - 1)  # [R, F]
+            ids = rows.t.hist.gather(1, at)
+        else:
+            ids = rows.t.hist[:, :fmax]
+        embeds = self.runner.embed_ids(ids)
+        mask_at = fed[:, None] + steps(a, dev)  # [R, A]
         if a:
             embeds = torch.nn.functional.pad(embeds, (0, 0, 0, a))
             embeds.scatter_(1, mask_at[..., None].expand(-1, -1, embeds.shape[2]), aux.to(embeds.dtype))
         i = steps(q, dev)
-        pos = i.clamp(max=self.loaded.max_context - 1)[None].expand(r, q)
-        cache.reserve(len(batch) + r, max([q] + [n + 1 for n in batch.lens]))
-        cache.plan(len(batch), r, q, 0)
-        if self.runner.causal_without_bias and self.runner.sliding_window is None:
+        pos = (start[:, None] + i[None]).clamp(max=self.loaded.max_context - 1)  # [R, Q]
+        cache.reserve(row0 + r, max([view] + [n + 1 for n in batch.lens]))
+        for prefix in {s.prefix.ids: s.prefix for s, u in zip(seqs, reuse) if u}.values():
+            cache.write_prefix([row0 + k for k, s in enumerate(seqs) if reuse[k] and s.prefix.ids == prefix.ids],
+                               prefix.kv)
+        uniform = len(set(reuse)) == 1
+        cache.plan(row0, r, view, reuse[0] if uniform else start)
+        if not any(reuse) and self.runner.causal_without_bias and self.runner.sliding_window is None:
             # plain causal attention, no mask tensor (on CUDA SDPA may then take its flash backend): the padding's
             # outputs are never read, and its cache slots (like the masks') lie past the row's length
             bias = None
         else:
-            require(f"a prefill of {r} prompts of up to {lmax} tokens (its attention mask, {r} x {q} x {q})",
-                    r * q * q * (2 + self.runner.dtype.itemsize), "lower engine.prefill_batch_tokens", dev)
-            key_ok = i[None] < (lens + a)[:, None]  # [R, Q] the row's prompt and masks, not its padding
+            require(f"a prefill of {r} prompts of up to {fmax} tokens (its attention mask, {r} x {q} x {view})",
+                    r * q * view * (2 + self.runner.dtype.itemsize), "lower engine.prefill_batch_tokens", dev)
+            key_ok = i[None] < (fed + a)[:, None]  # [R, Q] the row's prompt and masks, not its padding
             visible = (i[:, None] >= i[None, :])[None] & key_ok[:, None, :]  # [R, Q, Q] causal
             visible |= torch.eye(q, dtype=torch.bool, device=dev)[None]  # padding rows see themselves
-            bias = attention_bias(visible, None, pos, q, self.runner.dtype, self.runner.sliding_window)
-        wanted = torch.cat([lens[:, None] - 1, mask_at], 1)  # [R, 1 + A] last prompt token, masks
+            window = self.runner.sliding_window
+            if any(reuse):  # the stored prefix is every query's cached part
+                bias = attention_bias(visible, start, pos, view, self.runner.dtype, window,
+                                      uniform_len=reuse[0] if uniform else None)
+            else:
+                bias = attention_bias(visible, None, pos, q, self.runner.dtype, window)
+        wanted = torch.cat([fed[:, None] - 1, mask_at], 1)  # [R, 1 + A] last prompt token, masks
         forward = self.runner.forward if self.cycle is None else self.cycle.prefill
-        scored = any(s.req.params.prompt_logprobs for s in seqs)  # every position's hidden state is read
-        hidden = forward(embeds, bias, pos, cache, q - 1, keep=None if scored else wanted)  # [R, 1 + A, D]
+        hidden = forward(embeds, bias, pos, cache, view - 1, keep=None if scored else wanted)  # [R, 1 + A, D]
         if scored:  # the prompts' own log-probabilities, beside where their generated tokens' go
-            ids = rows.t.hist[:, :lmax]
-            rows.t.logprobs[:, 1:lmax] = prompt_logprobs(self.runner.logits, hidden, ids, self.num_logits)
+            rows.t.logprobs[:, 1:fmax] = prompt_logprobs(self.runner.logits, hidden, ids, self.num_logits)
             hidden = gather_slots(hidden, wanted)
+        if self._unstored:
+            self._capture(seqs, row0, cache)
+        self.stats.prefill_tokens += sum(rows.lens) - sum(reuse)
+        self.stats.prefill_cached_tokens += sum(reuse)
         last = hidden[:, 0]  # [R, D]
         logits = self.runner.logits(last)  # [R, V]
         rows.uniforms.ensure(1, rows.consumed())

@@ -169,6 +169,11 @@ class KVCache(Cache):
         does not fit spills the rows, see the module docstring)."""
         self.pinned = (rows, slots)
         self.capacity = (rows, slots)
+        self._new_slab(heads, head_dim, dtype, device)
+
+    def _new_slab(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """The slab at the cache's capacity, zeroed, every layer's buffers views of it."""
+        rows, slots = self.capacity
         self.slab = torch.zeros((len(self.layers), 2, rows, heads, slots, head_dim), dtype=dtype, device=device)
         for layer in self.layers:
             layer.in_slab, layer.is_initialized = True, True
@@ -269,6 +274,29 @@ class KVCache(Cache):
         """Bytes the cache holds: its buffers, and the pinned slab while the rows are spilled."""
         held = [t for t, *_ in self._tensors()] + ([self.home] if self.home is not None else [])
         return sum(t.numel() * t.element_size() for t in held)
+
+    # ---- prompt prefixes (prefix_cache.py) ----------------------------------------------------------
+    def read_prefix(self, row: int, length: int) -> Optional[torch.Tensor]:
+        """A copy of row `row`'s slots 0 .. length-1 of the slab, [L, 2, 1, H, P, D]; None when some layer lives
+        outside the slab (no prefix is kept for such a model)."""
+        if self.move_target() is None:
+            return None
+        return self.slab.narrow(2, row, 1).narrow(4, 0, length).clone()
+
+    @inference
+    def write_prefix(self, rows: Sequence[int], kv: torch.Tensor) -> None:
+        """Slots 0 .. P-1 of rows `rows` (ascending) set to `kv` (`read_prefix`'s, of P slots); a run of consecutive
+        rows is one copy. Before the cache's first forward the slab is made here, of the prefix's layout."""
+        if self.slab is None:
+            self._new_slab(kv.shape[3], kv.shape[5], kv.dtype, kv.device)
+        runs: list[list[int]] = []
+        for row in rows:
+            if runs and row == runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([row, row + 1])
+        for a, b in runs:
+            self.slab.narrow(2, a, b - a).narrow(4, 0, kv.shape[4]).copy_(kv)  # broadcast over the run's rows
 
     # ---- one forward -------------------------------------------------------------------------------
     def plan(self, row0: int, num_rows: int, view_len: int, write_at: Union[int, torch.Tensor],

@@ -61,6 +61,8 @@ class EngineStats:
     decode_passes: int = 0
     prefill_s: float = 0.0  # seconds in prefills (forwards, first tokens, the rows' set-up)
     prefill_forwards: int = 0  # prefill forwards (chunks of admitted prompts: prefill_plan.py)
+    prefill_tokens: int = 0  # prompt tokens the prefill forwards fed
+    prefill_cached_tokens: int = 0  # prompt tokens whose keys and values were copied from a stored prefix instead
     peak_cache_bytes: int = 0  # the largest KV cache held
     # rows in the batch -> decode passes
     batch_histogram: collections.Counter = field(default_factory=collections.Counter)
@@ -70,7 +72,7 @@ class EngineStats:
     def reset_timing(self) -> None:
         """Zero the time and pass counters (a benchmark's warm-up is not measured)."""
         self.decode_s, self.model_s, self.decode_passes, self.peak_cache_bytes = 0.0, 0.0, 0, 0
-        self.prefill_s, self.prefill_forwards = 0.0, 0
+        self.prefill_s, self.prefill_forwards, self.prefill_tokens, self.prefill_cached_tokens = 0.0, 0, 0, 0
         if self.graphs is not None:
             self.graphs.graph_passes = self.graphs.ahead_passes = self.graphs.probe_passes = 0
             self.graphs.kept_ended_passes = 0
@@ -85,6 +87,7 @@ class EngineStats:
                                                       eager_passes=sum(self.graphs.eager_passes.values()))
         return dict(decode_s=self.decode_s, model_s=self.model_s, decode_passes=self.decode_passes,
                     prefill_s=self.prefill_s, prefill_forwards=self.prefill_forwards,
+                    prefill_tokens=self.prefill_tokens, prefill_cached_tokens=self.prefill_cached_tokens,
                     peak_cache_bytes=self.peak_cache_bytes, **graphs)
 
     @staticmethod

@@ -273,7 +273,8 @@ class ShardWorker:
         stats, graphs = self.engine.stats, self.engine.stats.graphs
         return {"pid": os.getpid(), "batch_histogram": dict(stats.batch_histogram),
                 "engine_time": {"prefill_forwards": stats.prefill_forwards, "prefill_s": stats.prefill_s,
-                                "decode_s": stats.decode_s},
+                                "prefill_tokens": stats.prefill_tokens,
+                                "prefill_cached_tokens": stats.prefill_cached_tokens, "decode_s": stats.decode_s},
                 "cuda_graphs": None if graphs is None else graphs.record(), "engine_errors": self.engine_errors}
 
     def passes(self) -> int:

@@ -1,0 +1,126 @@
+"""Keys and values of prompt prefixes that recur across a job's requests, kept so that their prefill runs once.
+
+Offline jobs repeat the start of their prompts: a chat template's system header, a shared system prompt, the same
+few-shot examples before every question. Under causal attention a position's keys and values depend only on the
+tokens up to it, so a prefix's are the same in every prompt that starts with it: a prompt whose start is stored
+gets those slots copied into its cache row, and its prefill forward feeds only the rest (`engine.prefix_cache_tokens`,
+the engine's `_prefill`).
+
+Which prefixes are stored: those that two or more prompts admitted together start with, at least MIN_TOKENS long,
+each the longest common prefix of its group (`shared_prefixes`). A new one is computed by a forward of its own when
+that forward costs less than what it saves its group (in padded tokens, as `prefill_plan.py` counts; on a GPU an
+eager forward is worth thousands); otherwise it is copied out of one of its prompts' cache rows after their prefill,
+for the prompts admitted later. Past the budget the least recently used prefixes leave first.
+
+A prefix's values come from a forward over another set of rows and lengths than the whole prompt's, so they agree
+with that forward's to float rounding, not bitwise: as prompts batched with padding do. The tokens are the model's
+own decoding of the prompt either way (tests/engine/test_prefix_cache.py checks them against plain decoding and
+`generate`).
+"""
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+MIN_TOKENS = 16  # the shortest prefix worth storing, and how much more a longer one of a subgroup must share
+
+
+@dataclass
+class Prefix:
+    """A stored prompt prefix."""
+
+    ids: tuple[int, ...]  # its tokens
+    kv: torch.Tensor  # [L, 2, 1, H, P, D] its keys and values (KVCache.read_prefix)
+    used: int = 0  # the store's clock at its last use
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+
+def _common(prompts: Sequence[Sequence[int]]) -> int:
+    """Length of the longest common prefix of `prompts` (two or more)."""
+    return len(os.path.commonprefix([list(p) for p in prompts]))
+
+
+def shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int = MIN_TOKENS) -> list[tuple[int, ...]]:
+    """The prefixes of at least `min_tokens` tokens that two or more of `prompts` start with: per group of prompts
+    that agree on their first `min_tokens` tokens, the group's longest common prefix, short of each member's last
+    token (the prefill feeds it for the first token's logits); then, within each group, those of the subgroups
+    that share `min_tokens` more, after it. Example (min_tokens 2): [1 2 3 4 5 6], [1 2 3 4 5 7], [1 2 3 8 9],
+    [9 9 9] -> (1 2 3), (1 2 3 4 5)."""
+    found: list[tuple[int, ...]] = []
+
+    def split(members: list[Sequence[int]], start: int) -> None:  # members share their first `start` tokens
+        groups: dict[tuple[int, ...], list[Sequence[int]]] = collections.defaultdict(list)
+        for p in members:
+            if len(p) - 1 >= start + min_tokens:
+                groups[tuple(p[start: start + min_tokens])].append(p)
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            n = min(_common(group), min(len(p) for p in group) - 1)
+            found.append(tuple(group[0][:n]))
+            split(group, n)
+
+    split(list(prompts), 0)
+    return found
+
+
+class PrefixCache:
+    """Stored prefixes by length and tokens, within a budget of tokens (least recently used dropped first)."""
+
+    def __init__(self, budget_tokens: int):
+        self.budget = budget_tokens
+        self._by_len: dict[int, dict[tuple[int, ...], Prefix]] = {}
+        self._clock = 0
+        self.tokens = 0  # tokens stored
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._by_len.values())
+
+    def lookup(self, ids: Sequence[int]) -> Optional[Prefix]:
+        """The longest stored prefix of `ids` that leaves at least its last token to feed; marks it used."""
+        for n in sorted(self._by_len, reverse=True):
+            if n < len(ids):
+                hit = self._by_len[n].get(tuple(ids[:n]))
+                if hit is not None:
+                    self._clock += 1
+                    hit.used = self._clock
+                    return hit
+        return None
+
+    def has(self, ids: tuple[int, ...]) -> bool:
+        return ids in self._by_len.get(len(ids), {})
+
+    def add(self, ids: tuple[int, ...], kv: torch.Tensor) -> Optional[Prefix]:
+        """Store `ids` (its keys and values `kv`); None when it exceeds the whole budget. Makes room first."""
+        if self.has(ids):
+            return self._by_len[len(ids)][ids]
+        if len(ids) > self.budget:
+            return None
+        while self.tokens + len(ids) > self.budget:
+            self._drop_oldest()
+        self._clock += 1
+        entry = Prefix(ids, kv, self._clock)
+        self._by_len.setdefault(len(ids), {})[ids] = entry
+        self.tokens += len(ids)
+        return entry
+
+    def _drop_oldest(self) -> None:
+        oldest = min((e for d in self._by_len.values() for e in d.values()), key=lambda e: e.used)
+        del self._by_len[oldest.length][oldest.ids]
+        if not self._by_len[oldest.length]:
+            del self._by_len[oldest.length]
+        self.tokens -= oldest.length
+
+    def nbytes(self) -> int:
+        return sum(e.kv.numel() * e.kv.element_size() for d in self._by_len.values() for e in d.values())
+
+
+def starts_with(ids: Sequence[int], prefix: tuple[int, ...]) -> bool:
+    return len(ids) > len(prefix) and tuple(ids[: len(prefix)]) == prefix
