@@ -19,7 +19,7 @@ from ..config import ConfigError, JobConfig, load_config
 # (and attention_NAME for each engine.attention_backend but torch's own)
 ATTENTION_OPTIONS = tuple(f"attention_{name}" for name in ATTENTION_BACKENDS if name != "torch")
 OPTIONS = ("compile_host", "eager", "compiled_graphs", "autotune", "run_ahead", "no_run_ahead", "host_probe", "eager_admission",
-           "logprobs", *ATTENTION_OPTIONS)
+           "logprobs", "no_prefix_cache", *ATTENTION_OPTIONS)
 
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
 AUTO_METHODS = ("esp", "pld", "hybrid", "cp_heads")  # block_complexity=auto needs the drafter's own estimate
@@ -75,7 +75,8 @@ class BenchSection:
     # _cudnn, _efficient) with that engine.attention_backend; "esp:BC:host_probe" (and hybrid) with
     # engine.cuda_graphs_probe=false (the drafter's probe on the host after each replay); "METHOD:BC:eager_admission" (and
     # "ar:1:eager_admission") with engine.admission=eager; "METHOD:BC:logprobs" (and "ar:1:logprobs") with every request
-    # asking for its tokens' log-probabilities (generation.logprobs); options join with "+" ("ar:1:compiled_graphs+run_ahead").
+    # asking for its tokens' log-probabilities (generation.logprobs); "METHOD:BC:no_prefix_cache" with
+    # engine.prefix_cache_tokens=0 (every prompt prefilled whole); options join with "+" ("ar:1:compiled_graphs+run_ahead").
     settings: list[str] = field(default_factory=list)
     # settings to run once more under torch.profiler after the timed runs (over one batch of prompts),
     # "method:BC" as in `settings` (or ar, hf): op tables per setting and batch size in
@@ -134,7 +135,7 @@ def validate_bench(cfg: DictConfig) -> None:
         opts = options_of(opt)
         need(all(o in OPTIONS for o in opts), f"bench.settings: {spec!r}: the options after METHOD:BC are "
              ":compile_host, :eager, :compiled_graphs, :autotune (with compiled_graphs), :run_ahead or :no_run_ahead, "
-             ":host_probe (esp, hybrid), :eager_admission, :logprobs and :attention_cudnn, :attention_efficient, :attention_math or :attention_flex (with "
+             ":host_probe (esp, hybrid), :eager_admission, :logprobs, :no_prefix_cache and :attention_cudnn, :attention_efficient, :attention_math or :attention_flex (with "
              "compiled_graphs) (engine.attention_backend), or several joined by +")
         need(sum(o.startswith("attention_") for o in opts) <= 1,
              f"bench.settings: {spec!r}: one attention_ option at most")

@@ -132,6 +132,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         cuda_graphs_run_ahead=False if s.no_run_ahead else True if s.run_ahead else base.cuda_graphs_run_ahead,
         cuda_graphs_probe=base.cuda_graphs_probe and not s.host_probe,
         admission="eager" if s.eager_admission else base.admission,
+        prefix_cache_tokens=0 if s.no_prefix_cache else base.prefix_cache_tokens,
         attention_backend=s.attention or base.attention_backend,
         dmtd_tau=s.dmtd_tau, dmtd_path=s.dmtd_path if s.method == "dmtd_verified" else "",
     )

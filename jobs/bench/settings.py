@@ -36,6 +36,7 @@ class Setting:
     host_probe: bool = False  # engine.cuda_graphs_probe=false ("esp:BC:host_probe", hybrid: the probe on the host)
     eager_admission: bool = False  # engine.admission=eager ("METHOD:BC:eager_admission"): requests join at once
     logprobs: bool = False  # generation.logprobs=true ("METHOD:BC:logprobs"): what the log-probabilities cost
+    no_prefix_cache: bool = False  # engine.prefix_cache_tokens=0 ("METHOD:BC:no_prefix_cache"): prompts prefilled whole
     # engine.attention_backend=cudnn / efficient / math / flex ("METHOD:BC:attention_math"; flex with compiled_graphs)
     attention_cudnn: bool = False
     attention_efficient: bool = False
@@ -54,6 +55,7 @@ class Setting:
             + (" no run ahead" if self.no_run_ahead else "") \
             + (" host probe" if self.host_probe else "") \
             + (" eager admission" if self.eager_admission else "") + (" logprobs" if self.logprobs else "") \
+            + (" no prefix cache" if self.no_prefix_cache else "") \
             + (f" {self.attention} attention" if self.attention else "")
 
     @property
@@ -106,7 +108,8 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
     with engine.cuda_graphs_compile=true (METHOD:BC:compiled_graphs+autotune: and
     engine.compile_mode=max-autotune-no-cudagraphs), ar:1:run_ahead with engine.cuda_graphs_run_ahead=true, esp:BC:host_probe
     (hybrid:BC:host_probe) with engine.cuda_graphs_probe=false, METHOD:BC:eager_admission with engine.admission=eager,
-    METHOD:BC:logprobs with every request asking for its tokens' log-probabilities (options join with
+    METHOD:BC:logprobs with every request asking for its tokens' log-probabilities, METHOD:BC:no_prefix_cache with
+    engine.prefix_cache_tokens=0 (options join with
     "+": ar:1:compiled_graphs+run_ahead). dmtd:TAU runs
     each DMTD model of `bench.dmtd_paths` trained with that tau (none given: the bench's model, split by
     engine.dmtd_decoding_layers); dmtd_verified:TAU each trained copy there, drafting TAU - 1 tokens per pass.

@@ -155,11 +155,12 @@ def test_run_ahead_and_attention_options_in_the_grid():
     assert [s.autotune for s in settings] == [False, False, False, False, True, False, False]
     assert [s.host_probe for s in settings] == [False] * 6 + [True]
     drafting = grid(load_bench_config(None, ["bench.settings=[pld:10:no_run_ahead,hybrid:auto:no_run_ahead,"
-                                             "ar:1:eager_admission,hybrid:auto:logprobs]"]).bench)
-    assert [(s.label, s.no_run_ahead) for s in drafting][-4:-2] == [("pld BC10 no run ahead", True),
+                                             "ar:1:eager_admission,hybrid:auto:logprobs,hybrid:auto:no_prefix_cache]"]).bench)
+    assert [(s.label, s.no_run_ahead) for s in drafting][-5:-3] == [("pld BC10 no run ahead", True),
                                                                    ("hybrid BCauto no run ahead", True)]
-    assert drafting[-2].label == "ar eager admission" and drafting[-2].eager_admission
-    assert drafting[-1].label == "hybrid BCauto logprobs" and drafting[-1].logprobs
+    assert drafting[-3].label == "ar eager admission" and drafting[-3].eager_admission
+    assert drafting[-2].label == "hybrid BCauto logprobs" and drafting[-2].logprobs
+    assert drafting[-1].label == "hybrid BCauto no prefix cache" and drafting[-1].no_prefix_cache
     for bad in ("ar:1:attention_math+attention_cudnn", "ar:1:run_ahead+no_run_ahead",
                 "ar:1:attention_flash", "ar:1:autotune", "esp:30:eager+autotune", "ar:1:attention_flex",
                 "pld:10:host_probe", "ar:1:host_probe", "esp:30:eager+host_probe", "stand:10:host_probe"):
