@@ -390,8 +390,8 @@ class Engine:
             s.prefix = None if s.req.params.prompt_logprobs else store.lookup(s.prompt_ids)
         self._unstored = []
         for ids in shared_prefixes([s.prompt_ids for s in seqs] + list(self._recent)):
-            mine = [s for s in seqs if starts_with(s.prompt_ids, ids)]
-            if store.has(ids) or not mine:
+            mine = [] if store.has(ids) else [s for s in seqs if starts_with(s.prompt_ids, ids)]
+            if not mine:
                 continue
             members = [s for s in mine if not s.req.params.prompt_logprobs]
             saved = sum(max(0, len(ids) - (0 if s.prefix is None else s.prefix.length)) for s in members)

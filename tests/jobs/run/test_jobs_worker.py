@@ -255,6 +255,24 @@ def test_a_shard_sent_again_while_its_first_call_runs_waits_for_those_rows(tmp_p
     assert [r["generated_token_ids"] for r in again.to_pylist()] == [r["generated_token_ids"] for r in second.to_pylist()]
 
 
+def test_rows_sharing_a_system_prompt_prefill_it_once_and_match_model_generate(tmp_path, tiny):
+    from jobs_helpers import write_jsonl
+
+    system = "You are a careful assistant. Answer in one short paragraph, and say so when you do not know. "
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": system + f"Question {i}: what is {i} plus {i}?"}
+                                               for i in range(6)])
+    worker, rows = _worker(tmp_path, f"data.path={data}", "generation.max_new_tokens=8", "engine.max_batch_size=4")
+    out = worker.run_shard(0, rows).to_pylist()
+    for job_row, got in zip(rows, out):
+        ids = tiny.tokenizer(job_row.input, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            ref = tiny.model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert got["generated_token_ids"] == ref and got["num_prompt_tokens"] == ids.shape[1]
+    spent = worker.stats()["engine_time"]  # what the job's _summary.json sums over its actors
+    assert spent["prefill_cached_tokens"] >= 4 * len(tiny.tokenizer(system).input_ids) // 2
+    assert spent["prefill_tokens"] + spent["prefill_cached_tokens"] >= sum(r["num_prompt_tokens"] for r in out)
+
+
 def test_token_logprobs_are_the_models_and_null_unless_asked(tmp_path, tiny):
     worker, rows = _worker(tmp_path, "data.limit=3", "generation.max_new_tokens=8", "generation.top_logprobs=3")
     table = worker.run_shard(0, rows)
