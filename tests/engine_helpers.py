@@ -40,6 +40,19 @@ def reference(arch: str, attn: str, max_new: int = 64, extra_eos: tuple = ()) ->
     return tuple(outs)
 
 
+def windowed_mistral(window: int = 6) -> LoadedModel:
+    """A tiny Mistral whose attention sees only the last `window` positions (sdpa), on tiny("mistral")'s device."""
+    import dataclasses
+
+    from esp_worker.model.load import build_tiny_model
+
+    model, tok = build_tiny_model("mistral", seed=3)
+    model.config.sliding_window = window
+    model.config._attn_implementation = "sdpa"
+    base = tiny("mistral")
+    return dataclasses.replace(base, model=model.to(base.device).eval(), tokenizer=tok)
+
+
 def run(lm: LoadedModel, cfg: EngineConfig, params: GenerationParams, prompts=PROMPTS):
     eng = Engine(lm, cfg)
     reqs = [Request(id=str(i), prompt=p, params=params) for i, p in enumerate(prompts)]

@@ -75,21 +75,14 @@ def test_eos_inside_horizon(arch, method):
 @pytest.mark.parametrize("method", ["ar", "esp", "pld"])
 def test_sliding_window_model_matches_generate(method):
     """A Mistral with a 6-token attention window: the tree mask applies the window like the model's own mask."""
-    import dataclasses
-
     import torch
-    from esp_worker.model.load import build_tiny_model
-    from engine_helpers import PROMPTS
+    from engine_helpers import PROMPTS, windowed_mistral
 
-    model, tok = build_tiny_model("mistral", seed=3)
-    model.config.sliding_window = 6
-    model.config._attn_implementation = "sdpa"
-    base = tiny("mistral")  # its device: CUDA where there is one
-    model = model.to(base.device)
-    lm = dataclasses.replace(base, model=model.eval(), tokenizer=tok)
+    lm = windowed_mistral(6)  # on CUDA where there is one
+    model, tok = lm.model, lm.tokenizer
     outs = run(lm, EngineConfig(method=method, num_masks=2, block_complexity=30, max_batch_size=4), GREEDY)
     for p, o in zip(PROMPTS, outs):
-        ids = tok(p, return_tensors="pt").input_ids.to(base.device)
+        ids = tok(p, return_tensors="pt").input_ids.to(lm.device)
         with torch.inference_mode():
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False, pad_token_id=2)
         assert o.token_ids == ref[0, ids.shape[1]:].tolist()

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from engine_helpers import ARCHS, model_logprobs, tiny
+from engine_helpers import ARCHS, model_logprobs, tiny, windowed_mistral
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
 from esp_worker.prefix_cache import PrefixCache, shared_prefixes
 
@@ -161,22 +161,15 @@ def test_a_bad_budget_is_one_line():
 
 def test_a_sliding_window_model_matches_generate_over_shared_prefixes():
     """A Mistral with a 6-token attention window: a prompt's first fed token sees only the stored prefix's last few."""
-    import dataclasses
-
-    from esp_worker.model.load import build_tiny_model
-
-    model, tok = build_tiny_model("mistral", seed=3)
-    model.config.sliding_window = 6
-    model.config._attn_implementation = "sdpa"
-    base = tiny("mistral")
-    lm = dataclasses.replace(base, model=model.to(base.device).eval(), tokenizer=tok)
+    lm = windowed_mistral(6)
+    model, tok = lm.model, lm.tokenizer
     for method in (dict(method="ar"), dict(method="esp", num_masks=2, block_complexity=30)):
         eng = Engine(lm, EngineConfig(max_batch_size=4, **method))
         outs = eng.generate([Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=MAX_NEW))
                              for i, p in enumerate(PROMPTS)])
         assert eng.stats.prefill_cached_tokens > 0
         for p, o in zip(PROMPTS, outs):
-            ids = tok(p, return_tensors="pt").input_ids.to(base.device)
+            ids = tok(p, return_tensors="pt").input_ids.to(lm.device)
             with torch.inference_mode():
                 ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
                                      pad_token_id=2)

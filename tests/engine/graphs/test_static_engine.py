@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine_helpers import ARCHS, PROMPTS, reference, run, tiny
+from engine_helpers import ARCHS, PROMPTS, reference, run, tiny, windowed_mistral
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
 
 GREEDY = GenerationParams(max_new_tokens=64)
@@ -148,18 +148,13 @@ def test_context_limit_over_static_buffers():
 
 
 def test_sliding_window_over_static_buffers_matches_generate():
-    from esp_worker.model.load import build_tiny_model
-
-    model, tok = build_tiny_model("mistral", seed=3)
-    model.config.sliding_window = 6
-    model.config._attn_implementation = "sdpa"
-    base = tiny("mistral")
-    lm = dataclasses.replace(base, model=model.to(base.device).eval(), tokenizer=tok)
+    lm = windowed_mistral(6)
+    model, tok = lm.model, lm.tokenizer
     eng = Engine(lm, EngineConfig(method="esp", num_masks=2, block_complexity=30, max_batch_size=4, cuda_graphs=True))
     outs = _generate(eng, GREEDY)
     assert eng.stats.graphs.graph_passes == eng.stats.decode_passes
     for p, o in zip(PROMPTS, outs):
-        ids = tok(p, return_tensors="pt").input_ids.to(base.device)
+        ids = tok(p, return_tensors="pt").input_ids.to(lm.device)
         with torch.inference_mode():
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
                                  pad_token_id=2)
