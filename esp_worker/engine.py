@@ -49,7 +49,7 @@ from .model.load import LoadedModel, load_model
 from .model.runner import ModelClock, ModelRunner
 from .passes import Block, ForwardOut, PassRecord, Placement, RowsView, Settled
 from .prefill_plan import CPU_FORWARD_TOKENS, plan_chunks
-from .prefix_cache import Prefix, PrefixCache, shared_prefixes, starts_with
+from .prefix_cache import Prefix, PrefixCache, shared_prefixes, starts_with, worth_copying
 from .sampling import UniformStreams, choose_tokens
 from .stats import EngineStats, PassClock, now
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
@@ -388,12 +388,15 @@ class Engine:
         store = self.prefixes
         for s in seqs:
             s.prefix = None if s.req.params.prompt_logprobs else store.lookup(s.prompt_ids)
+            if s.prefix is not None and not self._worth_copying(s.prefix.length, len(s.prompt_ids)):
+                s.prefix = None
         self._unstored = []
         for ids in shared_prefixes([s.prompt_ids for s in seqs] + list(self._recent)):
             mine = [] if store.has(ids) else [s for s in seqs if starts_with(s.prompt_ids, ids)]
             if not mine:
                 continue
-            members = [s for s in mine if not s.req.params.prompt_logprobs]
+            members = [s for s in mine if not s.req.params.prompt_logprobs
+                       and self._worth_copying(len(ids), len(s.prompt_ids))]
             saved = sum(max(0, len(ids) - (0 if s.prefix is None else s.prefix.length)) for s in members)
             if saved <= len(ids) + self.prefill_forward_tokens:
                 self._unstored.append(ids)
@@ -403,6 +406,9 @@ class Engine:
                 if entry is not None and (s.prefix is None or s.prefix.length < entry.length):
                     s.prefix = entry
         self._recent.extend(s.prompt_ids for s in seqs)
+
+    def _worth_copying(self, cached: int, total: int) -> bool:
+        return worth_copying(cached, total, not self.runner.causal_without_bias or self.runner.sliding_window is not None)
 
     def _prefix_kv(self, ids: tuple[int, ...]) -> Optional[torch.Tensor]:
         """The keys and values of `ids` alone: a prefill forward of one row into a cache of its own."""
@@ -497,6 +503,8 @@ class Engine:
         scored = any(s.req.params.prompt_logprobs for s in seqs)  # every position's hidden state is read
         # slots of each row its prefill does not feed: its stored prefix, copied into its cache row (prefix_cache.py)
         reuse = [0 if scored or s.prefix is None else s.prefix.length for s in seqs]
+        if not self._worth_copying(sum(reuse), sum(rows.lens)):  # too little of the chunk to pay for a mask
+            reuse = [0] * r
         fmax = max(n - u for n, u in zip(rows.lens, reuse))  # tokens fed to a row, at most
         a = 0 if aux is None else aux.shape[1]
         q = fmax + a
@@ -523,22 +531,24 @@ class Engine:
                                prefix.kv)
         uniform = len(set(reuse)) == 1
         cache.plan(row0, r, view, reuse[0] if uniform else start)
-        if not any(reuse) and self.runner.causal_without_bias and self.runner.sliding_window is None:
+        window = self.runner.sliding_window
+        causal = (i[:, None] >= i[None, :])[None]  # [1, Q, Q]
+        if not any(reuse) and self.runner.causal_without_bias and window is None:
             # plain causal attention, no mask tensor (on CUDA SDPA may then take its flash backend): the padding's
             # outputs are never read, and its cache slots (like the masks') lie past the row's length
             bias = None
+        elif any(reuse) and uniform and window is None:
+            # every row's stored prefix has one length: one bias [1, 1, Q, S] for all rows, the prefix then causal
+            # (a row's padding lies after its tokens, where causal attention never looks)
+            bias = attention_bias(causal, start[:1], pos[:1], view, self.runner.dtype, uniform_len=reuse[0])
         else:
             require(f"a prefill of {r} prompts of up to {fmax} tokens (its attention mask, {r} x {q} x {view})",
                     r * q * view * (2 + self.runner.dtype.itemsize), "lower engine.prefill_batch_tokens", dev)
             key_ok = i[None] < (fed + a)[:, None]  # [R, Q] the row's prompt and masks, not its padding
-            visible = (i[:, None] >= i[None, :])[None] & key_ok[:, None, :]  # [R, Q, Q] causal
+            visible = causal & key_ok[:, None, :]  # [R, Q, Q]
             visible |= torch.eye(q, dtype=torch.bool, device=dev)[None]  # padding rows see themselves
-            window = self.runner.sliding_window
-            if any(reuse):  # the stored prefix is every query's cached part
-                bias = attention_bias(visible, start, pos, view, self.runner.dtype, window,
-                                      uniform_len=reuse[0] if uniform else None)
-            else:
-                bias = attention_bias(visible, None, pos, q, self.runner.dtype, window)
+            # with stored prefixes, each row's is its queries' cached part
+            bias = attention_bias(visible, start if any(reuse) else None, pos, view, self.runner.dtype, window)
         wanted = torch.cat([fed[:, None] - 1, mask_at], 1)  # [R, 1 + A] last prompt token, masks
         forward = self.runner.forward if self.cycle is None else self.cycle.prefill
         hidden = forward(embeds, bias, pos, cache, view - 1, keep=None if scored else wanted)  # [R, 1 + A, D]

@@ -9,7 +9,7 @@ import torch
 
 from engine_helpers import ARCHS, model_logprobs, tiny, windowed_mistral
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
-from esp_worker.prefix_cache import PrefixCache, shared_prefixes
+from esp_worker.prefix_cache import MIN_SHARE, PrefixCache, shared_prefixes, worth_copying
 
 SYSTEM = "You are a careful assistant. Answer in one short paragraph, and say so when you do not know. "
 FEW_SHOT = ("Q: What is two plus two? A: Four. Q: Name a primary colour. A: Red. Q: What is the capital of "
@@ -81,6 +81,12 @@ def test_past_the_budget_the_least_recently_used_prefix_leaves_first():
     assert store.add(tuple(range(7)), kv) is None and len(store) == 2  # larger than the whole budget: not kept
 
 
+def test_a_prefix_is_copied_where_it_covers_enough_to_pay_for_the_mask_it_brings():
+    assert worth_copying(15, 100, masked_anyway=False) == (15 >= MIN_SHARE * 100)
+    assert not worth_copying(1, 100, masked_anyway=False) and worth_copying(1, 100, masked_anyway=True)
+    assert not worth_copying(0, 100, masked_anyway=True)
+
+
 # ---- the engine ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("batch", [1, 4])
@@ -141,6 +147,18 @@ def test_a_row_asking_for_prompt_logprobs_is_prefilled_whole_beside_rows_that_re
     want = model_logprobs(lm, PROMPTS[3], [])[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     assert o.prompt_logprobs[0] is None
     assert torch.allclose(torch.tensor(o.prompt_logprobs[1:]), want, atol=1e-4)
+
+
+def test_a_short_header_on_long_prompts_is_copied_only_where_the_prefill_takes_a_mask_anyway():
+    long_prompts = [SYSTEM[:40] + f"{i} " + QUESTIONS[i % 6] * 12 for i in range(6)]
+    plain, outs = _run("llama", prompts=long_prompts, max_batch_size=4, method="ar")
+    assert plain.stats.prefill_cached_tokens == 0  # causal attention needs no mask: feeding them costs less
+    lm = tiny("llama", "eager")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, method="ar"))
+    eager = eng.generate([Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=MAX_NEW))
+                          for i, p in enumerate(long_prompts)])
+    assert eng.stats.prefill_cached_tokens > 0  # eager attention takes a mask whatever it is fed
+    assert [o.token_ids for o in eager] == [o.token_ids for o in outs]
 
 
 def test_a_prefix_larger_than_the_budget_is_not_kept():
