@@ -559,6 +559,8 @@ class Engine:
             self._capture(seqs, row0, cache)
         self.stats.prefill_tokens += sum(rows.lens) - sum(reuse)
         self.stats.prefill_cached_tokens += sum(reuse)
+        for s, u in zip(seqs, reuse):
+            s.stats.num_cached_prompt_tokens = u
         last = hidden[:, 0]  # [R, D]
         logits = self.runner.logits(last)  # [R, V]
         rows.uniforms.ensure(1, rows.consumed())

@@ -86,6 +86,7 @@ class RequestStats:
     """
 
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # of them, copied from a stored shared prefix, not fed (prefix_cache.py)
     num_generated_tokens: int = 0
     num_decode_passes: int = 0
     num_decode_tokens: int = 0  # tokens committed by decode passes (= generated - 1 when prefill gave one)
@@ -137,6 +138,7 @@ class RequestStats:
             by[k] = by.get(k, 0) + v
         return RequestStats(
             num_prompt_tokens=self.num_prompt_tokens + other.num_prompt_tokens,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens + other.num_cached_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens + other.num_generated_tokens,
             num_decode_passes=self.num_decode_passes + other.num_decode_passes,
             num_decode_tokens=self.num_decode_tokens + other.num_decode_tokens,

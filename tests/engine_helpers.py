@@ -17,6 +17,15 @@ PROMPTS = (
 )
 
 
+SYSTEM = "You are a careful assistant. Answer in one short paragraph, and say so when you do not know. "
+FEW_SHOT = ("Q: What is two plus two? A: Four. Q: Name a primary colour. A: Red. Q: What is the capital of "
+            "France? A: Paris. ")
+QUESTIONS = ("Q: Why is the sky blue? A:", "Q: How do magnets work?", "Tell me a story about a fox", "x",
+             "Q: What is a prime number? A:", "Summarise the plot of Hamlet")
+# prompts that share a system prompt, half of them few-shot examples after it too (engine.prefix_cache_tokens)
+SHARED_PROMPTS = tuple(SYSTEM + (FEW_SHOT if i % 2 else "") + q for i, q in enumerate(QUESTIONS * 2))
+
+
 @functools.lru_cache(maxsize=None)
 def tiny(arch: str, attn: str = "sdpa") -> LoadedModel:
     torch.set_num_threads(1)

@@ -20,6 +20,7 @@ BASE_FIELDS = [
     pa.field("prompt_token_ids", pa.list_(pa.int32())),
     pa.field("prompt_logprobs", pa.list_(pa.float32())),
     pa.field("num_prompt_tokens", pa.int64()),
+    pa.field("num_cached_prompt_tokens", pa.int64()),  # of them, copied from a shared prefix (prefix cache)
     pa.field("num_generated_tokens", pa.int64()),
     pa.field("finish_reason", pa.string()),  # stop | length | context; null on error
     pa.field("method", pa.string()),
@@ -65,6 +66,8 @@ DESCRIPTIONS = {
     "prompt_logprobs": "generation.prompt_logprobs: each prompt token's log-probability given the tokens before it, "
                        "aligned with prompt_token_ids (null for the first); null otherwise",
     "num_prompt_tokens": "tokens in the prompt after the chat template (summed over turns)",
+    "num_cached_prompt_tokens": "of num_prompt_tokens, those whose keys and values were copied from a prefix the "
+                                "prompt shares with others (engine.prefix_cache_tokens), not fed to the model",
     "num_generated_tokens": "tokens generated (summed over turns)",
     "finish_reason": "stop (EOS or stop string) | length (max_new_tokens) | context (model context full); null on error",
     "method": "decoding method: " + " | ".join(METHODS),

@@ -527,6 +527,7 @@ class ShardWorker:
             "prompt_token_ids": s.scored_prompt[0] if s.scored_prompt else None,
             "prompt_logprobs": s.scored_prompt[1] if s.scored_prompt else None,
             "num_prompt_tokens": s.num_prompt_tokens,
+            "num_cached_prompt_tokens": st.num_cached_prompt_tokens,
             "num_generated_tokens": len(s.token_ids),
             "finish_reason": s.finish_reason if s.error is None else None,
             "method": self.spec.engine["method"],

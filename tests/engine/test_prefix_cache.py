@@ -7,17 +7,12 @@ import functools
 import pytest
 import torch
 
-from engine_helpers import ARCHS, model_logprobs, tiny, windowed_mistral
+from engine_helpers import (ARCHS, FEW_SHOT, QUESTIONS, SHARED_PROMPTS, SYSTEM, model_logprobs, tiny,
+                            windowed_mistral)
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
 from esp_worker.prefix_cache import MIN_SHARE, PrefixCache, shared_prefixes, worth_copying
 
-SYSTEM = "You are a careful assistant. Answer in one short paragraph, and say so when you do not know. "
-FEW_SHOT = ("Q: What is two plus two? A: Four. Q: Name a primary colour. A: Red. Q: What is the capital of "
-            "France? A: Paris. ")
-QUESTIONS = ("Q: Why is the sky blue? A:", "Q: How do magnets work?", "Tell me a story about a fox", "x",
-             "Q: What is a prime number? A:", "Summarise the plot of Hamlet")
-# a system prompt every prompt shares; half of them share few-shot examples after it too
-PROMPTS = tuple(SYSTEM + (FEW_SHOT if i % 2 else "") + q for i, q in enumerate(QUESTIONS * 2))
+PROMPTS = SHARED_PROMPTS
 MAX_NEW = 24
 METHODS = [dict(method="ar"), dict(method="pld", block_complexity=10), dict(method="esp", num_masks=2),
            dict(method="hybrid"), dict(method="stand", block_complexity=10), dict(method="lade", block_complexity=10)]
@@ -102,7 +97,8 @@ def test_every_method_matches_generate_over_shared_prefixes(arch, batch):
 
 def test_the_prefill_feeds_only_what_no_stored_prefix_covers():
     lm = tiny("llama")
-    eng, _ = _run("llama", max_batch_size=4)
+    eng, outs = _run("llama", max_batch_size=4)
+    assert sum(o.stats.num_cached_prompt_tokens for o in outs) == eng.stats.prefill_cached_tokens  # each row's
     total = sum(len(lm.tokenizer(p).input_ids) for p in PROMPTS)
     off, _ = _run("llama", max_batch_size=4, prefix_cache_tokens=0)
     assert off.stats.prefill_cached_tokens == 0 and off.stats.prefill_tokens == total

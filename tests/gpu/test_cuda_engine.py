@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import PROMPTS
+from engine_helpers import PROMPTS, SHARED_PROMPTS
 from esp_worker import Engine, EngineConfig, GenerationParams, ModelConfig, Request, load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -14,24 +14,26 @@ METHODS = [dict(method="ar"), dict(method="esp", block_complexity=30), dict(meth
            dict(method="hybrid", block_complexity=30), dict(method="hybrid", block_complexity="auto")]
 
 
-def _generate(lm, cfg: EngineConfig, max_new_tokens: int = 32):
+def _generate(lm, cfg: EngineConfig, max_new_tokens: int = 32, prompts=PROMPTS):
     eng = Engine(lm, cfg)
     params = GenerationParams(max_new_tokens=max_new_tokens)
-    return eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)])
+    return eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(prompts)])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_float32_on_cuda_is_plain_decoding_and_generate(arch):
+@pytest.mark.parametrize("prompts", [PROMPTS, SHARED_PROMPTS], ids=["prompts", "shared_prefixes"])
+def test_float32_on_cuda_is_plain_decoding_and_generate(arch, prompts):
+    """Also over prompts that share a system prompt and few-shot examples (engine.prefix_cache_tokens)."""
     lm = load_model(ModelConfig(name_or_path=f"tiny-random-{arch}", device="cuda", dtype="float32"))
     ref = []
-    for p in PROMPTS:
+    for p in prompts:
         ids = lm.tokenizer(p, return_tensors="pt").input_ids.to("cuda")
         with torch.inference_mode():
             out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                                     eos_token_id=list(lm.eos_token_ids), pad_token_id=2)
         ref.append(out[0, ids.shape[1]:].tolist())
     for setting in METHODS:
-        outs = _generate(lm, EngineConfig(max_batch_size=4, **setting))
+        outs = _generate(lm, EngineConfig(max_batch_size=4, **setting), prompts=prompts)
         for o, r in zip(outs, ref):
             assert o.error is None, o.error
             assert o.token_ids == r, (setting, o.id)
@@ -64,3 +66,14 @@ def test_prefill_forward_tokens_is_measured_once_per_model_on_cuda():
     merged = _generate(lm, EngineConfig(method="ar", max_batch_size=4, prefill_forward_tokens=1e6))
     apart = _generate(lm, EngineConfig(method="ar", max_batch_size=4, prefill_forward_tokens=0))
     assert [o.token_ids for o in merged] == [o.token_ids for o in apart]
+
+
+def test_shared_prefixes_are_copied_on_cuda():
+    """Where a forward of its own is worth thousands of tokens (CUDA), a shared prefix is taken from a prompt's cache
+    row after its prefill, and the prompts admitted later copy it."""
+    lm = load_model(ModelConfig(name_or_path="tiny-random-llama", device="cuda", dtype="bfloat16"))
+    eng = Engine(lm, EngineConfig(max_batch_size=4, method="hybrid"))
+    params = GenerationParams(max_new_tokens=16)
+    outs = eng.generate([Request(id=str(i), prompt=p, params=params) for i, p in enumerate(SHARED_PROMPTS)])
+    assert all(o.error is None for o in outs)
+    assert eng.stats.prefill_cached_tokens > 0

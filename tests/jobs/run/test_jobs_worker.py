@@ -271,6 +271,7 @@ def test_rows_sharing_a_system_prompt_prefill_it_once_and_match_model_generate(t
     spent = worker.stats()["engine_time"]  # what the job's _summary.json sums over its actors
     assert spent["prefill_cached_tokens"] >= 4 * len(tiny.tokenizer(system).input_ids) // 2
     assert spent["prefill_tokens"] + spent["prefill_cached_tokens"] >= sum(r["num_prompt_tokens"] for r in out)
+    assert sum(r["num_cached_prompt_tokens"] for r in out) == spent["prefill_cached_tokens"]  # each row's share
 
 
 def test_token_logprobs_are_the_models_and_null_unless_asked(tmp_path, tiny):
