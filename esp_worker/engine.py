@@ -9,7 +9,6 @@ pass is launched before the last one's read (`_step_ahead`), so that the host's 
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -41,7 +40,7 @@ from .kernels.aot import AotKernels
 from .kernels.hooks import KernelHooks
 from .kernels.settle import Settler
 from .logprobs import TokenLogprobs, chosen_logprobs, path_logprobs, prompt_logprobs
-from .memory import MemoryShortError, kv_bytes_per_slot, require
+from .memory import kv_bytes_per_slot, require
 from .model.attention import StaticBlockBias, attention_bias
 from .model.dmtd import CycleForward, CycleStarts, resolve as resolve_dmtd
 from .model.errors import ModelLoadError
@@ -49,7 +48,7 @@ from .model.load import LoadedModel, load_model
 from .model.runner import ModelClock, ModelRunner
 from .passes import Block, ForwardOut, PassRecord, Placement, RowsView, Settled
 from .prefill_plan import CPU_FORWARD_TOKENS, plan_chunks
-from .prefix_cache import Prefix, PrefixCache, shared_prefixes, starts_with, worth_copying
+from .prefix_cache import PrefixReuse
 from .sampling import UniformStreams, choose_tokens
 from .stats import EngineStats, PassClock, now
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
@@ -66,7 +65,6 @@ PREPARE_LOOKS: Optional[bool] = None
 # engine.cuda_graphs captures graphs on CUDA and runs the static path eagerly elsewhere. None = by device (tests
 # set True, with a stand-in for `graphs.runner.capture_graph`, to drive the capture path on a CPU)
 CAPTURE_GRAPHS: Optional[bool] = None
-RECENT_PROMPTS = 16  # prompts admitted last that a new one's shared prefixes are looked for in (at least the batch)
 
 
 def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[int, bool], tuple[list[Request], bool]]:
@@ -162,12 +160,10 @@ class Engine:
         self.admission = self._admission()  # when waiting requests join (continuous batching)
         # engine.prefix_cache_tokens: prompt prefixes that requests share, prefilled once (prefix_cache.py). Not where
         # a prefill reads every prompt position's states: DMTD's cycle, dmtd_verified's trunk (runner.tap_layer)
-        self.prefixes: Optional[PrefixCache] = None
+        self.prefixes: Optional[PrefixReuse] = None
         if cfg.prefix_cache_tokens and self.cycle is None and self.runner.tap_layer is None:
-            self.prefixes = PrefixCache(cfg.prefix_cache_tokens)
-        self._unstored: list[tuple[int, ...]] = []  # shared prefixes of this admission to take from a prefilled row
-        # the prompts admitted last: a prompt admitted alone finds the prefixes it shares with them
-        self._recent: collections.deque = collections.deque(maxlen=max(RECENT_PROMPTS, cfg.max_batch_size))
+            self.prefixes = PrefixReuse(self.runner, self.num_layers, cfg.prefix_cache_tokens,
+                                        self.prefill_forward_tokens, self.slot_bytes, self.stats, cfg.max_batch_size)
         self._in_flight: Optional[_InFlight] = None  # engine.cuda_graphs_run_ahead: the pass not yet read
         self._exhausted = False  # no request is left to join (the requests' iterable ended, or the feed closed)
 
@@ -370,84 +366,13 @@ class Engine:
     def _prefill_chunks(self, seqs: list[Seq]) -> Iterator[list[Seq]]:
         """Admitted sequences in prefill forwards, longest first: the chunks that minimise forwards x
         prefill_forward_tokens + padded tokens, each within `prefill_batch_tokens` padded tokens (prefill_plan.py).
-        A prompt's length here is what its prefill feeds: less its stored prefix (`_find_prefixes`)."""
+        A prompt's length here is what its prefill feeds: less its stored prefix (prefix_cache.py)."""
         if self.prefixes is not None and seqs:
-            self._find_prefixes(seqs)
+            self.prefixes.assign(seqs)
         fed = [len(s.prompt_ids) - (0 if s.prefix is None else s.prefix.length) for s in seqs]
         plan = plan_chunks(fed, self.prefill_forward_tokens, self.cfg.prefill_batch_tokens)
         for chunk in plan:
             yield [seqs[i] for i in chunk]
-
-    @inference
-    def _find_prefixes(self, seqs: list[Seq]) -> None:
-        """Set each admitted prompt's longest stored prefix (`Seq.prefix`; none for a prompt whose log-probabilities
-        are asked: its prefill reads every position). Of the prefixes the store lacks that the prompts share, with
-        each other or with the prompts admitted last, those whose forward of their own costs less than it saves
-        these prompts (in padded tokens, as the chunks are planned) are computed now; the others are taken from a
-        prompt's cache row after its prefill (`_capture`), for the prompts to come."""
-        store = self.prefixes
-        for s in seqs:
-            s.prefix = None if s.req.params.prompt_logprobs else store.lookup(s.prompt_ids)
-            if s.prefix is not None and not self._worth_copying(s.prefix.length, len(s.prompt_ids)):
-                s.prefix = None
-        self._unstored = []
-        for ids in shared_prefixes([s.prompt_ids for s in seqs] + list(self._recent)):
-            mine = [] if store.has(ids) else [s for s in seqs if starts_with(s.prompt_ids, ids)]
-            if not mine:
-                continue
-            members = [s for s in mine if not s.req.params.prompt_logprobs
-                       and self._worth_copying(len(ids), len(s.prompt_ids))]
-            saved = sum(max(0, len(ids) - (0 if s.prefix is None else s.prefix.length)) for s in members)
-            if saved <= len(ids) + self.prefill_forward_tokens:
-                self._unstored.append(ids)
-                continue
-            entry = self._store(ids, self._prefix_kv(ids))
-            for s in members:
-                if entry is not None and (s.prefix is None or s.prefix.length < entry.length):
-                    s.prefix = entry
-        self._recent.extend(s.prompt_ids for s in seqs)
-
-    def _worth_copying(self, cached: int, total: int) -> bool:
-        return worth_copying(cached, total, not self.runner.causal_without_bias or self.runner.sliding_window is not None)
-
-    def _prefix_kv(self, ids: tuple[int, ...]) -> Optional[torch.Tensor]:
-        """The keys and values of `ids` alone: a prefill forward of one row into a cache of its own."""
-        now, n, dev = time.perf_counter(), len(ids), self.device
-        cache = kv_cache.new_cache(self.num_layers)
-        cache.reserve(1, n)
-        cache.plan(0, 1, n, 0)
-        pos = steps(n, dev)[None]
-        bias = None
-        if not (self.runner.causal_without_bias and self.runner.sliding_window is None):
-            causal = steps(n, dev)[:, None] >= steps(n, dev)[None, :]
-            bias = attention_bias(causal[None], None, pos, n, self.runner.dtype, self.runner.sliding_window)
-        embeds = self.runner.embed_ids(torch.tensor([ids], dtype=torch.long, device=dev))
-        self.runner.forward(embeds, bias, pos, cache, n - 1, keep=pos[:, -1:])
-        self.stats.prefill_forwards += 1
-        self.stats.prefill_tokens += n
-        self.stats.prefill_s += time.perf_counter() - now
-        return cache.read_prefix(0, n)
-
-    def _store(self, ids: tuple[int, ...], kv: Optional[torch.Tensor]) -> Optional[Prefix]:
-        """Keep `ids`' keys and values (None: the cache cannot give them), unless the device lacks twice their size
-        (the batch's cache comes first)."""
-        need = self.slot_bytes * len(ids)
-        if kv is None:
-            return None
-        try:
-            require(f"engine.prefix_cache_tokens: a prefix of {len(ids)} tokens", 2 * need, "", self.device)
-        except MemoryShortError:
-            return None
-        return self.prefixes.add(ids, kv)
-
-    def _capture(self, seqs: list[Seq], row0: int, cache: kv_cache.KVCache) -> None:
-        """Store the shared prefixes left for after the prefill from the first of `seqs` (rows row0 ..) that
-        starts with each."""
-        for ids in list(self._unstored):
-            row = next((i for i, s in enumerate(seqs) if starts_with(s.prompt_ids, ids)), None)
-            if row is not None:
-                self._unstored.remove(ids)
-                self._store(ids, cache.read_prefix(row0 + row, len(ids)))
 
     def _new_rows(self, seqs: list[Seq], cache: kv_cache.KVCache) -> Rows:
         dev = self.device
@@ -503,7 +428,7 @@ class Engine:
         scored = any(s.req.params.prompt_logprobs for s in seqs)  # every position's hidden state is read
         # slots of each row its prefill does not feed: its stored prefix, copied into its cache row (prefix_cache.py)
         reuse = [0 if scored or s.prefix is None else s.prefix.length for s in seqs]
-        if not self._worth_copying(sum(reuse), sum(rows.lens)):  # too little of the chunk to pay for a mask
+        if self.prefixes is None or not self.prefixes.worth(sum(reuse), sum(rows.lens)):  # too little to pay a mask
             reuse = [0] * r
         fmax = max(n - u for n, u in zip(rows.lens, reuse))  # tokens fed to a row, at most
         a = 0 if aux is None else aux.shape[1]
@@ -555,8 +480,8 @@ class Engine:
         if scored:  # the prompts' own log-probabilities, beside where their generated tokens' go
             rows.t.logprobs[:, 1:fmax] = prompt_logprobs(self.runner.logits, hidden, ids, self.num_logits)
             hidden = gather_slots(hidden, wanted)
-        if self._unstored:
-            self._capture(seqs, row0, cache)
+        if self.prefixes is not None:
+            self.prefixes.capture(seqs, row0, cache)
         self.stats.prefill_tokens += sum(rows.lens) - sum(reuse)
         self.stats.prefill_cached_tokens += sum(reuse)
         for s, u in zip(seqs, reuse):

@@ -6,11 +6,13 @@ tokens up to it, so a prefix's are the same in every prompt that starts with it:
 gets those slots copied into its cache row, and its prefill forward feeds only the rest (`engine.prefix_cache_tokens`,
 the engine's `_prefill`).
 
-Which prefixes are stored: those that two or more prompts admitted together start with, at least MIN_TOKENS long,
-each the longest common prefix of its group (`shared_prefixes`). A new one is computed by a forward of its own when
-that forward costs less than what it saves its group (in padded tokens, as `prefill_plan.py` counts; on a GPU an
-eager forward is worth thousands); otherwise it is copied out of one of its prompts' cache rows after their prefill,
-for the prompts admitted later. Past the budget the least recently used prefixes leave first.
+Which prefixes are stored: those that two or more prompts start with, among the prompts admitted together and the
+ones admitted last, at least MIN_TOKENS long, each the longest common prefix of its group (`shared_prefixes`). A new
+one is computed by a forward of its own when that forward costs less than what it saves the admitted prompts (in
+padded tokens, as `prefill_plan.py` counts; on a GPU an eager forward is worth thousands); otherwise it is copied
+out of one of its prompts' cache rows after their prefill, for the prompts admitted later (`PrefixReuse`). Past the
+budget the least recently used prefixes leave first. A prefix is copied only where it covers enough of the prompt
+to pay for the attention mask the copy brings (MIN_SHARE).
 
 A prefix's values come from a forward over another set of rows and lengths than the whole prompt's, so they agree
 with that forward's to float rounding, not bitwise: as prompts batched with padding do. The tokens are the model's
@@ -21,10 +23,17 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
+
+from . import kv_cache
+from .consts import steps
+from .grad import inference
+from .memory import MemoryShortError, require
+from .model.attention import attention_bias
 
 MIN_TOKENS = 16  # the shortest prefix worth storing, and how much more a longer one of a subgroup must share
 # A prefill that needs no attention mask of its own (causal attention over the fed tokens alone) needs one once
@@ -33,6 +42,7 @@ MIN_TOKENS = 16  # the shortest prefix worth storing, and how much more a longer
 # 69 / 137 / 273 tokens made the prefill 7.5% slower / 1% slower / 7.5% faster / 22% faster. So there a stored
 # prefix is copied only where it covers at least this share of the prompt tokens (`worth_copying`).
 MIN_SHARE = 0.15
+RECENT_PROMPTS = 16  # prompts admitted last that a new one's shared prefixes are looked for in (at least the batch)
 
 
 @dataclass
@@ -136,3 +146,108 @@ def worth_copying(cached: int, total: int, masked_anyway: bool) -> bool:
 
 def starts_with(ids: Sequence[int], prefix: tuple[int, ...]) -> bool:
     return len(ids) > len(prefix) and tuple(ids[: len(prefix)]) == prefix
+
+
+class Admitted(Protocol):
+    """An admitted request as `PrefixReuse` sees it (batch.Seq)."""
+
+    req: Any  # types.Request
+    prompt_ids: list[int]
+    prefix: Optional[Prefix]  # the stored prefix its prefill copies
+
+
+class PrefillCounters(Protocol):
+    """Where a prefix's own forward is counted (stats.EngineStats)."""
+
+    prefill_forwards: int
+    prefill_tokens: int
+    prefill_s: float
+
+
+class PrefixReuse:
+    """What the engine's prefill asks of the store: which stored prefix each admitted prompt copies (`assign`), and
+    the shared prefixes the store lacks, computed by a forward of their own where that pays or else taken from a
+    prompt's cache row after its prefill (`capture`)."""
+
+    def __init__(self, runner: Any, num_layers: int, budget_tokens: int, forward_tokens: float, slot_bytes: int,
+                 stats: PrefillCounters, max_batch_size: int):
+        self.store = PrefixCache(budget_tokens)
+        self.runner, self.num_layers, self.stats = runner, num_layers, stats
+        self.forward_tokens = forward_tokens  # a prefill forward's fixed cost in padded tokens (prefill_plan.py)
+        self.slot_bytes = slot_bytes  # one position's keys and values, every layer
+        # the prefill takes an attention mask whether or not it copies a prefix (eager attention, a sliding window)
+        self.masked_anyway = not runner.causal_without_bias or runner.sliding_window is not None
+        self._unstored: list[tuple[int, ...]] = []  # shared prefixes of this admission to take from a prefilled row
+        # the prompts admitted last: a prompt admitted alone finds the prefixes it shares with them
+        self._recent: collections.deque = collections.deque(maxlen=max(RECENT_PROMPTS, max_batch_size))
+
+    def worth(self, cached: int, total: int) -> bool:
+        return worth_copying(cached, total, self.masked_anyway)
+
+    @inference
+    def assign(self, seqs: list[Admitted]) -> None:
+        """Set each admitted prompt's longest stored prefix worth copying (`Seq.prefix`; none for a prompt whose
+        log-probabilities are asked: its prefill reads every position). Of the prefixes the store lacks that the
+        prompts share, with each other or with the prompts admitted last, those whose forward of their own costs
+        less than it saves these prompts (in padded tokens, as the chunks are planned) are computed now; the others
+        are taken from a prompt's cache row after its prefill (`capture`), for the prompts to come."""
+        store = self.store
+        for s in seqs:
+            s.prefix = None if s.req.params.prompt_logprobs else store.lookup(s.prompt_ids)
+            if s.prefix is not None and not self.worth(s.prefix.length, len(s.prompt_ids)):
+                s.prefix = None
+        self._unstored = []
+        for ids in shared_prefixes([s.prompt_ids for s in seqs] + list(self._recent)):
+            mine = [] if store.has(ids) else [s for s in seqs if starts_with(s.prompt_ids, ids)]
+            if not mine:
+                continue
+            members = [s for s in mine if not s.req.params.prompt_logprobs and self.worth(len(ids), len(s.prompt_ids))]
+            saved = sum(max(0, len(ids) - (0 if s.prefix is None else s.prefix.length)) for s in members)
+            if saved <= len(ids) + self.forward_tokens:
+                self._unstored.append(ids)
+                continue
+            entry = self._keep(ids, self._compute(ids))
+            for s in members:
+                if entry is not None and (s.prefix is None or s.prefix.length < entry.length):
+                    s.prefix = entry
+        self._recent.extend(s.prompt_ids for s in seqs)
+
+    def capture(self, seqs: list[Admitted], row0: int, cache: "kv_cache.KVCache") -> None:
+        """After the prefill of `seqs` (rows row0 .. of `cache`): store each shared prefix left for then from the
+        first of them that starts with it."""
+        for ids in list(self._unstored):
+            row = next((i for i, s in enumerate(seqs) if starts_with(s.prompt_ids, ids)), None)
+            if row is not None:
+                self._unstored.remove(ids)
+                self._keep(ids, cache.read_prefix(row0 + row, len(ids)))
+
+    def _compute(self, ids: tuple[int, ...]) -> Optional[torch.Tensor]:
+        """The keys and values of `ids` alone: a prefill forward of one row into a cache of its own."""
+        start, n, runner = time.perf_counter(), len(ids), self.runner
+        dev = runner.device
+        cache = kv_cache.new_cache(self.num_layers)
+        cache.reserve(1, n)
+        cache.plan(0, 1, n, 0)
+        pos = steps(n, dev)[None]
+        bias = None
+        if self.masked_anyway:
+            causal = steps(n, dev)[:, None] >= steps(n, dev)[None, :]
+            bias = attention_bias(causal[None], None, pos, n, runner.dtype, runner.sliding_window)
+        embeds = runner.embed_ids(torch.tensor([ids], dtype=torch.long, device=dev))
+        runner.forward(embeds, bias, pos, cache, n - 1, keep=pos[:, -1:])
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_tokens += n
+        self.stats.prefill_s += time.perf_counter() - start
+        return cache.read_prefix(0, n)
+
+    def _keep(self, ids: tuple[int, ...], kv: Optional[torch.Tensor]) -> Optional[Prefix]:
+        """Store `ids`' keys and values (None: the cache cannot give them), unless the device lacks twice their size
+        (the batch's cache comes first)."""
+        if kv is None:
+            return None
+        try:
+            require(f"engine.prefix_cache_tokens: a prefix of {len(ids)} tokens", 2 * self.slot_bytes * len(ids), "",
+                    kv.device)
+        except MemoryShortError:
+            return None
+        return self.store.add(ids, kv)
