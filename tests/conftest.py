@@ -48,7 +48,7 @@ LONGEST_FIRST = ("jobs/run/test_jobs_integrity.py", "jobs/run/test_jobs_cluster.
                  "engine/graphs/test_static_engine.py", "engine/kernels/test_aot.py", "engine/test_host_sync.py",
                  "engine/drafters/test_cp_heads.py", "jobs/io/test_jobs_s3.py", "jobs/export/test_spec_bench_export.py",
                  "jobs/run/test_jobs_default.py", "jobs/run/test_jobs_dmtd.py", "jobs/run/test_jobs_graphs.py",
-                 "engine/auto/test_policy.py", "jobs/run/test_jobs_local_ray.py", "engine/graphs/test_step.py",
+                 "engine/test_prefix_cache.py", "engine/auto/test_policy.py", "jobs/run/test_jobs_local_ray.py", "engine/graphs/test_step.py",
                  "test_readme.py")
 
 
