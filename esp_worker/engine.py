@@ -458,7 +458,7 @@ class Engine:
         cache.plan(row0, r, view, reuse[0] if uniform else start)
         window = self.runner.sliding_window
         causal = (i[:, None] >= i[None, :])[None]  # [1, Q, Q]
-        if not any(reuse) and self.runner.causal_without_bias and window is None:
+        if not any(reuse) and not self.runner.prefill_needs_mask:
             # plain causal attention, no mask tensor (on CUDA SDPA may then take its flash backend): the padding's
             # outputs are never read, and its cache slots (like the masks') lie past the row's length
             bias = None

@@ -176,7 +176,7 @@ class PrefixReuse:
         self.forward_tokens = forward_tokens  # a prefill forward's fixed cost in padded tokens (prefill_plan.py)
         self.slot_bytes = slot_bytes  # one position's keys and values, every layer
         # the prefill takes an attention mask whether or not it copies a prefix (eager attention, a sliding window)
-        self.masked_anyway = not runner.causal_without_bias or runner.sliding_window is not None
+        self.masked_anyway = runner.prefill_needs_mask
         self._unstored: list[tuple[int, ...]] = []  # shared prefixes of this admission to take from a prefilled row
         # the prompts admitted last: a prompt admitted alone finds the prefixes it shares with them
         self._recent: collections.deque = collections.deque(maxlen=max(RECENT_PROMPTS, max_batch_size))

@@ -58,6 +58,9 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.mask_min = torch.finfo(loaded.dtype).min
         self.sliding_window = sliding_window(self.model.config)  # None = full attention
+        # a prefill (fresh tokens, no cached part) takes a mask tensor: not where bias None is causal and the whole
+        # context is visible
+        self.prefill_needs_mask = not self.causal_without_bias or self.sliding_window is not None
         # seconds inside forward() and logits() (and a replayed pass): model compute, for host-overhead accounting
         self._clock = ModelClock(self.device)
         # the layers as groups (DMTD runs some layers for some tokens): the direct loop, else the model's modules
