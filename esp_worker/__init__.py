@@ -1,6 +1,6 @@
 """esp_worker: the ESP speculative-decoding engine (pure torch + transformers; never imports Ray)."""
 from .config import EngineConfig, ModelConfig
-from .types import GenerationParams, Request, RequestOutput, RequestStats
+from .types import GenerationParams, Request, RequestOutput, RequestStats, sample_requests
 
 __all__ = [
     "Engine",
@@ -10,6 +10,7 @@ __all__ = [
     "Request",
     "RequestOutput",
     "RequestStats",
+    "sample_requests",
     "load_model",
 ]
 

@@ -14,7 +14,6 @@ import itertools
 import logging
 import operator
 import time
-import zlib
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
@@ -53,7 +52,7 @@ from .sampling import UniformStreams, choose_tokens
 from .stats import EngineStats, PassClock, now
 from .stops import REASONS, apply_stop_strings, apply_stops, row_limits, stop_table
 from .tree import gather_slots, mask_indices
-from .types import GenerationParams, Request, RequestOutput, RequestStats
+from .types import GenerationParams, Request, RequestOutput, RequestStats, default_seed
 from .verify import VerifyResult, verify, verify_greedy
 
 log = logging.getLogger(__name__)
@@ -359,7 +358,10 @@ class Engine:
             return self._error(
                 rid, f"prompt has {len(ids)} tokens but the model's context is {ctx}; shorten or truncate it"
             )
-        seed = params.seed if params.seed is not None else zlib.crc32(f"{self.cfg.seed}:{rid}".encode())
+        if params.n != 1:
+            return self._error(rid, f"n={params.n}: the engine decodes one sample per request (make the n requests "
+                                    "with esp_worker.sample_requests)")
+        seed = params.seed if params.seed is not None else default_seed(self.cfg.seed, rid)
         stats = RequestStats(num_prompt_tokens=len(ids))
         return Seq(req=Request(rid, req.prompt, ids, params), prompt_ids=ids, seed=seed, stats=stats)
 

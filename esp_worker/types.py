@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 FINISH_REASONS = ("stop", "length", "context")
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit, and vLLM's default one)
+MAX_SAMPLES = 1024  # the most samples (GenerationParams.n) one prompt may ask for
+SEED_RANGE = 1 << 64  # seeds are integers of 64 bits: -2**63 <= seed < 2**64
 
 
 @dataclass
@@ -27,6 +30,10 @@ class GenerationParams:
     top_logprobs: int = 0
     # each prompt token's log-probability given the tokens before it (`RequestOutput.prompt_logprobs`), as logprobs
     prompt_logprobs: bool = False
+    # samples per prompt (vLLM's n): a job gives each its own answer in the row's `samples`. The engine decodes one
+    # per request: `sample_requests` makes a prompt's n requests. Greedy samples would all be the same: n > 1 needs
+    # temperature > 0
+    n: int = 1
 
     @property
     def wants_logprobs(self) -> bool:
@@ -50,7 +57,7 @@ class GenerationParams:
         if not isinstance(self.top_k, int) or self.top_k < 0:
             return f"top_k={self.top_k!r} must be an integer >= 0"
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -(1 << 63) <= self.seed < 1 << 64):
+                                      or not -(SEED_RANGE >> 1) <= self.seed < SEED_RANGE):
             return f"seed={self.seed!r} must be an integer of 64 bits (-2**63 <= seed < 2**64)"
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             return f"stop_token_ids={list(self.stop_token_ids)!r} must be non-negative integers"
@@ -63,6 +70,10 @@ class GenerationParams:
         if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) \
                 or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             return f"top_logprobs={self.top_logprobs!r} must be an integer in 0 .. {MAX_TOP_LOGPROBS}"
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_SAMPLES:
+            return f"n={self.n!r} must be an integer in 1 .. {MAX_SAMPLES}"
+        if self.n > 1 and self.temperature == 0:
+            return f"n={self.n} needs temperature > 0 (greedy samples are all the same)"
         return None
 
 
@@ -75,6 +86,36 @@ class Request:
     prompt: Optional[str] = None
     prompt_ids: Optional[list[int]] = None
     params: GenerationParams = field(default_factory=GenerationParams)
+
+
+def default_seed(engine_seed: int, request_id: str) -> int:
+    """The sampling seed of a request that gives none: from the engine's seed and the request id, so that a row's
+    tokens depend on neither its shard nor the rows beside it."""
+    return zlib.crc32(f"{engine_seed}:{request_id}".encode())
+
+
+def sample_requests(req: Request, engine_seed: int) -> list[Request]:
+    """A request's `params.n` samples as n requests of one sample each (the engine decodes one per request).
+
+    Sample i draws from seed + i, where seed is the request's or `default_seed`'s: sample 0 is the answer the same
+    request gives with n = 1, and every sample is the same whichever rows share its batches. Sample 0 keeps the
+    request id, sample i is `<id>#<i>`; only sample 0 asks for prompt_logprobs (the prompt is the same).
+
+    >>> [(r.id, r.params.seed) for r in sample_requests(Request("q", "Hi", params=GenerationParams(n=3, temperature=1.0, seed=7)), 0)]
+    [('q', 7), ('q#1', 8), ('q#2', 9)]
+    """
+    p = req.params
+    if p.n == 1:
+        return [req]
+    seed = p.seed if p.seed is not None else default_seed(engine_seed, str(req.id))
+    return [Request(id=str(req.id) if i == 0 else f"{req.id}#{i}", prompt=req.prompt, prompt_ids=req.prompt_ids,
+                    params=replace(p, n=1, seed=_wrapped(seed + i), prompt_logprobs=p.prompt_logprobs and i == 0))
+            for i in range(p.n)]
+
+
+def _wrapped(seed: int) -> int:
+    """seed back inside the 64-bit range (seed + i may pass its top)."""
+    return seed - SEED_RANGE if seed >= SEED_RANGE else seed
 
 
 @dataclass

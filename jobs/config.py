@@ -98,6 +98,7 @@ class GenerationConfig:
     logprobs: bool = GenerationParams.logprobs  # true: each generated token's log-probability (token_logprobs)
     top_logprobs: int = GenerationParams.top_logprobs  # 1 .. 20: also the likeliest tokens at each position
     prompt_logprobs: bool = GenerationParams.prompt_logprobs  # true: each prompt token's too (prompt_logprobs)
+    n: int = GenerationParams.n  # samples per row (> 1 needs temperature > 0): every one in the row's `samples`
 
 
 @dataclass
@@ -293,7 +294,7 @@ def generation_defaults(cfg: DictConfig) -> dict[str, Any]:
     g = cfg.generation
     return dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                 stop_strings=tuple(g.stop_strings), ignore_eos=g.ignore_eos, logprobs=g.logprobs,
-                top_logprobs=g.top_logprobs, prompt_logprobs=g.prompt_logprobs)
+                top_logprobs=g.top_logprobs, prompt_logprobs=g.prompt_logprobs, n=g.n)
 
 
 def _generation_problem(cfg: DictConfig) -> Optional[str]:

@@ -7,11 +7,32 @@ import pyarrow as pa
 
 from esp_worker.config import METHODS
 
-# Required columns, in file order. Counters of a multi-turn row are sums over its turns.
+# One answer of a row that asks for generation.n > 1 samples: what the row's own columns say of its first sample.
+SAMPLE = pa.struct([
+    ("text", pa.string()),
+    ("turns", pa.list_(pa.string())),
+    ("token_ids", pa.list_(pa.int32())),
+    ("token_logprobs", pa.list_(pa.float32())),
+    ("finish_reason", pa.string()),
+    ("num_generated_tokens", pa.int64()),
+    ("num_decode_passes", pa.int64()),
+    ("num_decode_tokens", pa.int64()),
+    ("tau", pa.float64()),
+    ("time_s", pa.float64()),
+    ("error", pa.string()),
+    ("turn_generated_tokens", pa.list_(pa.int64())),
+    ("turn_time_s", pa.list_(pa.float64())),
+    ("turn_decode_passes", pa.list_(pa.int64())),
+    ("committed_per_pass", pa.list_(pa.int32())),
+])
+
+# Required columns, in file order. Counters of a multi-turn row are sums over its turns, and those of a row with
+# several samples sums over every sample's; the answer columns are its first sample's.
 BASE_FIELDS = [
     pa.field("id", pa.string(), nullable=False),
     pa.field("generated_text", pa.string()),  # turns input: the last answer
     pa.field("generated_turns", pa.list_(pa.string())),  # turns input: every answer; null otherwise
+    pa.field("samples", pa.list_(SAMPLE)),  # generation.n > 1: every sample's answer and counters; null otherwise
     pa.field("generated_token_ids", pa.list_(pa.int32())),  # turns input: all answers' tokens, concatenated
     pa.field("token_logprobs", pa.list_(pa.float32())),  # generation.logprobs: one per generated token; else null
     # generation.top_logprobs: per generated token, the likeliest tokens there, best first; else null
@@ -55,6 +76,9 @@ DESCRIPTIONS = {
     "id": "row id from the input's id column (as a string), or row-<position>-<hash of input> when absent",
     "generated_text": "the generated answer; for a multi-turn (turns) input, the last turn's answer",
     "generated_turns": "multi-turn input: every turn's answer in order; null otherwise",
+    "samples": "generation.n > 1: each sample's answer (text, turns, token_ids, token_logprobs with generation.logprobs, "
+               "finish_reason, error) and counters, sample 0 first; the row's answer columns are sample 0's, its "
+               "counters sums over every sample; null when n = 1",
     "generated_token_ids": "token ids of the generated text (all turns concatenated)",
     "token_logprobs": "generation.logprobs: each generated token's log-probability under the model (float32 "
                       "log-softmax of its raw logits: temperature 1, before top-p/top-k), aligned with "
@@ -65,10 +89,10 @@ DESCRIPTIONS = {
                         "the last answered turn's prompt); null otherwise",
     "prompt_logprobs": "generation.prompt_logprobs: each prompt token's log-probability given the tokens before it, "
                        "aligned with prompt_token_ids (null for the first); null otherwise",
-    "num_prompt_tokens": "tokens in the prompt after the chat template (summed over turns)",
+    "num_prompt_tokens": "tokens in the prompt after the chat template (summed over turns and samples)",
     "num_cached_prompt_tokens": "of num_prompt_tokens, those whose keys and values were copied from a prefix the "
                                 "prompt shares with others (engine.prefix_cache_tokens), not fed to the model",
-    "num_generated_tokens": "tokens generated (summed over turns)",
+    "num_generated_tokens": "tokens generated (summed over turns and samples)",
     "finish_reason": "stop (EOS or stop string) | length (max_new_tokens) | context (model context full); null on error",
     "method": "decoding method: " + " | ".join(METHODS),
     "lossless": "true when the text is exactly the model's own decoding (every method but dmtd, which decodes with "
@@ -83,14 +107,16 @@ DESCRIPTIONS = {
     "tau": "mean acceptance length: num_decode_tokens / num_decode_passes; null without decode passes",
     "plt": "dmtd: layers run per generated token / the model's layers over the decode passes (the DMTD paper's PLT); "
            "null for other methods",
-    "time_s": "seconds from the request's admission to its finish, summed over turns (rows share the engine's "
-              "batches); null when no turn was generated",
-    "error": "one-line error message; null when the row was generated",
-    "turn_generated_tokens": "tokens generated per answered turn, in order (one entry for prompt and messages rows)",
+    "time_s": "seconds from the request's admission to its finish, summed over turns and samples (rows share the "
+              "engine's batches); null when no turn was generated",
+    "error": "one-line error message (with generation.n > 1: the first failing sample's); null when the row was "
+             "generated",
+    "turn_generated_tokens": "tokens generated per answered turn, in order (one entry for prompt and messages rows; "
+                             "sample 0's with generation.n > 1)",
     "turn_time_s": "seconds per answered turn, from its admission to its finish",
     "turn_decode_passes": "decode passes per answered turn",
-    "committed_per_pass": "tokens each decode pass committed, in order over all turns (Spec-Bench's accept_lengths; "
-                          "sum = num_decode_tokens, length = num_decode_passes)",
+    "committed_per_pass": "tokens each decode pass committed, in order over all turns and samples (Spec-Bench's "
+                          "accept_lengths; sum = num_decode_tokens, length = num_decode_passes)",
     "num_drafts": "vLLM num_drafts: decode passes that fed this row at least one draft token",
     "num_draft_tokens": "vLLM num_draft_tokens: draft tokens fed for verification (= num_drafted_tokens)",
     "num_accepted_tokens": "vLLM num_accepted_tokens: draft tokens accepted and kept (= num_accepted_drafts)",

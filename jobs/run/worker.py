@@ -73,6 +73,26 @@ class WorkerSpec:
     lose_device: int = 0  # fault injection: the first N actor processes lose their device mid-job
 
 
+def _finite(x: Optional[float]) -> Optional[float]:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _counters(st: Any) -> dict[str, Any]:
+    """A RequestStats' acceptance counters under their output column names."""
+    return {
+        "num_decode_passes": st.num_decode_passes,
+        "num_decode_tokens": st.num_decode_tokens,
+        "num_drafted_tokens": st.num_drafted_tokens,
+        "num_accepted_drafts": st.num_accepted_drafts,
+        "accepted_per_depth": list(st.accepted_per_depth),
+        "committed_histogram": list(st.committed_histogram),
+        "accepted_by_proposer": dict(st.accepted_by_proposer),
+        "tau": _finite(st.tau),
+        "plt": st.plt,
+        "committed_per_pass": list(st.committed_per_pass),
+    }
+
+
 class EngineFailure(RuntimeError):
     """The actor's engine is broken: every shard in flight on it fails with this one-line message."""
 
@@ -106,9 +126,9 @@ class ActorFeed(RequestFeed):
 
 
 @dataclass
-class _RowState:
-    row: JobRow
-    shard: "_Shard"
+class _Sample:
+    """One answer of a row (a row asks for generation.n of them): its conversation so far and what came back."""
+
     history: list[dict[str, str]] = field(default_factory=list)  # messages so far (turns input)
     answers: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -123,19 +143,28 @@ class _RowState:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
 
-    def next_turn(self) -> Optional[int]:
-        """Index of the next turn to answer, or None when done."""
-        if self.error is not None:
+
+@dataclass
+class _RowState:
+    row: JobRow
+    shard: "_Shard"
+    params: Any = None  # the row's GenerationParams (generation.* and its own params); None when it has an error
+    samples: list[_Sample] = field(default_factory=list)  # params.n of them
+    error: Optional[str] = None  # the row's own (input, params or prompt), or its first sample's
+
+    def next_turn(self, sample: _Sample) -> Optional[int]:
+        """Index of the sample's next turn to answer, or None when it is done."""
+        if sample.error is not None or self.error is not None:
             return None
         needed = len(self.row.input) if self.row.kind == "turns" else 1
-        return len(self.answers) if len(self.answers) < needed else None
+        return len(sample.answers) if len(sample.answers) < needed else None
 
 
 @dataclass
 class _Shard:
     index: int
     states: list[_RowState] = field(default_factory=list)
-    pending: int = 0  # rows not finished yet
+    pending: int = 0  # samples of its rows not finished yet
     done: threading.Event = field(default_factory=threading.Event)
     failure: Optional[str] = None
 
@@ -222,7 +251,9 @@ class ShardWorker:
         self.spec = spec
         self.load_error: Optional[str] = None
         self._lock = threading.Lock()  # guards _active, _shard_objs, _loop, _failure
-        self._active: dict[str, _RowState] = {}  # request id (= row id) -> row with a turn in the engine
+        # request id (a row's id; sample i of a row with generation.n > 1: `<id>#<i>`) -> the row and sample whose
+        # turn it is
+        self._active: dict[str, tuple[_RowState, _Sample]] = {}
         self._shard_objs: dict[int, _Shard] = {}  # id(shard) -> shard in flight
         self._loop: Optional[threading.Thread] = None
         self._failure: Optional[str] = None
@@ -283,7 +314,7 @@ class ShardWorker:
         return stats.prefill_forwards + stats.decode_passes
 
     def run_shard(self, shard_index: int, rows: list[JobRow]) -> pa.Table:
-        """One output row per input row, in input order. Safe to call from several threads at once.
+        """One output row per input row (its samples in it), in input order. Safe to call from several threads at once.
 
         The same rows of the same shard sent while an earlier call still runs them wait for that call's rows: Ray
         reports a call as failed when the actor's node is unreachable for a while (ActorUnavailableError), the call
@@ -303,18 +334,18 @@ class ShardWorker:
         return to_table([self._record(s) for s in shard.states], self.spec.schema)
 
     def _admit(self, shard_index: int, rows: list[JobRow]) -> tuple[_Shard, list[Any]]:
-        """A new shard of these rows and the requests of their first turns, registered (called under the lock)."""
-        from esp_worker import RequestStats
-
+        """A new shard of these rows and the requests of their samples' first turns, registered (called under the
+        lock)."""
         shard = _Shard(shard_index)
-        shard.states = [_RowState(row=r, shard=shard, stats=RequestStats(), error=r.error) for r in rows]
+        shard.states = [self._row_state(r, shard) for r in rows]
         requests = []
         for s in shard.states:
-            if s.next_turn() is not None and (req := self._request(s)) is not None:
-                if req.id in self._active:
-                    raise EngineFailure(f"row id {req.id!r} is already in flight on this actor")
-                self._active[req.id] = s
-                requests.append(req)
+            for i, sample in enumerate(s.samples):
+                if s.next_turn(sample) is not None and (req := self._request(s, i)) is not None:
+                    if req.id in self._active:
+                        raise EngineFailure(f"request id {req.id!r} is already in flight on this actor")
+                    self._active[req.id] = (s, sample)
+                    requests.append(req)
         shard.pending = len(requests)
         if shard.pending:
             self._shard_objs[id(shard)] = shard
@@ -454,13 +485,14 @@ class ShardWorker:
             self._failed_alone = 0
             self._regain_rows()
         with self._lock:
-            s = self._active.pop(out.id)
+            s, sample = self._active.pop(out.id)
         self._maybe_die(s.shard.index)
-        self._absorb(s, out)
-        nxt = self._request(s) if s.next_turn() is not None else None
+        self._absorb(sample, s.row, out)
+        i = s.samples.index(sample)
+        nxt = self._request(s, i) if s.next_turn(sample) is not None else None
         if nxt is not None:
             with self._lock:
-                self._active[nxt.id] = s
+                self._active[nxt.id] = (s, sample)
             self.feed.put([nxt])
             return
         shard = s.shard
@@ -471,82 +503,103 @@ class ShardWorker:
             shard.done.set()
 
     # ---- rows ----------------------------------------------------------------------------------------
-    def _request(self, s: _RowState) -> Any:
-        """The engine request for the row's next turn; None (with s.error set) if it cannot be built."""
-        from esp_worker import GenerationParams, Request
+    def _row_state(self, row: JobRow, shard: _Shard) -> _RowState:
+        """A row's state: its generation parameters (generation.* and the row's own) and one sample per params.n;
+        an input or params problem is the row's error."""
+        from esp_worker import GenerationParams, RequestStats
 
-        row = s.row
+        s = _RowState(row=row, shard=shard, error=row.error)
+        if s.error is not None:
+            return s
+        try:
+            params = GenerationParams(**{**self.spec.generation, **row.params})
+            problem = params.problem()
+        except Exception as exc:  # noqa: BLE001 - any malformed value: the row's error, not the job's
+            problem = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+        if problem:
+            s.error = f"invalid generation parameter: {problem}"
+            return s
+        s.params = params
+        s.samples = [_Sample(stats=RequestStats()) for _ in range(params.n)]
+        return s
+
+    def _request(self, s: _RowState, i: int) -> Any:
+        """The engine request for the next turn of the row's sample i; None (with the row's error set) if it cannot
+        be built."""
+        from esp_worker import Request, sample_requests
+
+        row, sample = s.row, s.samples[i]
         try:
             if row.kind == "prompt":
                 ids = self.prompts.prompt_ids(row.input)
             elif row.kind == "messages":
                 ids = self.prompts.chat_ids(list(row.input))
             else:
-                s.history.append({"role": "user", "content": row.input[len(s.answers)]})
-                ids = self.prompts.chat_ids(s.history)
-            params = GenerationParams(**{**self.spec.generation, **row.params})
+                sample.history.append({"role": "user", "content": row.input[len(sample.answers)]})
+                ids = self.prompts.chat_ids(sample.history)
         except Exception as exc:  # tokenizer or template failure on this row's content
             s.error = f"cannot build the prompt: {type(exc).__name__}: {str(exc).strip()[:200]}"
             return None
-        s.num_prompt_tokens += len(ids)
-        s.prompt_ids = ids
+        sample.num_prompt_tokens += len(ids)
+        sample.prompt_ids = ids
         # the row id is the request id: the engine derives the row's sampling seed from it, so results
-        # do not depend on sharding or on which rows share a batch
-        return Request(id=row.id, prompt_ids=ids, params=params)
+        # do not depend on sharding or on which rows share a batch (sample i: see `sample_requests`)
+        req = Request(id=row.id, prompt_ids=ids, params=s.params)
+        return sample_requests(req, self.engine.cfg.seed)[i] if s.params.n > 1 else req
 
-    def _absorb(self, s: _RowState, out: Any) -> None:
-        s.stats = s.stats.merge(out.stats)
+    def _absorb(self, sample: _Sample, row: JobRow, out: Any) -> None:
+        sample.stats = sample.stats.merge(out.stats)
         if out.error is not None:
-            s.error = out.error
+            sample.error = out.error
             return
-        s.answers.append(out.text)
-        s.token_ids.extend(out.token_ids)
+        sample.answers.append(out.text)
+        sample.token_ids.extend(out.token_ids)
         if out.logprobs is not None:
-            s.logprobs = (s.logprobs or []) + out.logprobs
+            sample.logprobs = (sample.logprobs or []) + out.logprobs
         if out.prompt_logprobs is not None:
-            s.scored_prompt = (s.prompt_ids, out.prompt_logprobs)
+            sample.scored_prompt = (sample.prompt_ids, out.prompt_logprobs)
         if out.top_logprobs is not None:
-            s.top_logprobs = (s.top_logprobs or []) + [[{"token_id": t, "logprob": lp} for t, lp in alts]
-                                                       for alts in out.top_logprobs]
-        s.turns.append(out.stats)
-        s.finish_reason = out.finish_reason
-        if s.row.kind == "turns":
+            sample.top_logprobs = (sample.top_logprobs or []) + [[{"token_id": t, "logprob": lp} for t, lp in alts]
+                                                                 for alts in out.top_logprobs]
+        sample.turns.append(out.stats)
+        sample.finish_reason = out.finish_reason
+        if row.kind == "turns":
             answer = out.text.strip() if self.spec.turn_history == "stripped" else out.text
-            s.history.append({"role": "assistant", "content": answer})
+            sample.history.append({"role": "assistant", "content": answer})
 
     def _record(self, s: _RowState) -> dict[str, Any]:
-        st = s.stats
-        tau = st.tau
+        """The row's output record: sample 0's answer in the answer columns (what n = 1 gives), the counters summed
+        over every sample's turns, and with n > 1 each sample's own answer and counters in `samples`."""
+        from esp_worker import RequestStats
+
+        first = s.samples[0] if s.samples else _Sample(stats=RequestStats())
+        error = s.error or next((x.error for x in s.samples if x.error is not None), None)
+        st = RequestStats()
+        for x in s.samples:
+            st = st.merge(x.stats)
+        turns = [t for x in s.samples for t in x.turns]
         rec = {
             "id": s.row.id,
-            "generated_text": s.answers[-1] if s.answers else None,
-            "generated_turns": s.answers if s.row.kind == "turns" else None,
-            "generated_token_ids": s.token_ids if s.answers else None,
-            "token_logprobs": s.logprobs if s.answers else None,
-            "top_logprobs": s.top_logprobs if s.answers else None,
-            "prompt_token_ids": s.scored_prompt[0] if s.scored_prompt else None,
-            "prompt_logprobs": s.scored_prompt[1] if s.scored_prompt else None,
-            "num_prompt_tokens": s.num_prompt_tokens,
+            "generated_text": first.answers[-1] if first.answers else None,
+            "generated_turns": first.answers if s.row.kind == "turns" else None,
+            "samples": [self._sample_record(s.row, x) for x in s.samples] if len(s.samples) > 1 else None,
+            "generated_token_ids": first.token_ids if first.answers else None,
+            "token_logprobs": first.logprobs if first.answers else None,
+            "top_logprobs": first.top_logprobs if first.answers else None,
+            "prompt_token_ids": first.scored_prompt[0] if first.scored_prompt else None,
+            "prompt_logprobs": first.scored_prompt[1] if first.scored_prompt else None,
+            "num_prompt_tokens": sum(x.num_prompt_tokens for x in s.samples),
             "num_cached_prompt_tokens": st.num_cached_prompt_tokens,
-            "num_generated_tokens": len(s.token_ids),
-            "finish_reason": s.finish_reason if s.error is None else None,
+            "num_generated_tokens": sum(len(x.token_ids) for x in s.samples),
+            "finish_reason": first.finish_reason if error is None else None,
             "method": self.spec.engine["method"],
             "lossless": self.spec.engine["method"] not in NOT_LOSSLESS,
-            "num_decode_passes": st.num_decode_passes,
-            "num_decode_tokens": st.num_decode_tokens,
-            "num_drafted_tokens": st.num_drafted_tokens,
-            "num_accepted_drafts": st.num_accepted_drafts,
-            "accepted_per_depth": list(st.accepted_per_depth),
-            "committed_histogram": list(st.committed_histogram),
-            "accepted_by_proposer": dict(st.accepted_by_proposer),
-            "tau": tau if tau is not None and math.isfinite(tau) else None,
-            "plt": st.plt,
-            "time_s": sum(t.time_s for t in s.turns) if s.turns else None,  # no turn ran: no time to divide by
-            "error": s.error,
-            "turn_generated_tokens": [t.num_generated_tokens for t in s.turns],
-            "turn_time_s": [t.time_s for t in s.turns],
-            "turn_decode_passes": [t.num_decode_passes for t in s.turns],
-            "committed_per_pass": list(st.committed_per_pass),
+            **_counters(st),
+            "time_s": sum(t.time_s for t in turns) if turns else None,  # no turn ran: no time to divide by
+            "error": error,
+            "turn_generated_tokens": [t.num_generated_tokens for t in first.turns],
+            "turn_time_s": [t.time_s for t in first.turns],
+            "turn_decode_passes": [t.num_decode_passes for t in first.turns],
             "num_drafts": st.num_drafts,
             "num_draft_tokens": st.num_drafted_tokens,
             "num_accepted_tokens": st.num_accepted_drafts,
@@ -555,6 +608,27 @@ class ShardWorker:
         }
         rec.update({k: v for k, v in s.row.carry.items() if k not in rec})
         return rec
+
+    @staticmethod
+    def _sample_record(row: JobRow, x: _Sample) -> dict[str, Any]:
+        """One sample's entry in `samples` (schema.SAMPLE)."""
+        return {
+            "text": x.answers[-1] if x.answers else None,
+            "turns": x.answers if row.kind == "turns" else None,
+            "token_ids": x.token_ids if x.answers else None,
+            "token_logprobs": x.logprobs if x.answers else None,
+            "finish_reason": x.finish_reason if x.error is None else None,
+            "num_generated_tokens": len(x.token_ids),
+            "num_decode_passes": x.stats.num_decode_passes,
+            "num_decode_tokens": x.stats.num_decode_tokens,
+            "tau": _finite(x.stats.tau),
+            "time_s": sum(t.time_s for t in x.turns) if x.turns else None,
+            "error": x.error,
+            "turn_generated_tokens": [t.num_generated_tokens for t in x.turns],
+            "turn_time_s": [t.time_s for t in x.turns],
+            "turn_decode_passes": [t.num_decode_passes for t in x.turns],
+            "committed_per_pass": list(x.stats.committed_per_pass),
+        }
 
     def _maybe_hold(self, shard_index: int) -> None:
         """Fault injection: on `hold_shard`, write hold-N.json (where this actor runs) and wait until the

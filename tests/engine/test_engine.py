@@ -239,6 +239,9 @@ def test_context_limit_finishes_with_context():
         (Request(id="s", prompt="hi", params=GenerationParams(temperature=1.0, seed=1 << 70)), "64 bits"),
         (Request(id="u", prompt="bad \ud800 surrogate"), "tokenized"),
         (Request(id="v", prompt_ids=[0, 99999]), "token ids"),
+        (Request(id="g", prompt="hi", params=GenerationParams(n=2)), "temperature > 0"),
+        (Request(id="n0", prompt="hi", params=GenerationParams(n=0, temperature=1.0)), "n=0"),
+        (Request(id="nn", prompt="hi", params=GenerationParams(n=3, temperature=1.0)), "sample_requests"),
     ],
 )
 def test_bad_requests_get_errors_and_batch_goes_on(req, needle):

@@ -3,12 +3,13 @@ distribution matches the model's own (temperature / top-k adjusted) distribution
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine_helpers import PROMPTS, run, tiny
-from esp_worker import Engine, EngineConfig, GenerationParams, Request
+from esp_worker import Engine, EngineConfig, GenerationParams, Request, sample_requests
 from esp_worker.sampling import choose_tokens
 
 
@@ -37,6 +38,29 @@ def test_seed_reproducible_and_different_seeds_differ():
     c = run(lm, cfg, GenerationParams(max_new_tokens=32, temperature=1.0, seed=8))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_samples_of_a_request_are_seeded_requests_and_sample_0_is_the_single_answer():
+    """sample_requests: n requests, sample i seeded seed + i (from the id when the request gives no seed); run in
+    one batch they give what each gives alone, and sample 0 is what the request with n = 1 gives."""
+    lm = tiny("llama")
+    eng = Engine(lm, EngineConfig(method="hybrid", max_batch_size=4))
+    sampled = GenerationParams(max_new_tokens=24, temperature=0.9, n=3)
+    for seed in (None, 5, (1 << 64) - 2):  # the last: sample 2's seed wraps back into the 64-bit range
+        req = Request(id="q", prompt=PROMPTS[2], params=replace(sampled, seed=seed))
+        reqs = sample_requests(req, eng.cfg.seed)
+        assert [r.id for r in reqs] == ["q", "q#1", "q#2"] and all(r.params.n == 1 for r in reqs)
+        if seed is not None:
+            assert [r.params.seed for r in reqs] == [seed, seed + 1, (seed + 2) % (1 << 64)]
+        together = [o.token_ids for o in eng.generate(reqs)]
+        assert len(set(map(tuple, together))) == 3  # three different samples
+        alone = [eng.generate([r])[0].token_ids for r in reqs]
+        assert together == alone
+        single = eng.generate([Request(id="q", prompt=PROMPTS[2], params=replace(sampled, seed=seed, n=1))])
+        assert single[0].token_ids == together[0]
+    logged = GenerationParams(temperature=1.0, n=2, prompt_logprobs=True)
+    assert [r.params.prompt_logprobs for r in sample_requests(Request("p", "Hi", params=logged), 0)] == [True, False]
+    assert sample_requests(req := Request("one", "Hi"), 0) == [req]
 
 
 @pytest.mark.slow

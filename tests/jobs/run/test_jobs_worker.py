@@ -318,3 +318,42 @@ def test_logprobs_of_turns_follow_the_concatenated_tokens_and_the_last_prompt(tm
         # the last turn's prompt: the whole conversation before its answer
         assert len(got["prompt_logprobs"]) == len(got["prompt_token_ids"]) > got["num_prompt_tokens"] // 2
         assert got["prompt_logprobs"][0] is None and all(lp <= 0 for lp in got["prompt_logprobs"][1:])
+
+
+def test_samples_of_a_row_sample_0_the_single_answer_and_the_counters_their_sums(tmp_path):
+    """generation.n (here a row's params): one output row per input row, each sample's answer in `samples`, sample 0
+    the answer the row gives with n = 1; the row's counters add up every sample's. Greedy samples are refused."""
+    from jobs_helpers import write_jsonl
+
+    inputs = [{"id": "a", "prompt": "Once upon a time", "params": {"n": 3}},
+              {"id": "b", "prompt": "The weather today"},
+              {"id": "c", "prompt": "Greedy", "params": {"n": 2, "temperature": 0.0}},
+              {"id": "d", "turns": ["Hello there", "And then?"], "params": {"n": 2}}]
+    common = ("generation.max_new_tokens=8", "generation.temperature=0.9", "generation.logprobs=true")
+    worker, rows = _worker(tmp_path / "n", f"data.path={write_jsonl(tmp_path / 'n.jsonl', inputs)}", *common)
+    out = {r["id"]: r for r in worker.run_shard(0, rows).to_pylist()}
+    singles = [{k: v for k, v in r.items() if k != "params"} for r in inputs]
+    worker, rows = _worker(tmp_path / "one", f"data.path={write_jsonl(tmp_path / 'one.jsonl', singles)}", *common)
+    single = {r["id"]: r for r in worker.run_shard(0, rows).to_pylist()}
+
+    assert list(out) == ["a", "b", "c", "d"] and out["b"]["samples"] is None
+    assert "n=2 needs temperature > 0" in out["c"]["error"] and out["c"]["samples"] is None
+    for rid, n in (("a", 3), ("d", 2)):
+        row, samples = out[rid], out[rid]["samples"]
+        assert row["error"] is None and len(samples) == n
+        assert samples[0]["token_ids"] == row["generated_token_ids"] == single[rid]["generated_token_ids"]
+        assert samples[0]["text"] == row["generated_text"] and row["token_logprobs"] == samples[0]["token_logprobs"]
+        assert len({tuple(x["token_ids"]) for x in samples}) > 1  # seeds differ
+        for x in samples:
+            assert x["error"] is None and x["finish_reason"] == "length"
+            assert len(x["token_logprobs"]) == len(x["token_ids"]) == x["num_generated_tokens"]
+            assert sum(x["committed_per_pass"]) == x["num_decode_tokens"] and len(x["committed_per_pass"]) == \
+                x["num_decode_passes"]
+        assert row["num_generated_tokens"] == sum(x["num_generated_tokens"] for x in samples)
+        assert row["num_decode_passes"] == sum(x["num_decode_passes"] for x in samples)
+        assert row["committed_per_pass"] == [c for x in samples for c in x["committed_per_pass"]]
+        assert row["time_s"] == pytest.approx(sum(x["time_s"] for x in samples))
+    assert out["a"]["num_prompt_tokens"] == 3 * single["a"]["num_prompt_tokens"]  # (a turn's prompt holds its answers)
+    assert [len(x["turns"]) for x in out["d"]["samples"]] == [2, 2]
+    assert out["d"]["generated_turns"] == out["d"]["samples"][0]["turns"] == single["d"]["generated_turns"]
+    assert out["d"]["turn_generated_tokens"] == out["d"]["samples"][0]["turn_generated_tokens"] == [8, 8]
