@@ -8,7 +8,7 @@ One JSON line per answered question, as Spec-Bench's `evaluation/eval.py` writes
                   "wall_time": [...], "accept_lengths": [...]}]}
 
 turns, decoding_steps, new_tokens and wall_time hold one entry per turn; accept_lengths one per decode pass over
-all turns. Our terms: decoding_steps = decode passes (the prefill, which gives each turn's first token, is not
+all turns. A row with generation.n > 1 samples gives one choice per sample, in order (FastChat's num_choices). Our terms: decoding_steps = decode passes (the prefill, which gives each turn's first token, is not
 one), accept_lengths = tokens each decode pass committed (bonus included), so their mean is the job's tau;
 wall_time = the turn's seconds from admission to finish. Answers are stripped of surrounding whitespace, as
 Spec-Bench's eval.py writes them. Rows with an error are left out (counted by the caller); lines are sorted by
@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional, Union
 
 # the output columns an answer is made of
 COLUMNS = ["id", "category", "generated_text", "generated_turns", "turn_generated_tokens", "turn_time_s",
-           "turn_decode_passes", "committed_per_pass", "error"]
+           "turn_decode_passes", "committed_per_pass", "error", "samples"]
 PER_TURN = ("turn_generated_tokens", "turn_time_s", "turn_decode_passes", "committed_per_pass")
 NO_CATEGORY = "(none)"
 
@@ -42,20 +42,21 @@ class Answers:
         if row.get("error") is not None:
             self.skipped.append(row["id"])
             return
-        answers = row.get("generated_turns") or [row.get("generated_text") or ""]
+        samples = row.get("samples") or [{"text": row.get("generated_text"), "turns": row.get("generated_turns"),
+                                          **{k: row[k] for k in PER_TURN}}]
         self.records.append({
             "question_id": self.question_id(row["id"]),
             "category": row.get("category") if row.get("category") is not None else NO_CATEGORY,
             "answer_id": hashlib.sha1(f"{self.salt}:{row['id']}".encode()).hexdigest()[:22],
             "model_id": self.model_id,
             "choices": [{
-                "index": 0,
-                "turns": [a.strip() for a in answers],
-                "decoding_steps": list(row["turn_decode_passes"]),
-                "new_tokens": list(row["turn_generated_tokens"]),
-                "wall_time": list(row["turn_time_s"]),
-                "accept_lengths": list(row["committed_per_pass"]),
-            }],
+                "index": i,
+                "turns": [a.strip() for a in sample.get("turns") or [sample.get("text") or ""]],
+                "decoding_steps": list(sample["turn_decode_passes"]),
+                "new_tokens": list(sample["turn_generated_tokens"]),
+                "wall_time": list(sample["turn_time_s"]),
+                "accept_lengths": list(sample["committed_per_pass"]),
+            } for i, sample in enumerate(samples)],
             "tstamp": self.tstamp,
         })
 

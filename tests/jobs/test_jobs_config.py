@@ -44,6 +44,8 @@ PRESETS = sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "defa
         (["engine.prefill_batch_tokens=-1"], "engine.prefill_batch_tokens=-1"),
         (["engine.auto_probe_interval=0"], "engine.auto_probe_interval=0"),
         (["generation.temperature=inf"], "must be a finite number"),
+        (["generation.n=4"], "generation.n=4 needs temperature > 0"),
+        (["generation.n=0", "generation.temperature=1"], "generation.n=0 must be an integer in 1 .. 1024"),
         (["engine.method"], "not key=value"),
         (["output.compression=bogus"], "output.compression='bogus' is unknown"),
         (["ray.address=bogus"], "ray.address='bogus' is not an address"),

@@ -112,6 +112,22 @@ def test_string_ids_stay_strings(tmp_path):
     assert [a["question_id"] for a in read_answers(tmp_path / "a.jsonl")] == ["q0", "q1"]
 
 
+def test_samples_are_choices(tmp_path):
+    """generation.n: one choice per sample, in order, each with its own turns and counters."""
+    rows = spec_bench_rows(1)[:1] + [{"question_id": 9, "category": "qa", "turns": ["Say hi."]}]
+    job = write_job(tmp_path, str(tmp_path / "out"), rows, "generation.n=3", "generation.temperature=0.8",
+                    "generation.max_new_tokens=6")
+    assert export_main([str(tmp_path / "out"), str(tmp_path / "a.jsonl"), "--format", "spec-bench"]) == 0
+    by_id = {r["id"]: r for r in job["rows"]}
+    for a in read_answers(tmp_path / "a.jsonl"):
+        samples = by_id[str(a["question_id"])]["samples"]
+        assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+        for c, x in zip(a["choices"], samples):
+            assert c["turns"] == [t.strip() for t in x["turns"]] and c["new_tokens"] == x["turn_generated_tokens"]
+            assert c["accept_lengths"] == x["committed_per_pass"] and c["decoding_steps"] == x["turn_decode_passes"]
+            assert c["wall_time"] == x["turn_time_s"]
+
+
 def test_export_errors_are_one_line_exit_2(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()

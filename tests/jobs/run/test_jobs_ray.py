@@ -65,9 +65,13 @@ def test_end_to_end_two_actors_then_resume(ray_job_head, tmp_path):
     # A changed config into the same directory is refused, naming the key; overwrite starts over.
     with pytest.raises(ConfigError, match="generation.max_new_tokens"):
         run_job(job_cfg(out, f"data.path={data}", "generation.max_new_tokens=7"))
+    # (with two samples per row: one row each, its samples in a list column that DuckDB unnests)
     res3 = run_job(job_cfg(out, f"data.path={data}", "generation.max_new_tokens=2", "data.limit=8",
-                           "output.overwrite=true", "ray.num_actors=1"))
+                           "output.overwrite=true", "ray.num_actors=1", "generation.n=2", "generation.temperature=0.7"))
     assert res3.summary["rows"] == 8 and len(list(out.glob("part-*.parquet"))) == 1
+    assert res3.summary["generated_tokens"] == 32 and res3.summary["errors"] == 0
+    assert duckdb.sql(f"SELECT count(*), sum(s.num_generated_tokens) FROM (SELECT unnest(samples) AS s "
+                      f"FROM '{out}/*.parquet')").fetchall() == [(16, 32)]
 
 
 def test_actor_killed_mid_shard_is_retried(ray_job_head, tmp_path):
