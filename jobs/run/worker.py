@@ -4,8 +4,9 @@ A plain class (testable without Ray); `jobs.run.runner` wraps it with `ray.remot
 several `run_shard` calls run at once, each in its own Ray thread. Each call puts its rows' requests
 into one RequestFeed and waits; a single engine thread decodes whatever the feed holds, so the engine's
 batch stays at `engine.max_batch_size` whatever the shard size is. A finished row's slot is refilled at
-once, and the next turn of a multi-turn row goes back into the feed as soon as its previous turn ends.
-A shard's table is built and returned when its last row finishes.
+once, and the next turn of a multi-turn row goes back into the feed as soon as its previous turn ends. A row
+that asks for generation.n > 1 samples puts one request per sample into the feed (`esp_worker.sample_requests`)
+and gets one output row with them all. A shard's table is built and returned when its last row finishes.
 
 An engine error (a CUDA out-of-memory in one batch, a row that trips a bug) ends the engine loop with every row of
 the batch in it. Those rows then run again in halves, and the halves of a half that raises again, down to single
