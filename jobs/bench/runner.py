@@ -84,6 +84,24 @@ def _requests(prompts: list[Prompt], generation: dict[str, Any]) -> list[Any]:
     return [Request(id=p.id, prompt_ids=p.ids, params=GenerationParams(**{**generation, **p.params})) for p in prompts]
 
 
+def sample_prompts(prompts: list[Prompt], generation: dict[str, Any], engine_seed: int) -> list[Prompt]:
+    """Each prompt whose generation.n (or params n) asks for several samples as one prompt per sample, side by side,
+    with the ids and seeds a job gives them (`esp_worker.sample_requests`): every setting decodes the same samples
+    and counts their tokens, and hf generate runs them as the copies `num_return_sequences` would make."""
+    from esp_worker import GenerationParams, Request, sample_requests
+
+    out = []
+    for p in prompts:
+        params = GenerationParams(**{**generation, **p.params})
+        if params.n == 1:
+            out.append(dataclasses.replace(p, params={**p.params, "n": 1}))
+            continue
+        for r in sample_requests(Request(p.id, prompt_ids=p.ids, params=params), engine_seed):
+            out.append(dataclasses.replace(p, id=r.id, params={**p.params, "n": 1, "seed": r.params.seed,
+                                                               "prompt_logprobs": r.params.prompt_logprobs}))
+    return out
+
+
 def mix_lengths(prompts: list[Prompt], lo_hi: Sequence[int]) -> None:
     """Give each prompt its own max_new_tokens in [lo, hi] (deterministic per id), unless its row set one.
 
@@ -249,15 +267,16 @@ def run_bench(cfg: DictConfig, command: str = "python -m jobs.bench") -> Path:
     if not prompts:
         raise ValueError(f"no usable prompt in {cfg.data.path or 'the bundled prompts'}")
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused bench leaves no empty directory
-    largest = max(collections.Counter(p.category for p in prompts).values())
-    for batch in (n for n in b.batch_sizes if n > largest):
-        log.warning("batch %d: categories run one at a time and the largest has %d prompts, so its passes hold at "
-                    "most %d rows (give each category >= %d prompts to fill it)", batch, largest, largest, batch)
     if b.mixed_max_new_tokens:
         mix_lengths(prompts, b.mixed_max_new_tokens)
     g = cfg.generation
     generation = generation_defaults(cfg)
     base = engine_config(cfg)
+    prompts = sample_prompts(prompts, generation, base.seed)  # (after mix_lengths: a row's samples share its length)
+    largest = max(collections.Counter(p.category for p in prompts).values())
+    for batch in (n for n in b.batch_sizes if n > largest):
+        log.warning("batch %d: categories run one at a time and the largest has %d prompts, so its passes hold at "
+                    "most %d rows (give each category >= %d prompts to fill it)", batch, largest, largest, batch)
     curve = None
     if b.cost_curve:
         log.info("measuring the cost curve")

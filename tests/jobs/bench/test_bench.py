@@ -78,6 +78,20 @@ def test_bench_mixed_lengths_batched_hf_row(tmp_path):
     assert 5 * 4 <= records[0]["num_generated_tokens"] <= 5 * 12
 
 
+def test_samples_run_as_a_job_seeds_them(tmp_path):
+    """generation.n: each prompt's samples are prompts of their own, seeded as a job seeds them: every setting
+    decodes the same samples (exact match) and every sample's tokens count."""
+    data = prompts(tmp_path, ["the cat sat on the mat", "def f(x):\n    return"])
+    common = [f"data.path={data}", "generation.temperature=0.8", "generation.max_new_tokens=6", "bench.warmup=0",
+              "bench.cost_curve=false", "bench.hf_baseline=false", "bench.batch_sizes=[3]"]
+    assert main([*common, f"output.dir={tmp_path / 'n'}", "generation.n=3", "bench.settings=[hybrid:auto]"]) == 0
+    assert main([*common, f"output.dir={tmp_path / 'one'}", "bench.settings=[hybrid:auto]"]) == 0
+    records = {o: json.loads((tmp_path / o / "bench.json").read_text()) for o in ("n", "one")}
+    assert all(r["exact_match_rate"] == 1.0 for r in records["n"])
+    many, one = (next(r for r in records[o] if r["setting"] == "ar") for o in ("n", "one"))
+    assert many["num_prompts"] == 6 and many["num_generated_tokens"] == 3 * one["num_generated_tokens"] == 36
+
+
 def test_a_batch_larger_than_a_category_says_how_many_rows_it_held(tmp_path, caplog):
     """Categories run one after another, so batch 4 over categories of 1 and 3 prompts holds 3 rows at most: the
     records, the log and the report say so (a "batch 4" number would otherwise claim a batch it never ran)."""
