@@ -104,13 +104,15 @@ def sample_requests(req: Request, engine_seed: int) -> list[Request]:
     >>> [(r.id, r.params.seed) for r in sample_requests(Request("q", "Hi", params=GenerationParams(n=3, temperature=1.0, seed=7)), 0)]
     [('q', 7), ('q#1', 8), ('q#2', 9)]
     """
+    return [req] if req.params.n == 1 else [sample_request(req, i, engine_seed) for i in range(req.params.n)]
+
+
+def sample_request(req: Request, i: int, engine_seed: int) -> Request:
+    """Sample i of `req`'s params.n samples (see `sample_requests`)."""
     p = req.params
-    if p.n == 1:
-        return [req]
     seed = p.seed if p.seed is not None else default_seed(engine_seed, str(req.id))
-    return [Request(id=str(req.id) if i == 0 else f"{req.id}#{i}", prompt=req.prompt, prompt_ids=req.prompt_ids,
-                    params=replace(p, n=1, seed=_wrapped(seed + i), prompt_logprobs=p.prompt_logprobs and i == 0))
-            for i in range(p.n)]
+    return Request(id=str(req.id) if i == 0 else f"{req.id}#{i}", prompt=req.prompt, prompt_ids=req.prompt_ids,
+                   params=replace(p, n=1, seed=_wrapped(seed + i), prompt_logprobs=p.prompt_logprobs and i == 0))
 
 
 def _wrapped(seed: int) -> int:

@@ -252,9 +252,9 @@ class ShardWorker:
         self.spec = spec
         self.load_error: Optional[str] = None
         self._lock = threading.Lock()  # guards _active, _shard_objs, _loop, _failure
-        # request id (a row's id; sample i of a row with generation.n > 1: `<id>#<i>`) -> the row and sample whose
-        # turn it is
-        self._active: dict[str, tuple[_RowState, _Sample]] = {}
+        # request id (a row's id; sample i of a row with generation.n > 1: `<id>#<i>`) -> the row and the index of
+        # the sample whose turn it is
+        self._active: dict[str, tuple[_RowState, int]] = {}
         self._shard_objs: dict[int, _Shard] = {}  # id(shard) -> shard in flight
         self._loop: Optional[threading.Thread] = None
         self._failure: Optional[str] = None
@@ -345,7 +345,7 @@ class ShardWorker:
                 if s.next_turn(sample) is not None and (req := self._request(s, i)) is not None:
                     if req.id in self._active:
                         raise EngineFailure(f"request id {req.id!r} is already in flight on this actor")
-                    self._active[req.id] = (s, sample)
+                    self._active[req.id] = (s, i)
                     requests.append(req)
         shard.pending = len(requests)
         if shard.pending:
@@ -486,14 +486,13 @@ class ShardWorker:
             self._failed_alone = 0
             self._regain_rows()
         with self._lock:
-            s, sample = self._active.pop(out.id)
+            s, i = self._active.pop(out.id)
         self._maybe_die(s.shard.index)
-        self._absorb(sample, s.row, out)
-        i = s.samples.index(sample)
-        nxt = self._request(s, i) if s.next_turn(sample) is not None else None
+        self._absorb(s.samples[i], s.row, out)
+        nxt = self._request(s, i) if s.next_turn(s.samples[i]) is not None else None
         if nxt is not None:
             with self._lock:
-                self._active[nxt.id] = (s, sample)
+                self._active[nxt.id] = (s, i)
             self.feed.put([nxt])
             return
         shard = s.shard
@@ -527,11 +526,15 @@ class ShardWorker:
     def _request(self, s: _RowState, i: int) -> Any:
         """The engine request for the next turn of the row's sample i; None (with the row's error set) if it cannot
         be built."""
-        from esp_worker import Request, sample_requests
+        from esp_worker import Request
+        from esp_worker.types import sample_request
 
         row, sample = s.row, s.samples[i]
+        same = next((x.prompt_ids for x in s.samples if x.prompt_ids), None) if row.kind != "turns" else None
         try:
-            if row.kind == "prompt":
+            if same is not None:  # another sample's prompt: the same text, tokenized once
+                ids = same
+            elif row.kind == "prompt":
                 ids = self.prompts.prompt_ids(row.input)
             elif row.kind == "messages":
                 ids = self.prompts.chat_ids(list(row.input))
@@ -544,9 +547,9 @@ class ShardWorker:
         sample.num_prompt_tokens += len(ids)
         sample.prompt_ids = ids
         # the row id is the request id: the engine derives the row's sampling seed from it, so results
-        # do not depend on sharding or on which rows share a batch (sample i: see `sample_requests`)
+        # do not depend on sharding or on which rows share a batch (sample i: see `esp_worker.sample_requests`)
         req = Request(id=row.id, prompt_ids=ids, params=s.params)
-        return sample_requests(req, self.engine.cfg.seed)[i] if s.params.n > 1 else req
+        return sample_request(req, i, self.engine.cfg.seed) if s.params.n > 1 else req
 
     def _absorb(self, sample: _Sample, row: JobRow, out: Any) -> None:
         sample.stats = sample.stats.merge(out.stats)
