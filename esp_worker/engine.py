@@ -9,12 +9,14 @@ pass is launched before the last one's read (`_step_ahead`), so that the host's 
 """
 from __future__ import annotations
 
+import collections
+import collections.abc
 import dataclasses
 import itertools
 import logging
 import operator
 import time
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -66,17 +68,33 @@ PREPARE_LOOKS: Optional[bool] = None
 CAPTURE_GRAPHS: Optional[bool] = None
 
 
-def _feed_taker(requests: Union[Iterable[Request], RequestFeed]) -> Callable[[int, bool], tuple[list[Request], bool]]:
-    """take(n, wait) -> (up to n requests, no more will come) over an iterable or a RequestFeed."""
-    if isinstance(requests, RequestFeed):
-        return requests.take
-    it = iter(requests)
+class _Requests:
+    """The requests to come: a RequestFeed, a sequence (a list), or any other iterable, read lazily as slots free
+    up (never ahead: it may be a stream)."""
 
-    def take(n: int, wait: bool) -> tuple[list[Request], bool]:
-        taken = list(itertools.islice(it, max(n, 0)))
+    def __init__(self, requests: Union[Iterable[Request], RequestFeed]):
+        self._feed = requests if isinstance(requests, RequestFeed) else None
+        self._seq = requests if isinstance(requests, collections.abc.Sequence) else None
+        self._it = iter(requests) if self._feed is None and self._seq is None else None
+        self._next = 0  # the sequence's next request
+
+    def take(self, n: int, wait: bool) -> tuple[list[Request], bool]:
+        """(up to n requests, no more will come); with a feed and `wait`, blocks until one is queued."""
+        if self._feed is not None:
+            return self._feed.take(n, wait)
+        if self._seq is not None:
+            taken = list(self._seq[self._next: self._next + max(n, 0)])
+            self._next += len(taken)
+            return taken, self._next >= len(self._seq)
+        taken = list(itertools.islice(self._it, max(n, 0)))
         return taken, len(taken) < n
 
-    return take
+    def upcoming(self, n: int) -> list[Request]:
+        """Up to n of the next requests, still to be taken (none from a plain iterable): the prefix store keeps a
+        prefix an admitted prompt shares with them (the samples of one prompt, admitted one by one)."""
+        if self._feed is not None:
+            return self._feed.peek(n)
+        return list(self._seq[self._next: self._next + n]) if self._seq is not None else []
 
 
 @dataclasses.dataclass
@@ -165,6 +183,7 @@ class Engine:
                                         self.prefill_forward_tokens, self.slot_bytes, self.stats, cfg.max_batch_size)
         self._in_flight: Optional[_InFlight] = None  # engine.cuda_graphs_run_ahead: the pass not yet read
         self._exhausted = False  # no request is left to join (the requests' iterable ended, or the feed closed)
+        self._requests = _Requests(())  # the requests of the running generate_iter
 
     def _graphs(self, shared: Optional[GraphRunner]) -> Optional[GraphRunner]:
         """engine.cuda_graphs' runner over a KV slab pinned for the whole engine (graphs read it at fixed addresses),
@@ -283,7 +302,8 @@ class Engine:
 
         `requests` is an iterable (read lazily, as slots free up) or a RequestFeed that other threads
         fill while the loop runs; with a feed the loop ends when the feed is closed and drained."""
-        take = _feed_taker(requests)
+        self._requests = _Requests(requests)
+        take = self._requests.take
         self.drafter.start_job()
         if self.graphs is not None:  # the pinned slab the graphs read, emptied
             self.graphs.cache.select_rows([])
@@ -370,7 +390,8 @@ class Engine:
         prefill_forward_tokens + padded tokens, each within `prefill_batch_tokens` padded tokens (prefill_plan.py).
         A prompt's length here is what its prefill feeds: less its stored prefix (prefix_cache.py)."""
         if self.prefixes is not None and seqs:
-            self.prefixes.assign(seqs)
+            self.prefixes.assign(seqs, [r.prompt_ids for r in self._requests.upcoming(self.prefixes.lookahead)
+                                        if r.prompt_ids is not None])
         fed = [len(s.prompt_ids) - (0 if s.prefix is None else s.prefix.length) for s in seqs]
         plan = plan_chunks(fed, self.prefill_forward_tokens, self.cfg.prefill_batch_tokens)
         for chunk in plan:

@@ -12,6 +12,7 @@ batch is empty. `close()` ends the loop once every request taken has finished.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from typing import Iterable
 
@@ -44,6 +45,11 @@ class RequestFeed:
                 self._cond.wait_for(lambda: self._queue or self._closed)
             taken = [self._queue.popleft() for _ in range(min(n, len(self._queue)))]
             return taken, self._closed and not self._queue
+
+    def peek(self, n: int) -> list[Request]:
+        """The next n queued requests (or fewer), left in the queue."""
+        with self._cond:
+            return list(itertools.islice(self._queue, max(n, 0)))
 
     def __len__(self) -> int:
         with self._cond:

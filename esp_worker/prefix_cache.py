@@ -6,8 +6,9 @@ tokens up to it, so a prefix's are the same in every prompt that starts with it:
 gets those slots copied into its cache row, and its prefill forward feeds only the rest (`engine.prefix_cache_tokens`,
 the engine's `_prefill`).
 
-Which prefixes are stored: those that two or more prompts start with, among the prompts admitted together and the
-ones admitted last, at least MIN_TOKENS long, each the longest common prefix of its group (`shared_prefixes`). A new
+Which prefixes are stored: those that two or more prompts start with, among the prompts admitted together, the
+ones admitted last and the requests still to come (given as token ids: the samples of one prompt), at least
+MIN_TOKENS long, each the longest common prefix of its group (`shared_prefixes`). A new
 one is computed by a forward of its own when that forward costs less than what it saves the admitted prompts (in
 padded tokens, as `prefill_plan.py` counts; on a GPU an eager forward is worth thousands); otherwise it is copied
 out of one of its prompts' cache rows after their prefill, for the prompts admitted later (`PrefixReuse`). Past the
@@ -144,6 +145,16 @@ def worth_copying(cached: int, total: int, masked_anyway: bool) -> bool:
     return cached > 0 and (masked_anyway or cached >= MIN_SHARE * total)
 
 
+def _joining(seqs: list["Admitted"], upcoming: Sequence[Sequence[int]]) -> list[Sequence[int]]:
+    """The upcoming prompts that start as an admitted one does (their first MIN_TOKENS tokens): the only ones that
+    can share a prefix with it. They are not validated yet (the engine checks a request when it is taken), so one
+    that is not a sequence of ints is left out."""
+    starts = {tuple(s.prompt_ids[:MIN_TOKENS]) for s in seqs}
+    return [ids for ids in upcoming
+            if isinstance(ids, (list, tuple)) and len(ids) > MIN_TOKENS and all(type(t) is int for t in ids[:MIN_TOKENS])
+            and tuple(ids[:MIN_TOKENS]) in starts and all(type(t) is int for t in ids)]
+
+
 def starts_with(ids: Sequence[int], prefix: tuple[int, ...]) -> bool:
     return len(ids) > len(prefix) and tuple(ids[: len(prefix)]) == prefix
 
@@ -184,20 +195,26 @@ class PrefixReuse:
     def worth(self, cached: int, total: int) -> bool:
         return worth_copying(cached, total, self.masked_anyway)
 
+    @property
+    def lookahead(self) -> int:
+        """How many of the requests still to come `assign` is shown."""
+        return self._recent.maxlen or 0
+
     @inference
-    def assign(self, seqs: list[Admitted]) -> None:
+    def assign(self, seqs: list[Admitted], upcoming: Sequence[Sequence[int]] = ()) -> None:
         """Set each admitted prompt's longest stored prefix worth copying (`Seq.prefix`; none for a prompt whose
         log-probabilities are asked: its prefill reads every position). Of the prefixes the store lacks that the
-        prompts share, with each other or with the prompts admitted last, those whose forward of their own costs
-        less than it saves these prompts (in padded tokens, as the chunks are planned) are computed now; the others
-        are taken from a prompt's cache row after its prefill (`capture`), for the prompts to come."""
+        prompts share, with each other, with the prompts admitted last or with the `upcoming` ones (still to be
+        taken: the samples of one prompt that join one by one), those whose forward of their own costs less than
+        it saves these prompts (in padded tokens, as the chunks are planned) are computed now; the others are taken
+        from a prompt's cache row after its prefill (`capture`), for the prompts to come."""
         store = self.store
         for s in seqs:
             s.prefix = None if s.req.params.prompt_logprobs else store.lookup(s.prompt_ids)
             if s.prefix is not None and not self.worth(s.prefix.length, len(s.prompt_ids)):
                 s.prefix = None
         self._unstored = []
-        for ids in shared_prefixes([s.prompt_ids for s in seqs] + list(self._recent)):
+        for ids in shared_prefixes([s.prompt_ids for s in seqs] + list(self._recent) + _joining(seqs, upcoming)):
             mine = [] if store.has(ids) else [s for s in seqs if starts_with(s.prompt_ids, ids)]
             if not mine:
                 continue

@@ -9,7 +9,8 @@ import torch
 
 from engine_helpers import (ARCHS, FEW_SHOT, QUESTIONS, SHARED_PROMPTS, SYSTEM, model_logprobs, tiny,
                             windowed_mistral)
-from esp_worker import Engine, EngineConfig, GenerationParams, Request
+from esp_worker import Engine, EngineConfig, GenerationParams, Request, sample_requests
+from esp_worker.feed import RequestFeed
 from esp_worker.prefix_cache import MIN_SHARE, PrefixCache, shared_prefixes, worth_copying
 
 PROMPTS = SHARED_PROMPTS
@@ -114,6 +115,28 @@ def test_a_prompt_admitted_alone_reuses_what_it_shares_with_the_prompts_before_i
     n = len(lm.tokenizer(same[0]).input_ids)
     assert eng.stats.prefill_cached_tokens == 3 * (n - 1)  # the second prompt's row gives it to the last three
     assert len({tuple(o.token_ids) for o in outs}) == 1
+
+
+def test_a_prompt_admitted_alone_keeps_what_it_shares_with_the_requests_still_to_come():
+    """Requests given as token ids (as a job gives them: the samples of one prompt, joining one by one) are looked
+    ahead: the first prompt's row gives its prefix to the four after it, given as a list and as a feed."""
+    lm = tiny("llama")
+    ids = lm.tokenizer(SYSTEM + "x").input_ids
+    params = GenerationParams(max_new_tokens=MAX_NEW, temperature=0.8, n=5)
+    reqs = sample_requests(Request("s", prompt_ids=ids, params=params), 0)
+    for given in (lambda: reqs, lambda: _closed_feed(reqs)):
+        eng = Engine(lm, EngineConfig(method="hybrid", max_batch_size=1))
+        outs = {o.id: o for o in eng.generate_iter(given())}
+        assert eng.stats.prefill_cached_tokens == 4 * (len(ids) - 1) and eng.stats.prefill_tokens == len(ids) + 4
+        alone = Engine(lm, EngineConfig(method="hybrid", max_batch_size=1, prefix_cache_tokens=0))
+        assert [outs[r.id].token_ids for r in reqs] == [o.token_ids for o in alone.generate(reqs)]
+
+
+def _closed_feed(reqs: list) -> RequestFeed:
+    feed = RequestFeed()
+    feed.put(reqs)
+    feed.close()
+    return feed
 
 
 def test_sampled_rows_draw_the_same_tokens_with_and_without_the_store():
