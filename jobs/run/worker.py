@@ -32,7 +32,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,6 +46,9 @@ from .schema import CATEGORY, to_table
 
 log = logging.getLogger(__name__)
 
+# between a row id and a sample's index in the engine request of sample i > 0: not `sample_requests`' "#", which
+# ids such as "doc#1" hold (requests in flight on an actor need distinct ids)
+SAMPLE_SEP = "\x1f"
 # rows that fail alone one after another, none finishing between them, that make the engine (not a row) the fault
 BROKEN_AFTER = 3
 # batches' worth of rows that finish after the engine's admission was halved (it ran out of memory) before it doubles
@@ -252,8 +255,8 @@ class ShardWorker:
         self.spec = spec
         self.load_error: Optional[str] = None
         self._lock = threading.Lock()  # guards _active, _shard_objs, _loop, _failure
-        # request id (a row's id; sample i of a row with generation.n > 1: `<id>#<i>`) -> the row and the index of
-        # the sample whose turn it is
+        # request id (a row's id; sample i > 0 of a row with generation.n > 1: `<id>SAMPLE_SEP<i>`) -> the row and
+        # the index of the sample whose turn it is
         self._active: dict[str, tuple[_RowState, int]] = {}
         self._shard_objs: dict[int, _Shard] = {}  # id(shard) -> shard in flight
         self._loop: Optional[threading.Thread] = None
@@ -549,7 +552,10 @@ class ShardWorker:
         # the row id is the request id: the engine derives the row's sampling seed from it, so results
         # do not depend on sharding or on which rows share a batch (sample i: see `esp_worker.sample_requests`)
         req = Request(id=row.id, prompt_ids=ids, params=s.params)
-        return sample_request(req, i, self.engine.cfg.seed) if s.params.n > 1 else req
+        if s.params.n == 1:
+            return req
+        sample = sample_request(req, i, self.engine.cfg.seed)  # its seed set: the id no longer chooses it
+        return sample if i == 0 else replace(sample, id=f"{row.id}{SAMPLE_SEP}{i}")
 
     def _absorb(self, sample: _Sample, row: JobRow, out: Any) -> None:
         sample.stats = sample.stats.merge(out.stats)

@@ -326,7 +326,7 @@ def test_samples_of_a_row_sample_0_the_single_answer_and_the_counters_their_sums
     from jobs_helpers import write_jsonl
 
     inputs = [{"id": "a", "prompt": "Once upon a time", "params": {"n": 3}},
-              {"id": "b", "prompt": "The weather today"},
+              {"id": "a#1", "prompt": "The weather today"},  # (the id sample_requests gives a's sample 1)
               {"id": "c", "prompt": "Greedy", "params": {"n": 2, "temperature": 0.0}},
               {"id": "d", "turns": ["Hello there", "And then?"], "params": {"n": 2}}]
     common = ("generation.max_new_tokens=8", "generation.temperature=0.9", "generation.logprobs=true")
@@ -336,7 +336,7 @@ def test_samples_of_a_row_sample_0_the_single_answer_and_the_counters_their_sums
     worker, rows = _worker(tmp_path / "one", f"data.path={write_jsonl(tmp_path / 'one.jsonl', singles)}", *common)
     single = {r["id"]: r for r in worker.run_shard(0, rows).to_pylist()}
 
-    assert list(out) == ["a", "b", "c", "d"] and out["b"]["samples"] is None
+    assert list(out) == ["a", "a#1", "c", "d"] and out["a#1"]["samples"] is None
     assert "n=2 needs temperature > 0" in out["c"]["error"] and out["c"]["samples"] is None
     for rid, n in (("a", 3), ("d", 2)):
         row, samples = out[rid], out[rid]["samples"]
