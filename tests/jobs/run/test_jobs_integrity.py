@@ -114,10 +114,10 @@ def test_turns_reenter_the_batch_as_soon_as_their_previous_turn_ends(tmp_path):
     finished: list[str] = []
     absorb = worker._absorb
 
-    def record(s, out):
-        absorb(s, out)
-        if s.next_turn() is None:
-            finished.append(s.row.id)
+    def record(sample, row, out):
+        absorb(sample, row, out)
+        if len(sample.answers) == (len(row.input) if row.kind == "turns" else 1):
+            finished.append(row.id)
 
     worker._absorb = record
     worker.feed = _GatedFeed(expected=5)  # both shards' rows queued before the first pass: no race with the threads
