@@ -220,7 +220,7 @@ def test_auto_run_ahead_on_a_model_that_accepts_drafts(trained, setting, batch):
     """`auto` run ahead through rows that stop where the host cannot foresee it: the tokens of the engine that
     reads every pass, drafts accepted, most passes run ahead (but those that may reach a row's limit: a tree's
     depth is the most it commits)."""
-    reqs = _stopping(trained, lambda i: 32 + 8 * i)
+    reqs = _stopping(trained, lambda i: 20 + 4 * i)
     eng, outs, _ = _auto(trained, setting, batch, reqs)
     base = _auto(trained, setting, batch, reqs, ahead=False)[1]
     assert [(o.token_ids, o.finish_reason) for o in outs] == [(b.token_ids, b.finish_reason) for b in base]
