@@ -169,19 +169,22 @@ def test_ray_job_submit(ray_job_head, tmp_path):
 
 
 
-def test_ray_job_submit_without_an_absolute_output_dir_is_refused(ray_job_head, tmp_path):
+def test_ray_job_submit_without_an_absolute_output_dir_is_refused(ray_job_head, tmp_path, monkeypatch):
     """The job would write into Ray's temporary copy of --working-dir (deleted with the cluster): one line, exit 2,
     before Ray or any actor starts."""
     work = tmp_path / "work"
     for pkg in ("jobs", "esp_worker"):
         shutil.copytree(REPO / pkg, work / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     ray_bin = str(Path(sys.executable).parent / "ray")
-    for where in ([], ["output.dir=out/run1"]):
-        res = subprocess.run([ray_bin, "job", "submit", "--address", ray_job_head.dashboard, "--working-dir", str(work), "--",
-                              "python", "-m", "jobs.generate", *FAST, "data.limit=8", "ray.num_actors=1", *where],
-                             capture_output=True, text=True, timeout=900)
-        text = res.stdout + res.stderr
-        assert res.returncode != 0 and "exit code 2" in text, text[-3000:]
-        line = next(ln for ln in text.splitlines() if ln.startswith("esp-batch: error:"))
-        assert "ray job submit --working-dir" in line and "absolute output.dir" in line, line
-        assert "connected to Ray" not in text and not list(work.rglob("part-*.parquet"))
+    res = subprocess.run([ray_bin, "job", "submit", "--address", ray_job_head.dashboard, "--working-dir", str(work), "--",
+                          "python", "-m", "jobs.generate", *FAST, "data.limit=8", "ray.num_actors=1"],
+                         capture_output=True, text=True, timeout=900)
+    text = res.stdout + res.stderr
+    assert res.returncode != 0 and "exit code 2" in text, text[-3000:]
+    line = next(ln for ln in text.splitlines() if ln.startswith("esp-batch: error:"))
+    assert "output.dir is unset" in line and "ray job submit --working-dir" in line and "absolute output.dir" in line
+    assert "connected to Ray" not in text and not list(work.rglob("part-*.parquet"))
+    # a relative output.dir, in the job's environment as Ray's job supervisor sets it
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": str(work)}}))
+    with pytest.raises(ConfigError, match="output.dir='out/run1' is relative: under `ray job submit --working-dir`"):
+        run_job(job_cfg(Path("out/run1"), "data.limit=8"))
