@@ -15,7 +15,7 @@
 # Steps, in order of value; each gets min(its own limit, time left - 15 s) and is skipped with under 30 s left
 # (own limits: env 60, gpu_tests 150, ar_best 280, ar 270, ar64 230, attn 60, ar_flex 200, ar_flex64 200, ar_tune 240, ar_attn 200,
 # gpu_compiled 200, profile 120,
-# profile64 120, tiny 145, methods64 150, methods 150, dmtd 120, admit 100 s; at 570 s the later ones do not fit: pick
+# profile64 120, tiny 145, methods64 150, methods 150, dmtd 120, admit 100, samples 150 s; at 570 s the later ones do not fit: pick
 # with STEPS).
 # The bench's engines at one batch size share one CUDA-graph runner, so captures are paid once
 # per batch size, as in a job; each step still builds its model and warms every setting up once.
@@ -70,6 +70,9 @@
 #              engine.admission=auto (requests join once the idle slots have cost a prefill forward's fixed cost;
 #              until then rows that ended stay in the batch while passes run ahead) beside eager_admission (at once:
 #              each row that ends is read and retired at once), for ar and hybrid auto
+#   samples    the 1B shape at batch 64: generation.n=8 at temperature 0.8 over prompts16 (64 requests per category),
+#              ar and hybrid auto with the prefix store and without it (no_prefix_cache: each sample's prompt
+#              prefilled whole), beside hf generate over the same copies
 # STEPS picks steps (default all; env always runs); T_<STEP> overrides a step's own limit; GPU_TESTS_K the gpu_tests'
 # pytest -k expression.
 set -uo pipefail
@@ -106,7 +109,7 @@ pack() { tar czf "$out/results.tgz" -C "$work" . 2>/dev/null; }
 step() {  # step NAME FILE MAX_SECONDS CMD...: CMD's output to OUTDIR/FILE, under min(MAX, time left - 15 s)
   local name=$1 file=$2 max=${3}; shift 3
   local var="T_${name}"; max=${!var:-$max}
-  if [[ $name != env && " ${STEPS:-gpu_tests ar_best ar ar64 attn ar_flex ar_flex64 ar_tune ar_attn gpu_compiled profile profile64 tiny methods64 methods dmtd admit} " != *" $name "* ]]; then return; fi
+  if [[ $name != env && " ${STEPS:-gpu_tests ar_best ar ar64 attn ar_flex ar_flex64 ar_tune ar_attn gpu_compiled profile profile64 tiny methods64 methods dmtd admit samples} " != *" $name "* ]]; then return; fi
   local t; t=$(left); t=$(( t - 15 < max ? t - 15 : max ))
   if (( t < 30 )); then echo "== $name: skipped, $(left) s left" | tee -a "$log" "$out/$file"; return; fi
   echo "== $name (limit $t s, $(left) s left) $(date +%T)" | tee -a "$log"
@@ -236,5 +239,9 @@ step dmtd dmtd.txt 120 bash -c "$(declare -f bench big); $(declare -p work DEV S
     'bench.dmtd_paths=[dmtd/esp-tiny-llama-tau3-d2,dmtd/esp-tiny-llama-tau3-d2-verified]' \
     'bench.settings=[ar:1:eager,dmtd:3,dmtd_verified:3,esp:auto]' bench.hf_compiled=false bench.cost_curve=false \
     engine.cuda_graphs=auto"
+step samples samples.txt 150 bash -c "$(declare -f bench big); $(declare -p work DEV SHAPE DTYPE NEW P GRAPHS); \
+  big samples-b64 data.path=$P/prompts16.jsonl generation.n=8 generation.temperature=0.8 'bench.batch_sizes=[64]' \
+    'bench.settings=[ar:1:no_prefix_cache,hybrid:auto,hybrid:auto:no_prefix_cache]' bench.hf_compiled=false \
+    bench.cost_curve=false"
 echo "== done, $(left) s left" | tee -a "$log"
 pack
