@@ -93,8 +93,8 @@ def sample_prompts(prompts: list[Prompt], generation: dict[str, Any], engine_see
     out = []
     for p in prompts:
         params = GenerationParams(**{**generation, **p.params})
-        if params.n == 1:
-            out.append(dataclasses.replace(p, params={**p.params, "n": 1}))
+        if params.n == 1:  # (generation.n, or the row's own n = 1 in its params)
+            out.append(p)
             continue
         for r in sample_requests(Request(p.id, prompt_ids=p.ids, params=params), engine_seed):
             out.append(dataclasses.replace(p, id=r.id, params={**p.params, "n": 1, "seed": r.params.seed,

@@ -8,8 +8,9 @@ One JSON line per answered question, as Spec-Bench's `evaluation/eval.py` writes
                   "wall_time": [...], "accept_lengths": [...]}]}
 
 turns, decoding_steps, new_tokens and wall_time hold one entry per turn; accept_lengths one per decode pass over
-all turns. A row with generation.n > 1 samples gives one choice per sample, in order (FastChat's num_choices). Our terms: decoding_steps = decode passes (the prefill, which gives each turn's first token, is not
-one), accept_lengths = tokens each decode pass committed (bonus included), so their mean is the job's tau;
+all turns. A row with generation.n > 1 samples gives one choice per sample, in order (FastChat's num_choices).
+Our terms: decoding_steps = decode passes (the prefill, which gives each turn's first token, is not one),
+accept_lengths = tokens each decode pass committed (bonus included), so their mean is the job's tau;
 wall_time = the turn's seconds from admission to finish. Answers are stripped of surrounding whitespace, as
 Spec-Bench's eval.py writes them. Rows with an error are left out (counted by the caller); lines are sorted by
 question_id, restored to the input's id type when every input id was an int (`input_id_types` in _summary.json).

@@ -533,10 +533,9 @@ class ShardWorker:
         from esp_worker.types import sample_request
 
         row, sample = s.row, s.samples[i]
-        same = next((x.prompt_ids for x in s.samples if x.prompt_ids), None) if row.kind != "turns" else None
         try:
-            if same is not None:  # another sample's prompt: the same text, tokenized once
-                ids = same
+            if i and row.kind != "turns":  # sample 0's prompt (its request is built first): tokenized once
+                ids = s.samples[0].prompt_ids
             elif row.kind == "prompt":
                 ids = self.prompts.prompt_ids(row.input)
             elif row.kind == "messages":
@@ -588,6 +587,7 @@ class ShardWorker:
         for x in s.samples:
             st = st.merge(x.stats)
         turns = [t for x in s.samples for t in x.turns]
+        answer = self._sample_record(s.row, first)  # sample 0's: the row's answer columns
         rec = {
             "id": s.row.id,
             "generated_text": first.answers[-1] if first.answers else None,
@@ -607,9 +607,7 @@ class ShardWorker:
             **_counters(st),
             "time_s": sum(t.time_s for t in turns) if turns else None,  # no turn ran: no time to divide by
             "error": error,
-            "turn_generated_tokens": [t.num_generated_tokens for t in first.turns],
-            "turn_time_s": [t.time_s for t in first.turns],
-            "turn_decode_passes": [t.num_decode_passes for t in first.turns],
+            **{k: answer[k] for k in ("turn_generated_tokens", "turn_time_s", "turn_decode_passes")},
             "num_drafts": st.num_drafts,
             "num_draft_tokens": st.num_drafted_tokens,
             "num_accepted_tokens": st.num_accepted_drafts,
