@@ -24,16 +24,12 @@ for a running local instance would find the other worker's in the same way.
 The workers share one Inductor cache, as the processes of a machine do: Inductor writes its entries whole or under
 file locks, and `engine.compile_host` builds its packages under a lock (esp_worker/kernels/aot.py), so what one
 worker compiled (a graph, a kernel, the compiler's precompiled headers and instruction-set checks: ~15 s before
-a cache's first torch.compile graph, ~30 s before its first AOTInductor package) the other loads. Inductor compiles
-in-process (TORCHINDUCTOR_COMPILE_THREADS=1): by default each process that compiles starts a pool of compiler processes,
-one per core, each importing torch, while the other two workers already hold the cores; on the 2-core machine a
-module of compiled steps took a sixth less CPU time without the pool."""
+a cache's first torch.compile graph, ~30 s before its first AOTInductor package) the other loads."""
 import os
 import tempfile
 
 os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths live under it
     os.environ["RAY_TMPDIR"] = os.path.join(tempfile.gettempdir(), f"ray-{os.getuid()}-{_WORKER}")
@@ -41,19 +37,21 @@ if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths
 
 # The suite is handed to the workers a module at a time (`--dist loadfile` in pyproject.toml): a module's fixtures
 # (Ray heads, models, an S3 server) are made once, and the compiled kernels its tests share are compiled once.
-# The longest modules (worker seconds in a run of the suite on the 2-core development machine) go first and the
-# short ones fill in at the end, so that no long module starts last and leaves one worker running it alone
+# The longest modules (worker seconds in a run of the suite on the 2-core development machine from a clean clone with
+# empty compiler caches, as CI runs it: there the modules that compile kernels weigh twice what they do warm) go
+# first and the short ones fill in at the end, so that no long module starts last and leaves one worker running it alone
 # (`--no-loadscope-reorder` keeps this order: by default xdist hands out the modules with the most tests first,
 # which started the two training modules last on one worker).
-LONGEST_FIRST = ("jobs/run/test_jobs_integrity.py", "jobs/run/test_jobs_cluster.py", "engine/graphs/test_run_ahead.py",
-                 "engine/test_lossless.py", "jobs/run/test_jobs_ray.py", "jobs/train/test_train_dmtd.py",
-                 "engine/graphs/test_probe_stage.py", "jobs/train/test_train_heads.py", "engine/kernels/test_settle.py",
-                 "engine/graphs/test_step_compile.py", "engine/graphs/test_capture_path.py", "jobs/bench/test_bench.py",
-                 "engine/graphs/test_static_engine.py", "engine/kernels/test_aot.py", "engine/test_host_sync.py",
-                 "engine/drafters/test_cp_heads.py", "jobs/io/test_jobs_s3.py", "jobs/export/test_spec_bench_export.py",
-                 "jobs/run/test_jobs_default.py", "jobs/run/test_jobs_dmtd.py", "jobs/run/test_jobs_graphs.py",
-                 "engine/test_prefix_cache.py", "engine/auto/test_policy.py", "jobs/run/test_jobs_local_ray.py", "engine/graphs/test_step.py",
-                 "test_readme.py")
+LONGEST_FIRST = ("jobs/run/test_jobs_integrity.py", "engine/kernels/test_settle.py", "jobs/run/test_jobs_cluster.py",
+                 "engine/graphs/test_run_ahead.py", "engine/graphs/test_capture_path.py", "engine/test_lossless.py",
+                 "engine/graphs/test_probe_stage.py", "engine/graphs/test_step_compile.py",
+                 "jobs/run/test_jobs_ray.py", "jobs/train/test_train_dmtd.py", "jobs/train/test_train_heads.py",
+                 "jobs/bench/test_bench.py", "engine/test_host_sync.py", "jobs/export/test_spec_bench_export.py",
+                 "jobs/io/test_jobs_s3.py", "engine/test_prefix_cache.py", "engine/drafters/test_cp_heads.py",
+                 "engine/graphs/test_static_engine.py", "engine/model/test_flex.py", "engine/kernels/test_aot.py",
+                 "jobs/run/test_jobs_dmtd.py", "jobs/run/test_jobs_default.py", "engine/test_logprobs.py",
+                 "jobs/run/test_jobs_graphs.py", "jobs/run/test_jobs_local_ray.py", "test_readme.py",
+                 "engine/graphs/test_step.py", "engine/auto/test_policy.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -45,6 +45,7 @@ def _outputs(lm, setting: dict, batch: int, params: list[GenerationParams], prom
 
 
 def _same_drafts(lm, setting: dict, batch: int, params: list[GenerationParams], prompts):
+    """The staged engine's outputs and graph statistics, having checked them against the host probe's."""
     staged, graphs = _outputs(lm, setting, batch, params, prompts, True)
     host, host_graphs = _outputs(lm, setting, batch, params, prompts, False)
     assert host_graphs.probe_passes == 0
@@ -54,7 +55,7 @@ def _same_drafts(lm, setting: dict, batch: int, params: list[GenerationParams], 
         assert s.token_ids == h.token_ids and s.finish_reason == h.finish_reason, (setting, s.id)
         if setting["block_complexity"] != "auto":  # auto's sizes follow measured times: its drafts differ run to run
             assert dataclasses.replace(s.stats, time_s=0.0) == dataclasses.replace(h.stats, time_s=0.0), (setting, s.id)
-    return staged
+    return staged, graphs
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ CASES = [(setting, batch, 0.0) for setting in range(len(SETTINGS)) for batch in 
 def test_the_probe_stage_drafts_what_the_host_probe_drafts(trained, setting, batch, temperature):
     rows = [json.loads(line) for line in open(shared(TINY_PROMPTS))][:5]
     params = [GenerationParams(max_new_tokens=32, temperature=temperature, seed=5 + i) for i in range(len(rows))]
-    outs = _same_drafts(trained, SETTINGS[setting], batch, params, [r["prompt"] for r in rows])
+    outs = _same_drafts(trained, SETTINGS[setting], batch, params, [r["prompt"] for r in rows])[0]
     if SETTINGS[setting]["block_complexity"] != "auto":  # drafts were accepted: the comparison has teeth
         assert sum(o.stats.num_accepted_drafts for o in outs) > len(outs)
 
@@ -81,7 +82,7 @@ def test_the_probe_stage_drafts_what_the_host_probe_drafts(trained, setting, bat
 def test_the_probe_stage_on_every_architecture_keeps_generates_tokens(arch, setting):
     lm = tiny(arch)
     params = [GenerationParams(max_new_tokens=64)] * len(PROMPTS)
-    outs = _same_drafts(lm, SETTINGS[setting], 4, params, PROMPTS)
+    outs = _same_drafts(lm, SETTINGS[setting], 4, params, PROMPTS)[0]
     for o, r in zip(outs, reference(arch, "sdpa")):
         assert tuple(o.token_ids) == r, (arch, o.id)
 
@@ -94,6 +95,5 @@ def test_staged_and_eager_passes_mix(trained, setting):
     rows = [json.loads(line) for line in open(shared(TINY_PROMPTS))][:5]
     params = [GenerationParams(max_new_tokens=16 + 8 * i) for i in range(len(rows))]
     small = dict(SETTINGS[setting], cuda_graph_max_len=48)
-    staged, graphs = _outputs(trained, small, 2, params, [r["prompt"] for r in rows], True)
-    _same_drafts(trained, small, 2, params, [r["prompt"] for r in rows])
+    graphs = _same_drafts(trained, small, 2, params, [r["prompt"] for r in rows])[1]
     assert graphs.eager_passes["capacity"] > 0 and graphs.probe_passes > 0

@@ -160,9 +160,9 @@ def trained():
 
 
 def _stopping(trained, limit) -> list[Request]:
-    """Ten development prompts, request i with limit(i) new tokens and two stop ids the first and fourth prompts'
-    plain decoding meets (rows that end where the host cannot foresee it)."""
-    prompts = [json.loads(line)["prompt"] for line in open(shared(TINY_PROMPTS))][:10]
+    """Six development prompts, request i with limit(i) new tokens and two stop ids the first and fourth prompts'
+    plain decoding meets (rows that end where the host cannot foresee it; at batch 4 two requests join as rows end)."""
+    prompts = [json.loads(line)["prompt"] for line in open(shared(TINY_PROMPTS))][:6]
     first = Engine(trained, EngineConfig(method="ar")).generate(
         [Request(id=str(i), prompt=p, params=GenerationParams(max_new_tokens=40)) for i, p in enumerate(prompts[:4])])
     stops = [first[0].token_ids[15], first[3].token_ids[9]]
@@ -174,7 +174,7 @@ def _stopping(trained, limit) -> list[Request]:
 @pytest.mark.parametrize("setting", range(len(TRAINED)))
 @pytest.mark.parametrize("batch", [1, 4])
 def test_drafting_run_ahead_on_a_model_that_accepts_drafts(trained, setting, batch):
-    """Ten requests through `batch` rows, stop ids ending rows where the host cannot foresee it (the pass after runs
+    """Six requests through `batch` rows, stop ids ending rows where the host cannot foresee it (the pass after runs
     over them, masked, and the drafters learn nothing there: the hybrid's calibration, its corpus hints) and
     limits where it can: the same tokens and statistics, drafts accepted."""
     eng, outs = _same_ahead(trained, TRAINED[setting], batch, _stopping(trained, lambda i: 10 + 4 * i))
