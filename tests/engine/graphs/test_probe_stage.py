@@ -72,7 +72,7 @@ CASES = [(setting, batch, 0.0) for setting in range(len(SETTINGS)) for batch in 
 def test_the_probe_stage_drafts_what_the_host_probe_drafts(trained, setting, batch, temperature):
     rows = [json.loads(line) for line in open(shared(TINY_PROMPTS))][:5]
     params = [GenerationParams(max_new_tokens=32, temperature=temperature, seed=5 + i) for i in range(len(rows))]
-    outs = _same_drafts(trained, SETTINGS[setting], batch, params, [r["prompt"] for r in rows])[0]
+    outs, _ = _same_drafts(trained, SETTINGS[setting], batch, params, [r["prompt"] for r in rows])
     if SETTINGS[setting]["block_complexity"] != "auto":  # drafts were accepted: the comparison has teeth
         assert sum(o.stats.num_accepted_drafts for o in outs) > len(outs)
 
@@ -82,7 +82,7 @@ def test_the_probe_stage_drafts_what_the_host_probe_drafts(trained, setting, bat
 def test_the_probe_stage_on_every_architecture_keeps_generates_tokens(arch, setting):
     lm = tiny(arch)
     params = [GenerationParams(max_new_tokens=64)] * len(PROMPTS)
-    outs = _same_drafts(lm, SETTINGS[setting], 4, params, PROMPTS)[0]
+    outs, _ = _same_drafts(lm, SETTINGS[setting], 4, params, PROMPTS)
     for o, r in zip(outs, reference(arch, "sdpa")):
         assert tuple(o.token_ids) == r, (arch, o.id)
 
@@ -95,5 +95,5 @@ def test_staged_and_eager_passes_mix(trained, setting):
     rows = [json.loads(line) for line in open(shared(TINY_PROMPTS))][:5]
     params = [GenerationParams(max_new_tokens=16 + 8 * i) for i in range(len(rows))]
     small = dict(SETTINGS[setting], cuda_graph_max_len=48)
-    graphs = _same_drafts(trained, small, 2, params, [r["prompt"] for r in rows])[1]
+    _, graphs = _same_drafts(trained, small, 2, params, [r["prompt"] for r in rows])
     assert graphs.eager_passes["capacity"] > 0 and graphs.probe_passes > 0

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from cost_curves import FLAT
 from engine_helpers import PROMPTS, reference, tiny
 from esp_worker import Engine, EngineConfig, GenerationParams, Request
 from esp_worker.kernels import aot
@@ -25,8 +26,8 @@ def compile_at_once(monkeypatch):
 GREEDY = GenerationParams(max_new_tokens=64)
 
 
-def _run(lm, cfg: EngineConfig, params, prompts=PROMPTS, cost_curve=None):
-    eng = Engine(lm, cfg, cost_curve=cost_curve)
+def _run(lm, cfg: EngineConfig, params, prompts=PROMPTS):
+    eng = Engine(lm, cfg)
     outs = eng.generate([Request(id=str(i), prompt=p, params=params(i) if callable(params) else params)
                          for i, p in enumerate(prompts)])
     return eng, outs
@@ -182,15 +183,6 @@ def test_probe_candidates_rank_by_logits_and_exclude_the_root():
     assert torch.equal(embeds, torch.cat([weight[tokens], m.expand(-1, 12, -1)], 1))
 
 
-def _curve(slope: float):
-    """A cost curve where a pass of Q tokens per row costs 1 + slope * Q (0: blocks are free)."""
-    from esp_worker.auto.cost_model import CostCurve
-
-    blocks = [1, 2, 4, 8, 16, 32, 64]
-    secs = [[[(1.0 + slope * q) * (1 + 0.1 * b) for q in blocks] for _ in (64, 512)] for b in (1, 8)]
-    return CostCurve([1, 8], [64, 512], blocks, secs)
-
-
 @pytest.mark.slow
 def test_auto_block_sizes_with_compile_host(compile_at_once):
     """block_complexity=auto with engine.compile_host: the probe's kernel prepares the largest tree; only a pass of
@@ -202,7 +194,7 @@ def test_auto_block_sizes_with_compile_host(compile_at_once):
     lm = tiny("llama")
     cfg = EngineConfig(method="esp", block_complexity="auto", num_masks=1, max_batch_size=2, auto_probe_interval=2,
                        compile_host=True)
-    eng = Engine(lm, cfg, cost_curve=_curve(0.0))
+    eng = Engine(lm, cfg, cost_curve=FLAT)
     timed, observe_pass, compiled = [], eng.policy.observe_pass, [eng.compile_s]
 
     def spy(committed, seconds=None, model_seconds=None, **rows):  # (seconds handed to the policy, the pass compiled)
