@@ -88,10 +88,6 @@ class EngineConfig:
     # on a CPU it runs slower than eager (docs/design/model-forward.md), on a GPU it is the place to start
     compile: bool = False
     compile_mode: str = ""  # torch.compile mode ("" = its default), e.g. max-autotune-no-cudagraphs
-    # CPU: a greedy pass's verification, stops, commit and counters as one AOTInductor kernel per block shape
-    # that recurs (esp_worker/kernels/settle.py); ~6-10 s to compile each (once per machine: kept in Inductor's
-    # cache directory), needs a C++ compiler
-    compile_host: bool = False
     # Decode passes replayed as CUDA graphs, one per shape class (batch bucket, block, capacity bucket): auto = on
     # for CUDA. true on a CPU runs the same static-buffer path eagerly (tests). esp_worker/graphs/
     cuda_graphs: Union[bool, str] = "auto"  # auto | true | false
@@ -273,8 +269,6 @@ class EngineConfig:
             bad(f"engine.hybrid_corpus_tokens={self.hybrid_corpus_tokens} must be >= 0 (0 turns the corpus off)")
         if self.cuda_graphs not in ("auto", True, False):
             bad(f"engine.cuda_graphs={self.cuda_graphs!r} must be auto, true or false")
-        if self.cuda_graphs is True and self.compile_host:
-            bad("engine.cuda_graphs=true and engine.compile_host=true both run a pass's settle; choose one")
         if self.cuda_graphs_run_ahead not in ("auto", True, False):
             bad(f"engine.cuda_graphs_run_ahead={self.cuda_graphs_run_ahead!r} must be auto, true or false")
         if self.cuda_graphs_run_ahead is True and self.cuda_graphs is False:

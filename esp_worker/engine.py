@@ -37,9 +37,6 @@ from .graphs.buffers import ModelDims
 from .graphs.hooks import StepHooks
 from .graphs.runner import MAX_GRAPHS, GraphPass, GraphRunner
 from .graphs.step import StepModel, compiled_step, graph_support
-from .kernels.aot import AotKernels
-from .kernels.hooks import KernelHooks
-from .kernels.settle import Settler
 from .logprobs import TokenLogprobs, chosen_logprobs, path_logprobs, prompt_logprobs
 from .memory import kv_bytes_per_slot, require
 from .model.attention import StaticBlockBias, attention_bias
@@ -143,8 +140,6 @@ class Engine:
         self.cfg = cfg
         self.loaded = loaded
         self.runner = ModelRunner(loaded, cfg.compile, cfg.compile_mode, cfg.attention_backend)
-        # engine.compile_host: a greedy pass's verification, stops, commit and counters as one kernel (settle.py)
-        self.settler = Settler(loaded.device) if cfg.compile_host else None
         self.device = loaded.device
         self.auto = cfg.block_complexity == "auto" and cfg.method not in CYCLE_METHODS
         sized = dataclasses.replace(cfg, block_complexity=cfg.auto_max_block) if self.auto else cfg
@@ -167,11 +162,6 @@ class Engine:
         self.planner: Planner = self.policy if self.policy is not None else FixedPlanner()
         if isinstance(self.drafter, DraftSizer):
             self.drafter.mass_wanted = self.policy is not None
-        # engine.compile_host: the drafter's per-pass work as kernels too (ESP: probe to next block, esp.py)
-        self.drafter_kernels = None
-        if cfg.compile_host and self.runner.embed_weight is not None and isinstance(self.drafter, KernelHooks):
-            self.drafter_kernels = AotKernels("drafter")
-            self.drafter.use_compiled(self.drafter_kernels, self.runner.embed_weight)
         self._static_bias = StaticBlockBias()  # attention bias of repeating block layouts (rows of one length)
         self.prefill_forward_tokens = self._forward_tokens()  # a prefill forward's cost in tokens (prefill_plan.py)
         self.admission = self._admission()  # when waiting requests join (continuous batching)
@@ -283,11 +273,10 @@ class Engine:
     # ---- public API --------------------------------------------------------------------------------
     @property
     def compile_s(self) -> float:
-        """Seconds spent compiling under engine.compile and engine.compile_host (0 without them)."""
+        """Seconds spent compiling under engine.compile and capturing under engine.cuda_graphs (0 without them)."""
         direct = self.runner.direct
         layers = direct.compiled.compile_s if direct is not None and direct.compiled is not None else 0.0
-        host = [k.compile_s for k in (self.settler, self.drafter_kernels) if k is not None]
-        return layers + sum(host) + (self.graphs.stats.capture_s if self.graphs is not None else 0.0)
+        return layers + (self.graphs.stats.capture_s if self.graphs is not None else 0.0)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """All outputs, in input order. Request ids must be unique within one call."""
@@ -668,12 +657,10 @@ class Engine:
     def _forward(self, rows: Rows, block: Block) -> ForwardOut:
         """The block through the model: hidden states and the tree slots' logits; writes the block's KV."""
         tree = block.tree
-        embeds = block.embeds  # [B, Q, D] when the drafter prepared every input (engine.compile_host)
-        if embeds is None:
-            embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
-            if block.aux_embeds is not None:
-                aux = block.aux_embeds
-                embeds = torch.cat([embeds, aux if aux.dtype == embeds.dtype else aux.to(embeds.dtype)], 1)
+        embeds = self.runner.embed_ids(tree.tokens)  # [B, T, D]
+        if block.aux_embeds is not None:
+            aux = block.aux_embeds
+            embeds = torch.cat([embeds, aux if aux.dtype == embeds.dtype else aux.to(embeds.dtype)], 1)
         place = self._place(rows, block, embeds.shape[1])
         hidden = self.runner.forward(embeds, place.bias, place.pos, rows.cache, place.view_len - 1)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, rows.cache.nbytes())
@@ -753,14 +740,8 @@ class Engine:
         return ForwardOut(hidden, logits), Settled(res, n_fin, reason)
 
     def _settle(self, rows: Rows, block: Block, out: ForwardOut) -> Settled:
-        """Verification, stops, the KV moves, the commit and the counters. Under engine.compile_host one compiled
-        kernel runs them where it covers the pass (`kernels/settle.py`)."""
-        settled = None
+        """Verification, stops, the KV moves, the commit and the counters."""
         top = rows.logprobs_top
-        if self.settler is not None and top is None:  # the kernel computes no log-probabilities
-            settled = self._settle_compiled(rows, block, out)
-        if settled is not None:
-            return settled
         res = self._verify(rows, block, out.slot_logits)
         if top is not None:
             res.logprobs = path_logprobs(out.slot_logits, res.path_slots, res.committed, top)
@@ -793,16 +774,6 @@ class Engine:
                 graphed.out.slot_logits = self.runner.logits(graphed.out.hidden.narrow(1, 0, block.tree.num_slots))
         return graphed
 
-    def _settle_compiled(self, rows: Rows, block: Block, out: ForwardOut) -> Optional[Settled]:
-        """The kernel's settle, with the drafter's EMA over the committed tokens when it asks (`settle_ema`) and the
-        hidden states of the masks its probe reads (every slot owns masks: ESP); None = not covered."""
-        weight, k = self.runner.embed_weight, self.drafter.num_masks
-        hooks = self.drafter if isinstance(self.drafter, KernelHooks) else None
-        ema = hooks.settle_ema(rows.view(), block) if hooks is not None and weight is not None else None
-        masks = k > 0 and block.aux_embeds is not None and block.mask_owner is None  # every slot owns k masks
-        return self.settler(rows, block, out.slot_logits, None if ema is None else (ema[0], weight, ema[1]),
-                            out.hidden if masks else None, k)
-
     def _verify(self, rows: Rows, block: Block, slot_logits: torch.Tensor) -> VerifyResult:
         if rows.sampling:
             rows.uniforms.ensure(block.max_depth + 1, rows.consumed())
@@ -811,14 +782,14 @@ class Engine:
 
     def _record(self, block: Block, out: ForwardOut, settled: Settled, live: Optional[torch.Tensor] = None) -> PassRecord:
         """What the drafter learns from the pass: with masks, the hidden states of those the last accepted slot
-        owns (gathered here unless the compiled settle did, or the replayed pass ran the probe itself). live [B]:
+        owns (gathered here unless the replayed pass ran the probe itself). live [B]:
         the rows the pass counted for (a pass run ahead over rows the one before ended; None: all)."""
         res, k = settled.verified, self.drafter.num_masks
-        mask_hidden, mask_ok = settled.mask_hidden, None  # [B, k, D], [B]
+        mask_hidden, mask_ok = None, None  # [B, k, D], [B]
         probed = settled.probe is not None and settled.probe.probed
         if probed:
             mask_ok = settled.probe.mask_ok
-        elif k and block.aux_embeds is not None and mask_hidden is None:
+        elif k and block.aux_embeds is not None:
             owner = res.last_slot
             if block.mask_owner is not None:  # masks on some slots only (hybrid)
                 owner = block.mask_owner.expand(len(owner), -1).gather(1, owner[:, None]).squeeze(1)
@@ -827,7 +798,7 @@ class Engine:
             mask_hidden = gather_slots(out.hidden, mask_indices(owner, block.tree.num_slots, k))
         return PassRecord(res.committed, settled.num_kept, hidden=out.hidden, mask_hidden=mask_hidden,
                           slot_logits=out.slot_logits, path_slots=res.path_slots, last_slot=res.last_slot, block=block,
-                          mask_ok=mask_ok, ema_m=settled.ema_m, probe=settled.probe, trunk=self.runner.tapped,
+                          mask_ok=mask_ok, probe=settled.probe, trunk=self.runner.tapped,
                           live=live)
 
     def _end_pass(self, rows: Rows, view: RowsView, block: Block, clock: PassClock) -> None:

@@ -39,8 +39,8 @@ from .memory import MemoryShortError
 def move_slots(t: torch.Tensor, rd: int, dst: torch.Tensor, src: torch.Tensor) -> None:
     """`KVCache.keep` in one cache tensor t (rows at dim rd, slots at rd + 2): row b < B's slots src[b] go to
     slots dst[b] (both [B, P]), in place, every source read before any write (the right side is read whole
-    first); rows from B on are untouched. One index and one index_put (also inside engine.compile_host's
-    kernel, `settle.py`, where the index_put writes the slab in place)."""
+    first); rows from B on are untouched. One index and one index_put (also inside a replayed pass,
+    `graphs/step.py`, where the index_put writes the slab in place)."""
     rows = steps(src.shape[0], src.device).unsqueeze(1)  # [B, 1]
     lead = (slice(None),) * rd
     t[lead + (rows, slice(None), dst)] = t[lead + (rows, slice(None), src)]
@@ -342,8 +342,8 @@ class KVCache(Cache):
                 t.scatter_(rd + 2, dst.view(shape).expand(size), moved)
 
     def move_target(self) -> Optional[torch.Tensor]:
-        """The one tensor a `keep` touches, the slab [L, 2, R, H, C, D], when every layer lives in it (for
-        engine.compile_host's kernel, which moves the kept slots with `move_slots`); None otherwise."""
+        """The one tensor a `keep` touches, the slab [L, 2, R, H, C, D], when every layer lives in it (prompt
+        prefixes are read from it); None otherwise."""
         return self.slab if self.slab is not None and len(self._tensors()) == 1 else None
 
     @inference

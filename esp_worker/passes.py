@@ -59,9 +59,6 @@ class Block:
     # [B, 1]: one proposer per row supplied every draft (a chain); None = one proposer (accepted drafts are
     # not split by proposer)
     source: Optional[torch.Tensor] = None
-    # [B, Q, D] every input's embedding (the tree tokens', then aux_embeds) when the drafter computed them with
-    # its last probe (engine.compile_host); None = the engine embeds the tree tokens
-    embeds: Optional[torch.Tensor] = None
 
     @property
     def num_inputs(self) -> int:
@@ -124,15 +121,11 @@ class ProbeOut:
 
 @dataclass
 class Settled:
-    """A settled pass, eager or compiled alike: what verification accepted and what the stops kept."""
+    """A settled pass, eager or replayed alike: what verification accepted and what the stops kept."""
 
     verified: VerifyResult
     num_kept: torch.Tensor  # [B] tokens committed after the stops (<= verified.num_committed)
     reason: torch.Tensor  # [B] finish reason code (0 = running)
-    # [B, k, D] hidden states of the masks the last accepted slot owns, when the compiled settle gathered them
-    mask_hidden: Optional[torch.Tensor] = None
-    # [B, 1, D] the drafter's mask EMA after the kept tokens, when the compiled settle computed it
-    ema_m: Optional[torch.Tensor] = None
     # the drafter's probe, when the replayed pass computed it (`graphs.hooks.StepHooks.step_probe`)
     probe: Optional[ProbeOut] = None
 
@@ -160,9 +153,6 @@ class PassRecord:
     prefill: bool = False
     # [B] False where the last accepted slot owned no masks (mask_hidden is then meaningless); None = all True
     mask_ok: Optional[torch.Tensor] = None
-    # [B, 1, D] the mask EMA after this pass's committed tokens, when the compiled settle computed it
-    # (`kernels.hooks.KernelHooks.settle_ema`); None = the drafter computes it
-    ema_m: Optional[torch.Tensor] = None
     # the probe's candidates (and the next static tree), when the replayed pass computed them; mask_hidden is then
     # None (`graphs.hooks.StepHooks.step_probe`)
     probe: Optional[ProbeOut] = None

@@ -174,11 +174,17 @@ class JobConfig:
 
 
 
+# keys a release removed -> what to do instead (a config that still sets one gets this, not "unknown")
+REMOVED_KEYS = {
+    "engine.compile_host": "engine.compile_host was removed (CPU-only kernels that gained ~2-3%); delete the key",
+}
+
+
 def _one_line(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
     msg = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
     if msg.startswith("Key ") and " not in " in msg:
-        return f"unknown config key '{key}'"
+        return REMOVED_KEYS.get(str(key), f"unknown config key '{key}'")
     return f"config key '{key}': {msg}"
 
 
@@ -400,7 +406,7 @@ def default_yaml() -> str:
 def main(argv: Optional[typing.Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.config", description="Write or check configs/default.yaml.")
     parser.add_argument("--write-default", nargs="?", const=str(DEFAULT_YAML), metavar="PATH",
-                        help=f"write the defaults of every job key (default path: configs/default.yaml)")
+                        help="write the defaults of every job key (default path: configs/default.yaml)")
     ns = parser.parse_args(argv)
     text = default_yaml()
     if ns.write_default:

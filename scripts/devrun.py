@@ -25,7 +25,6 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bc", default="30", help="block complexity (an int or auto)")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--compile-host", action="store_true", help="engine.compile_host=true (esp_worker/settle.py)")
     ap.add_argument("--graphs", action="store_true",
                     help="engine.cuda_graphs=true (on a CPU: the static path, eagerly)")
 
@@ -36,7 +35,7 @@ def engine_and_requests(args: argparse.Namespace, batch: int = 1) -> tuple[Engin
     bc = args.bc if args.bc == "auto" else int(args.bc)
     eng = Engine.from_config(ModelConfig(name_or_path=args.model),
                              EngineConfig(method=args.method, block_complexity=bc, num_masks=1, tree="static",
-                                          max_batch_size=batch, compile_host=args.compile_host,
+                                          max_batch_size=batch,
                                           cuda_graphs=True if args.graphs else "auto"))
     rows = [json.loads(line) for line in open(args.data)][: args.prompts]
 

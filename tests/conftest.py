@@ -22,9 +22,8 @@ looked there for the uploaded working directory ("Failed to download runtime_env
 for a running local instance would find the other worker's in the same way.
 
 The workers share one Inductor cache, as the processes of a machine do: Inductor writes its entries whole or under
-file locks, and `engine.compile_host` builds its packages under a lock (esp_worker/kernels/aot.py), so what one
-worker compiled (a graph, a kernel, the compiler's precompiled headers and instruction-set checks: ~15 s before
-a cache's first torch.compile graph, ~30 s before its first AOTInductor package) the other loads."""
+file locks, so what one worker compiled (a graph, a kernel, the compiler's precompiled headers and instruction-set
+checks: ~15 s before a cache's first torch.compile graph) the other loads."""
 import os
 import tempfile
 
@@ -42,13 +41,13 @@ if _WORKER and "RAY_TMPDIR" not in os.environ:  # short: Ray's Unix socket paths
 # first and the short ones fill in at the end, so that no long module starts last and leaves one worker running it alone
 # (`--no-loadscope-reorder` keeps this order: by default xdist hands out the modules with the most tests first,
 # which started the two training modules last on one worker).
-LONGEST_FIRST = ("jobs/run/test_jobs_integrity.py", "engine/kernels/test_settle.py", "jobs/run/test_jobs_cluster.py",
+LONGEST_FIRST = ("jobs/run/test_jobs_integrity.py", "jobs/run/test_jobs_cluster.py",
                  "engine/graphs/test_run_ahead.py", "engine/graphs/test_capture_path.py", "engine/test_lossless.py",
                  "engine/graphs/test_probe_stage.py", "engine/graphs/test_step_compile.py",
                  "jobs/run/test_jobs_ray.py", "jobs/train/test_train_dmtd.py", "jobs/train/test_train_heads.py",
                  "jobs/bench/test_bench.py", "engine/test_host_sync.py", "jobs/export/test_spec_bench_export.py",
                  "jobs/io/test_jobs_s3.py", "engine/test_prefix_cache.py", "engine/drafters/test_cp_heads.py",
-                 "engine/graphs/test_static_engine.py", "engine/model/test_flex.py", "engine/kernels/test_aot.py",
+                 "engine/graphs/test_static_engine.py", "engine/model/test_flex.py",
                  "jobs/run/test_jobs_dmtd.py", "jobs/run/test_jobs_default.py", "engine/test_logprobs.py",
                  "jobs/run/test_jobs_graphs.py", "jobs/run/test_jobs_local_ray.py", "test_readme.py",
                  "engine/graphs/test_step.py", "engine/auto/test_policy.py")

@@ -3,7 +3,7 @@
 A drafter keeps its per-row state in `view.state`, a `RowState` dataclass of [B, ...] tensors it declares
 (`state_type`); the engine selects and appends its rows together with its own row tensors without reading
 it, so drafters never see batch bookkeeping. What block_complexity=auto needs of a drafter is a separate
-protocol (`auto.sizer.DraftSizer`), as is what engine.compile_host's kernels need (`kernels.hooks.KernelHooks`).
+protocol (`auto.sizer.DraftSizer`), as is what a replayed pass's probe stage needs (`graphs.hooks.StepHooks`).
 """
 from __future__ import annotations
 

@@ -102,7 +102,6 @@ class CPHeadsDrafter(Drafter, DraftSizer):
         lw = lw - torch.logsumexp(lw, -1, keepdim=True)  # expert posterior given the root
         # depth 1: [B, 1 node (root), r] expert log-weights along each node's path
         node_lw = lw[:, None, :]
-        node_score = torch.zeros((b, 1), device=dev)
         node_idx = torch.full((b, 1), -1, dtype=torch.long, device=dev)  # pool index of each frontier node
         scores, toks, pars, deps, offset = [], [], [], [], 0
         for d in range(1, self.depth + 1):

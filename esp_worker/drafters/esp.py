@@ -4,9 +4,8 @@ The rows' probe (`MaskProbe`: the mask vector m and the candidates its masks pre
 candidates for the next tree; ESP builds that tree from them, static (fixed branches per depth) or dynamic
 (Algorithm 1: the best nodes of a candidate pool by cumulative probability), and feeds k masks per tree slot.
 
-Under engine.compile_host (CPU) the work after the probe's LM head, when every row was probed and the tree is
-static, is one AOTInductor kernel (`probe_block`, made of the eager functions `probe_candidates` and
-`static_tree_tokens`): the candidates, the next pass's tree and all of its input embeddings, which `propose`
+A replayed pass (engine.cuda_graphs) may end with the probe itself (`ProbeStage`, made of the eager functions
+`probe_candidates` and `static_tree_tokens`): the candidates and the next pass's static tree, which `propose`
 takes as they are while the rows are as they were (`RowsView.version`) and m owes nothing. Integers and copies
 only past the normaliser, so the drafts are the eager ones.
 """
@@ -20,21 +19,19 @@ import torch
 from ..auto.sizer import DraftSizer
 from ..consts import ones
 from ..graphs.hooks import StepHooks, StepProbe
-from ..kernels.aot import AotKernels
-from ..kernels.hooks import KernelHooks
 from ..passes import Block, PassPlan, PassRecord, ProbeOut, RowsView
 from ..sampling import upload
 from ..tree import DraftTree, gather_slots, mask_indices, static_branches, static_parents
 from .base import FULL, Drafter
 from .common import NEG, CandidatePool, Memo, ema_apply, topk_excluding
-from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings, ema_table, mask_inputs, probe_candidates
+from .mask_probe import ESPState, MaskModel, MaskProbe, MaskSettings, ema_table, probe_candidates
 from .stand import path_topk
 
 __all__ = ["ESPDrafter", "ESPState", "MaskModel", "MaskSettings", "candidate_pool", "ProbeSpec", "ProbeStage",
-           "probe_block", "static_tree_tokens"]
+           "static_tree_tokens"]
 
 
-class ESPDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
+class ESPDrafter(Drafter, DraftSizer, StepHooks):
     state_type = ESPState
     name = "esp"
     reads_slot_logits = False
@@ -74,8 +71,9 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         logits = self.probe.observe(view, record)
         if record.staged_probe is not None:  # the replayed pass ran the probe (`step_probe`)
             self._take_probe(view, record.staged_probe)
-        elif logits is not None:  # the next pass can use a block prepared now when every row is probed
-            self._candidates(view, logits, prepare=self.probe.all_probed and not record.prefill)
+        elif logits is not None:
+            self._ready = None
+            self.probe.candidates(view, logits)
 
     def step_probe(self, view: RowsView, block: Block) -> Optional[StepProbe]:
         """A replayed pass that feeds every tree slot its masks ends with the probe (`ProbeStage`): the EMA over its
@@ -83,7 +81,7 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         if block.aux_embeds is None or block.mask_owner is not None or self.probe.owes:
             return None
         branches = self._branches_for(self.num_nodes) or []
-        spec = ProbeSpec(self.probe.num_cand, self.prune, tuple(branches), self.num_masks, self.probe.dtype)
+        spec = ProbeSpec(self.probe.num_cand, self.prune, tuple(branches), self.num_masks)
         return StepProbe(ProbeStage(spec, False, max(self.probe.ema_lambda, 0.0)), view.state.m)
 
     def _take_probe(self, view: RowsView, probe: ProbeOut) -> None:
@@ -93,42 +91,11 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         st.cand_lp, st.cand_ids = probe.cand_lp, probe.cand_ids
         self._ready = None
         if probe.tokens is not None:
-            self._ready = _Prepared(view.version, self._branches_for(self.num_nodes), probe.tokens, probe.valid, None)
+            self._ready = _Prepared(view.version, self._branches_for(self.num_nodes), probe.tokens, probe.valid)
 
-    def _candidates(self, view: RowsView, logits: torch.Tensor, prepare: bool) -> None:
-        """The candidates of the probe's logits [B, k, V] (`probe_candidates`). Under engine.compile_host, when
-        `prepare` and the configured tree is static, one kernel (`probe_block`) also builds the next pass's tree
-        and input embeddings, which `propose` takes as they are while the rows are unchanged."""
-        st = view.state
-        branches = self._branches_for(self.num_nodes) if prepare and self._kernels is not None else None
-        self._ready = None
-        if branches is not None:
-            args = [logits, view.root, st.m, self._embed_weight]
-            dtype, num_cand = self.probe.dtype, self.probe.num_cand
-            kernel = self._kernels.get(
-                (tuple(logits.shape[1:]), logits.dtype, tuple(st.m.shape[1:]), st.m.dtype, dtype, tuple(branches)),
-                lambda: _ProbeBlock(ProbeSpec(num_cand, self.prune, tuple(branches), self.num_masks, dtype)), args,
-                [{0: "batch"}, {0: "batch"}, {0: "batch"}, {}]) if all(a.is_contiguous() for a in args) else None
-            if kernel is not None:
-                st.cand_lp, st.cand_ids, tokens, valid, embeds = kernel.boxed_run(args)  # takes the list
-                self._ready = _Prepared(view.version, branches, tokens, valid, embeds)
-                self.kernel_probes += 1
-                return
-        self.probe.candidates(view, logits)
-
-    # engine.compile_host (`use_compiled`): the kernels and the embedding weight; the block prepared with the last
-    # probe; probes run by the kernel and prepared blocks proposed
-    _kernels: Optional[AotKernels] = None
-    _embed_weight: Optional[torch.Tensor] = None
+    # the block prepared with the last replayed pass's probe stage; prepared blocks proposed
     _ready: Optional["_Prepared"] = None
-    kernel_probes = 0
     prepared_blocks = 0
-
-    def use_compiled(self, kernels: AotKernels, embed_weight: torch.Tensor) -> None:
-        self._kernels, self._embed_weight = kernels, embed_weight
-
-    def settle_ema(self, view: RowsView, block: Block) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        return self.probe.settle_ema(view, block)
 
     # ---- sizes (block_complexity=auto) -------------------------------------------------------------
     @property
@@ -157,15 +124,12 @@ class ESPDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         ready = self._ready
         if (ready is not None and ready.version == view.version and self.probe.all_probed and not self.probe.owes
                 and ready.branches == branches):
-            # the block the last probe prepared (its kernel, or a replayed pass's probe stage): its tree, and with
-            # the kernel every input embedding
-            tokens, valid, embeds = ready.tokens, ready.valid, ready.embeds
+            # the tree a replayed pass's probe stage prepared
+            tokens, valid = ready.tokens, ready.valid
             b, t = tokens.shape
             tree = DraftTree(tokens, self._parents_for(b, tokens.device, branches), valid, static_key=("esp", tuple(branches)))
-            count = t * self.num_masks
-            aux = self.probe.mask_inputs(view, count) if embeds is None else embeds.narrow(1, t, count)
+            aux = self.probe.mask_inputs(view, t * self.num_masks)
             block = self.blocks.build(tree, aux, self.num_masks, max_depth=len(branches))
-            block.embeds = embeds
             self.prepared_blocks += 1
             return block
         # depth: the tree's depth (static shapes) or a bound on it (a dynamic tree is never deeper than k),
@@ -296,36 +260,24 @@ def static_tree_tokens(root: torch.Tensor, cand_lp: torch.Tensor, cand_ids: torc
 
 @dataclass(frozen=True)
 class ProbeSpec:
-    """probe_block's host-known arguments."""
+    """What a probe stage knows on the host: its shape and pruning (`probe_tree`)."""
 
     num_cand: int  # candidates kept per mask
     prune: bool
     branches: tuple[int, ...]  # the static tree's nodes per depth
     num_masks: int
-    mask_dtype: torch.dtype  # the model's dtype
 
 
 def probe_tree(logits: torch.Tensor, root: torch.Tensor, spec: ProbeSpec
                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """A probe's candidates (`probe_candidates`, [B, k, C] each) from its logits [B, k, V] under the roots [B], and
     with `spec.branches` the next pass's static tree (`static_tree_tokens`: tokens, valid [B, T]; else None, None).
-    engine.compile_host's kernel (`probe_block`) and a replayed pass's stage (`ProbeStage`) both run it."""
+    A replayed pass's stage (`ProbeStage`) runs it."""
     cand_lp, cand_ids = probe_candidates(logits, root, spec.num_cand, spec.prune)
     if not spec.branches:
         return cand_lp, cand_ids, None, None
     tokens, valid = static_tree_tokens(root, cand_lp, cand_ids, list(spec.branches), spec.prune)
     return cand_lp, cand_ids, tokens, valid
-
-
-def probe_block(logits: torch.Tensor, root: torch.Tensor, m: torch.Tensor, embed_weight: torch.Tensor,
-                spec: ProbeSpec) -> tuple[torch.Tensor, ...]:
-    """engine.compile_host's kernel after a probe: the candidates (`probe_candidates`), the next pass's static tree
-    (`static_tree_tokens`) and its input embeddings [B, T * (1 + k), D]: the tree tokens' rows of embed_weight
-    [V, D], then the T * k mask inputs (`mask_inputs`), as the engine joins them (`Engine._forward`)."""
-    cand_lp, cand_ids, tokens, valid = probe_tree(logits, root, spec)
-    masks = mask_inputs(m, tokens.shape[1] * spec.num_masks, spec.mask_dtype).to(embed_weight.dtype)
-    embeds = torch.cat([torch.nn.functional.embedding(tokens, embed_weight), masks], 1)
-    return cand_lp, cand_ids, tokens, valid, embeds
 
 
 @dataclass(frozen=True)
@@ -378,22 +330,10 @@ class ProbeStage:
 
 
 class _Prepared(NamedTuple):
-    """A block prepared with the last probe (`probe_block`, or a replayed pass's `ProbeStage`), valid for the rows it
-    was built for (`RowsView.version`)."""
+    """A block prepared with a replayed pass's probe stage (`ProbeStage`), valid for the rows it was built for
+    (`RowsView.version`)."""
 
     version: int
     branches: list[int]
     tokens: torch.Tensor  # [B, T]
     valid: torch.Tensor  # [B, T]
-    embeds: Optional[torch.Tensor]  # [B, T * (1 + k), D] (the kernel's); None = the masks are m, expanded
-
-
-class _ProbeBlock(torch.nn.Module):
-    """probe_block with its host-known arguments fixed: what torch.export traces."""
-
-    def __init__(self, spec: ProbeSpec):
-        super().__init__()
-        self.spec = spec
-
-    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # logits, root, m, embed_weight
-        return probe_block(*args, self.spec)

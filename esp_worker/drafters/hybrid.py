@@ -53,7 +53,6 @@ from .common import NEG, CandidatePool, Memo, pool_depth
 from .corpus import CorpusNgrams
 from ..auto.sizer import DraftSizer
 from ..graphs.hooks import StepHooks, StepProbe
-from ..kernels.hooks import KernelHooks
 from .base import Drafter
 from .cp_heads import CPHeadsDrafter, CPHeadsState
 from .esp import ProbeSpec, ProbeStage, candidate_pool
@@ -197,7 +196,7 @@ class HybridSettings:
     expansion: str = "top1"  # the ESP pool's expansion (Algorithm 1)
 
 
-class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
+class HybridDrafter(Drafter, DraftSizer, StepHooks):
     name = "hybrid"
     state_type = HybridState
     proposers = ("ngram", "store", "esp")
@@ -278,9 +277,6 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
         if self.corpus is not None:
             self.corpus.add(token_ids)
 
-    def settle_ema(self, view: RowsView, block: Block) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        return self.probe.settle_ema(view, block)
-
     def row_hints(self, view: RowsView) -> Optional[torch.Tensor]:
         return self.chain.row_hints(view)  # with a corpus: whether any row needs it next pass
 
@@ -325,7 +321,7 @@ class HybridDrafter(Drafter, DraftSizer, KernelHooks, StepHooks):
             return None
         probe = None
         if block.aux_embeds is not None:
-            probe = ProbeSpec(self.probe.num_cand, self.prune, (), self.num_masks, self.probe.dtype)
+            probe = ProbeSpec(self.probe.num_cand, self.prune, (), self.num_masks)
         owners = probe is not None and block.mask_owner is not None
         stage = ProbeStage(probe, owners, max(self.probe.ema_lambda, 0.0), self.store.topk)
         return StepProbe(stage, view.state.m if probe is not None else None, block.mask_owner if owners else None)

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..passes import Block, PassRecord, RowsView
+from ..passes import PassRecord, RowsView
 from ..row_state import RowState, row_field
 from .common import NEG, ema_apply
 
@@ -162,7 +162,7 @@ class MaskProbe:
                 self.catch_up(view, self._lag + committed)
                 self._lag = 0
             else:  # m was up to date before this pass: it owes exactly the tokens just committed
-                done = result.probe.m if staged else result.ema_m
+                done = result.probe.m if staged else None
                 self.catch_up(view, committed, fresh=(result.committed, result.num_committed, done))
             return None if staged else self.logits(result.mask_hidden)
         if not result.prefill:
@@ -192,7 +192,7 @@ class MaskProbe:
         `bound` >= every row's n is known on the host, so the width of the gather needs no device read.
         `fresh` = (committed [B, S], n [B], m after them or None): this pass's tokens, when they are exactly what
         every row owes (m was up to date before the pass); they are used as they are, with no gather from the
-        history, and a new m the compiled settle computed (`settle_ema`) is taken as it is.
+        history, and a new m the replayed pass's probe stage computed is taken as it is.
 
         The host bound only grows between mask passes and outlives the rows it was counted for (a batch-1 job
         drafting from n-grams for many requests owed ~2,500 tokens, and a weight table of that size squared
@@ -231,21 +231,12 @@ class MaskProbe:
         weights [decay, w_0 .. w_{G-1}] with [m, E[t_0] .. E[t_{G-1}]]."""
         return ema_apply(m, self.embed(tokens), self._ema_columns(tokens.shape[1], m.device), gap)
 
-    def settle_ema(self, view: RowsView, block: Block) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(m [B, 1, D], weight columns [N+1, 1, 1+S]) when this pass's `observe` will apply the EMA to exactly the
-        tokens the pass commits (its masks were fed and m owed nothing before it), so that engine.compile_host's
-        kernel can compute the new m with the pass (`ema_apply`); None otherwise (`KernelHooks.settle_ema`)."""
-        if self.ema_lambda <= 0 or self._lag or block.aux_embeds is None or not self.num_masks:
-            return None
-        m = view.state.m
-        return m, self._ema_columns(block.max_depth + 1, m.device)
-
     def _ema_columns(self, g: int, dev: torch.device) -> torch.Tensor:
         """The table's first 1 + g columns as [N+1, 1, 1+g] (cached per g until the table is rebuilt)."""
         table = self._ema_table(g, dev)[0]
         cols = self._ema_cols.get(g)
         if cols is None:
-            cols = self._ema_cols[g] = table[:, None, : g + 1].contiguous()  # dense: compile_host's kernel reads it
+            cols = self._ema_cols[g] = table[:, None, : g + 1].contiguous()
         return cols
 
     def _ema_table(self, g: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -254,8 +254,6 @@ class GraphRunner:
         """The pass's class, or why it has none (a reason string)."""
         if rows.has_stop_strings:
             return "stop_strings"
-        if block.embeds is not None:
-            return "prepared_embeds"
         if self.cache.spilled:  # the rows live outside the slab the graphs read
             return "spilled"
         if self.cache.slab is not self._slab:  # the slab grew: graphs over the old one are gone

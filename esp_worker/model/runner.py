@@ -87,11 +87,6 @@ class ModelRunner:
         """The model's clock (its marks time the calls of one pass run ahead of its read)."""
         return self._clock
 
-    @property
-    def embed_weight(self) -> Optional[torch.Tensor]:
-        """[V, D] the input embedding's weight when `embed_ids` is exactly a lookup in it (else None)."""
-        return self.embed.weight if self._embed_fn is not None else None
-
     @inference
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [..., ] -> [..., D]

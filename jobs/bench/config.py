@@ -18,7 +18,7 @@ from ..config import ConfigError, JobConfig, load_config
 # what may follow METHOD:BC in bench.settings, each a Setting field of the same name (settings.py)
 # (and attention_NAME for each engine.attention_backend but torch's own)
 ATTENTION_OPTIONS = tuple(f"attention_{name}" for name in ATTENTION_BACKENDS if name != "torch")
-OPTIONS = ("compile_host", "eager", "compiled_graphs", "autotune", "run_ahead", "no_run_ahead", "host_probe", "eager_admission",
+OPTIONS = ("eager", "compiled_graphs", "autotune", "run_ahead", "no_run_ahead", "host_probe", "eager_admission",
            "logprobs", "no_prefix_cache", *ATTENTION_OPTIONS)
 
 HYBRID_HEADS = "hybrid+heads"  # bench.settings: hybrid with each of bench.heads_paths as a proposer
@@ -67,8 +67,8 @@ class BenchSection:
     # explicit settings instead of the grid, "method:BC" (BC an integer >= 2 or auto; esp takes the first of
     # num_masks, trees and expansions; cp_heads one per heads path), e.g. [pld:30,esp:auto,hybrid:auto]; ar
     # (and hf) still run first. Fewer settings per round-robin round pair each with ar more closely in time.
-    # "method:BC:compile_host" (and "ar:1:compile_host") runs that setting with engine.compile_host=true;
-    # "method:BC:eager" (and "ar:1:eager") with engine.cuda_graphs=false (the eager engine beside the default's);
+    # "method:BC:eager" (and "ar:1:eager") runs that setting with engine.cuda_graphs=false (the eager engine
+    # beside the default's);
     # "method:BC:compiled_graphs" (and "ar:1:compiled_graphs") with engine.cuda_graphs_compile=true;
     # "ar:1:run_ahead" with engine.cuda_graphs_run_ahead=true and "ar:1:no_run_ahead" (or "esp:30:no_run_ahead",
     # "hybrid:auto:no_run_ahead") with false (the default, auto, runs passes ahead wherever they are replayed); "METHOD:BC:attention_math" (and
@@ -134,7 +134,7 @@ def validate_bench(cfg: DictConfig) -> None:
             continue
         opts = options_of(opt)
         need(all(o in OPTIONS for o in opts), f"bench.settings: {spec!r}: the options after METHOD:BC are "
-             ":compile_host, :eager, :compiled_graphs, :autotune (with compiled_graphs), :run_ahead or :no_run_ahead, "
+             ":eager, :compiled_graphs, :autotune (with compiled_graphs), :run_ahead or :no_run_ahead, "
              ":host_probe (esp, hybrid), :eager_admission, :logprobs, :no_prefix_cache and :attention_cudnn, :attention_efficient, :attention_math or :attention_flex (with "
              "compiled_graphs) (engine.attention_backend), or several joined by +")
         need(sum(o.startswith("attention_") for o in opts) <= 1,
@@ -151,7 +151,7 @@ def validate_bench(cfg: DictConfig) -> None:
              "esp:BC:host_probe, hybrid:BC:host_probe")
         if method == "ar":  # ar itself always runs first; an entry can only add it under an option
             need(bc == "1" and len(opts) > 0, f"bench.settings: {spec!r}: ar always runs; the ar entries are "
-                 "ar:1:compile_host, ar:1:eager, ar:1:compiled_graphs, ar:1:no_run_ahead (or, e.g., "
+                 "ar:1:eager, ar:1:compiled_graphs, ar:1:no_run_ahead (or, e.g., "
                  "ar:1:compiled_graphs+run_ahead)")
             continue
         heads = method == HYBRID_HEADS

@@ -143,7 +143,6 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         block_complexity=s.block_complexity if s.block_complexity == "auto" else max(s.block_complexity, 2),
         # hybrid takes heads only from its own setting (hybrid+heads), so that its label tells
         heads_path=s.heads_path or (base.heads_path if s.method == "cp_heads" else ""),
-        compile_host=base.compile_host or s.compile_host,
         cuda_graphs=False if s.eager else base.cuda_graphs,
         cuda_graphs_compile=base.cuda_graphs_compile or s.compiled_graphs,
         compile_mode=AUTOTUNE if s.autotune else base.compile_mode,
@@ -176,7 +175,7 @@ def run_setting(loaded: Any, base: Any, s: Setting, batch: int, prompts: list[Pr
         outs = all_turns(ps, lambda turn: {o.id: o for o in engine.generate(_requests(turn, generation))})
         seconds[cat] = time.perf_counter() - t0
         outputs.update(outs)
-    # compile time (engine.compile, engine.compile_host, engine.cuda_graphs' captures), warm-up included: a job pays
+    # compile time (engine.compile, engine.cuda_graphs' captures), warm-up included: a job pays
     # it once per actor
     graphs = {} if engine.graphs is None else {"graphs": engine.graphs.summary()}
     return SettingRun(outputs, seconds, {**engine.stats.timing(), "compile_s": engine.compile_s, **graphs})
@@ -189,7 +188,7 @@ def _graph_timer(loaded: Any, base: Any, b: DictConfig) -> Any:
 
     slots = max(base.cuda_graph_max_len, max(b.cost_cache_lens) + b.cost_max_block)
     cfg = dataclasses.replace(base, method="ar", block_complexity=1, max_batch_size=max(b.batch_sizes),
-                              cuda_graph_max_len=slots, compile_host=False)
+                              cuda_graph_max_len=slots)
     engine = Engine(loaded, cfg) if base.cuda_graphs is True or (base.cuda_graphs == "auto" and
                                                                  loaded.device.type == "cuda") else None
     return engine if engine is not None and engine.graphs is not None and engine.graphs.capture else None

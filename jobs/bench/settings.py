@@ -24,7 +24,6 @@ class Setting:
     tree: str  # "" unless esp
     expansion: str = "top1"  # esp dynamic trees
     heads_path: str = ""  # cp_heads and hybrid+heads: directory of the trained heads
-    compile_host: bool = False  # engine.compile_host for this setting ("METHOD:BC:compile_host")
     eager: bool = False  # engine.cuda_graphs=false for this setting ("METHOD:BC:eager"): passes run eagerly
     compiled_graphs: bool = False  # engine.cuda_graphs_compile=true ("METHOD:BC:compiled_graphs")
     # with compiled_graphs: engine.compile_mode=max-autotune-no-cudagraphs ("METHOD:BC:compiled_graphs+autotune"),
@@ -49,7 +48,7 @@ class Setting:
 
     @property
     def label(self) -> str:
-        return self._label + (" compile_host" if self.compile_host else "") + (" eager" if self.eager else "") \
+        return self._label + (" eager" if self.eager else "") \
             + (" compiled graphs" if self.compiled_graphs else "") + (" autotuned" if self.autotune else "") \
             + (" run ahead" if self.run_ahead else "") \
             + (" no run ahead" if self.no_run_ahead else "") \
@@ -103,9 +102,8 @@ def grid(bench: DictConfig, accelerator: bool = False) -> list[Setting]:
     Example: methods [ar, pld, esp], BCs [10, 30], num_masks [1], trees [static] ->
     ar, pld BC10, pld BC30, esp k1 static BC10, esp k1 static BC30.
     With `bench.settings` (e.g. [pld:30, esp:auto]) exactly those: ar, pld BC30, esp k1 static BCauto; an entry
-    METHOD:BC:compile_host runs with engine.compile_host=true (ar:1:compile_host: ar so), METHOD:BC:eager with
-    engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's), METHOD:BC:compiled_graphs
-    with engine.cuda_graphs_compile=true (METHOD:BC:compiled_graphs+autotune: and
+    METHOD:BC:eager runs with engine.cuda_graphs=false (ar:1:eager: the eager engine's ar beside the default's),
+    METHOD:BC:compiled_graphs with engine.cuda_graphs_compile=true (METHOD:BC:compiled_graphs+autotune: and
     engine.compile_mode=max-autotune-no-cudagraphs), ar:1:run_ahead with engine.cuda_graphs_run_ahead=true, esp:BC:host_probe
     (hybrid:BC:host_probe) with engine.cuda_graphs_probe=false, METHOD:BC:eager_admission with engine.admission=eager,
     METHOD:BC:logprobs with every request asking for its tokens' log-probabilities, METHOD:BC:no_prefix_cache with

@@ -154,21 +154,6 @@ def test_rows_joining_and_leaving():
         assert len(o.logprobs) == len(want) and max(abs(a - b) for a, b in zip(o.logprobs, want)) < ATOL
 
 
-def test_the_compiled_settle_leaves_such_passes_to_the_eager_one():
-    """engine.compile_host's kernel computes no log-probabilities: passes over rows that ask run the eager settle (so
-    no kernel is compiled here), with the tokens of the engine without it."""
-    lm = tiny("llama")
-    params = GenerationParams(max_new_tokens=NEW, logprobs=True)
-    reqs = [Request(id=str(i), prompt=p, params=params) for i, p in enumerate(PROMPTS)]
-    eng = Engine(lm, EngineConfig(method="esp", block_complexity=10, max_batch_size=2, compile_host=True))
-    outs = eng.generate(reqs)
-    plain = Engine(lm, EngineConfig(method="esp", block_complexity=10, max_batch_size=2)).generate(reqs)
-    assert eng.settler.passes == 0 and eng.stats.decode_passes > 0
-    for o, ref, p in zip(outs, plain, PROMPTS):
-        assert o.token_ids == ref.token_ids
-        assert max(abs(a - b) for a, b in zip(o.logprobs, _model_logprobs(lm, p, o.token_ids))) < ATOL
-
-
 def test_stop_strings_cut_them_with_the_tokens():
     lm = tiny("llama")
     outs = _check(lm, EngineConfig(method="pld", block_complexity=10, max_batch_size=4),

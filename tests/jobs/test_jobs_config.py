@@ -21,6 +21,7 @@ PRESETS = sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "defa
         (["data.bogus=1"], "unknown config key 'data.bogus'"),
         (["nosuchsection.x=1"], "unknown config key 'nosuchsection'"),
         (["engine.block_complexty=30"], "unknown config key 'engine.block_complexty'"),
+        (["engine.compile_host=true"], "engine.compile_host was removed"),  # a removed key says so
         (["ray.num_actors=two"], "config key 'ray.num_actors'"),
         (["generation.max_new_tokens=1.5"], "config key 'generation.max_new_tokens'"),
         (["engine.method=beam"], "engine.method='beam' is unknown"),

@@ -214,3 +214,29 @@ def test_mask_inits():
     drafter(num_masks=1, block_complexity=10, mask_init="sample").start_rows(v1)
     drafter(num_masks=1, block_complexity=10, mask_init="sample").start_rows(v2)
     assert torch.equal(v1.state.m, v2.state.m)  # seeded per request
+
+
+def test_probe_candidates_rank_by_logits_and_exclude_the_root():
+    """The probe's candidates: each mask's best tokens by logit with their log-probabilities, mask 1 never holding
+    the root's own token (pruning), padded with NEG past a small vocabulary; the replayed pass's probe function
+    builds the static tree from them exactly as the eager drafter does."""
+    from esp_worker.drafters.common import NEG
+    from esp_worker.drafters.esp import ProbeSpec, probe_tree, static_tree_tokens
+    from esp_worker.drafters.mask_probe import probe_candidates
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 2, 50)
+    root = logits[:, 0].argmax(-1)  # the best token at mask 1 is the root's own: pruned
+    lp, ids = probe_candidates(logits.clone(), root, 6, prune=True)
+    full = torch.log_softmax(logits, -1)
+    assert (ids[:, 0] != root[:, None]).all()
+    assert torch.equal(ids[:, 1], full[:, 1].topk(6).indices)  # mask 2: no pruning
+    assert torch.allclose(lp, full.gather(2, ids), atol=1e-6)
+    assert (lp.diff(dim=-1) <= 0).all()
+    small_lp, small_ids = probe_candidates(torch.randn(3, 1, 4), root % 4, 6, prune=False)
+    assert small_lp.shape == (3, 1, 6) and (small_lp[..., 4:] == NEG).all() and (small_ids[..., 4:] == 0).all()
+
+    c_lp, c_ids, tokens, valid = probe_tree(logits.clone(), root, ProbeSpec(6, True, (3, 2), 2))
+    assert torch.equal(c_lp, lp) and torch.equal(c_ids, ids)
+    t_ref, v_ref = static_tree_tokens(root, lp, ids, [3, 2], prune=True)
+    assert torch.equal(tokens, t_ref) and torch.equal(valid, v_ref) and tokens.shape == (3, 6)

@@ -122,13 +122,14 @@ def test_explicit_settings_replace_the_grid():
     from jobs.bench.settings import grid
     from jobs.bench.config import load_bench_config
 
-    cfg = load_bench_config(None, ["bench.settings=[pld:30,esp:auto,hybrid:auto,esp:30:compile_host,ar:1:compile_host]",
+    cfg = load_bench_config(None, ["bench.settings=[pld:30,esp:auto,hybrid:auto,esp:30:logprobs,ar:1:no_prefix_cache]",
                                    "bench.num_masks=[2,1]", "bench.trees=[dynamic]", "bench.expansions=[frontier]"])
     settings = grid(cfg.bench)
     assert [s.label for s in settings] == ["ar", "hf generate", "pld BC30", "esp k2 dynamic-frontier BCauto",
-                                           "hybrid BCauto", "esp k2 dynamic-frontier BC30 compile_host",
-                                           "ar compile_host"]
-    assert [s.compile_host for s in settings] == [False] * 5 + [True] * 2
+                                           "hybrid BCauto", "esp k2 dynamic-frontier BC30 logprobs",
+                                           "ar no prefix cache"]
+    assert [s.logprobs for s in settings] == [False] * 5 + [True, False]
+    assert [s.no_prefix_cache for s in settings] == [False] * 6 + [True]
 
 
 def test_eager_option_and_the_compiled_hf_baseline_in_the_grid():
@@ -206,26 +207,9 @@ def test_bench_graphs_against_the_eager_engine_and_compiled_generate(tmp_path):
     assert records["esp k1 static BC10"]["probe_passes"] > 0 and records["esp k1 static BC10 host probe"]["probe_passes"] == 0
 
 
-@pytest.mark.slow
-def test_bench_compares_a_compiled_host_setting_with_eager(tmp_path, monkeypatch):
-    """bench.settings with :compile_host: the setting runs under engine.compile_host (its compile time is
-    reported) beside the eager one, and matches ar token for token."""
-    from esp_worker.kernels import aot
-
-    monkeypatch.setattr(aot, "COMPILE_AFTER", 1)  # compile at the first pass (a short run)
-    data = prompts(tmp_path, ["the cat sat on the mat, the cat", "def f(x):\n    return"])
-    out = tmp_path / "out"
-    code = main([f"data.path={data}", f"output.dir={out}", "generation.max_new_tokens=12", "bench.hf_baseline=false",
-                 "bench.settings=[ar:1:compile_host]", "bench.warmup=0", "bench.cost_curve=false"])
-    assert code == 0
-    records = [r for r in json.loads((out / "bench.json").read_text()) if r["category"] == "all"]
-    assert [r["setting"] for r in records] == ["ar", "ar compile_host"]
-    assert records[1]["exact_match_rate"] == 1.0 and records[1]["compile_s"] > 0 and not records[0]["compile_s"]
-
-
 @pytest.mark.parametrize("spec,words", [
-    ("pld", "METHOD:BC"), ("ar:10", "ar:1:compile_host"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
-    ("pld:10:fast", ":compile_host"), ("ar:1:fast", ":compiled_graphs"),
+    ("pld", "METHOD:BC"), ("ar:10", "ar:1:eager"), ("pld:1", "METHOD:BC"), ("stand:auto", "auto works with"),
+    ("pld:10:fast", ":eager, :compiled_graphs"), ("ar:1:fast", ":compiled_graphs"),
     ("esp:3", "leaves no draft node"), ("cp_heads:10", "heads_paths"),
     ("ar:1:eager+run_ahead", "not :eager"), ("ar:1:run_ahead+fast", "joined by +"),
 ])

@@ -1,1 +1,0 @@
-"""engine.compile_host: host-side work of a pass compiled ahead of time (AOTInductor)."""
